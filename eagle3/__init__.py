@@ -1,0 +1,1 @@
+"""EAGLE-3 drafter training pipeline: the library behind the numbered scripts."""

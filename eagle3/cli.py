@@ -1,0 +1,59 @@
+"""The numbered scripts' shared command line: flags generated from a stage config.
+
+`run_stage(PrepareConfig, "prepare", prepare_dataset, __doc__)` gives a script
+`--config FILE`, one `--flag` per config field (help from the field's metadata),
+logging set up once, and bad input reported as one clear line with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from typing import Any, Callable
+
+from .config import build_config, field_types, unwrap_optional
+from .errors import PipelineError
+from .logs import setup_logging
+
+
+def make_parser(cls, description: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file in configs/ (shared keys + one section per stage)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    types_ = field_types(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp, _ = unwrap_optional(types_[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_ = f.metadata.get("help", "")
+        if default is not None and default != "":
+            help_ += f" (default: {default})"
+        if tp is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(tp) is list:
+            p.add_argument(flag, dest=f.name, default=None, metavar="A,B,...", help=help_)
+        else:
+            p.add_argument(flag, dest=f.name, default=None, help=help_)
+    return p
+
+
+def parse_config(cls, section: str, argv: list[str] | None = None, description: str | None = None):
+    args = make_parser(cls, description).parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return build_config(cls, section, args.config, overrides), args
+
+
+def run_stage(cls, section: str, fn: Callable[[Any], Any], description: str | None = None,
+              argv: list[str] | None = None) -> None:
+    try:
+        args = make_parser(cls, description).parse_args(argv)
+        setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+        overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        cfg = build_config(cls, section, args.config, overrides)
+        fn(cfg)
+    except PipelineError as e:
+        logging.getLogger("eagle3").error("%s", e)
+        sys.exit(2)

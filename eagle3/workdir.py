@@ -1,0 +1,85 @@
+"""The work directory: the one module that knows the pipeline's file names.
+
+Layout (one folder per stage, each finished by a manifest written last):
+
+    WORK/01_dataset/        train/ eval/ (datasets Arrow), token_freq_{split}.npy
+    WORK/02_hidden_states/  the hidden-state store (see eagle3/store.py)
+    WORK/03_vocab/          d2t.pt d2t.npy t2d.pt t2d.npy
+    WORK/04_train/          checkpoints/, metrics.jsonl
+    WORK/05_export/         config.json model.safetensors export_report.json
+    WORK/06_evaluate/       results.json and plots
+    WORK/*/manifest.json
+
+Every other module asks a `WorkDir` for a path instead of spelling it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST_NAME = "manifest.json"
+
+# stage key -> (folder name, script that produces it); the script names feed the
+# "run X first" hints in error messages.
+STAGES: dict[str, tuple[str, str]] = {
+    "prepare": ("01_dataset", "01_prepare_dataset.py"),
+    "extract": ("02_hidden_states", "02_extract_hidden_states.py"),
+    "vocab": ("03_vocab", "03_build_vocab_mapping.py"),
+    "train": ("04_train", "04_train_drafter.py"),
+    "export": ("05_export", "05_export_drafter.py"),
+    "evaluate": ("06_evaluate", "06_evaluate_drafter.py"),
+}
+SPLITS = ("train", "eval")
+
+
+@dataclass(frozen=True)
+class WorkDir:
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.root / STAGES[stage][0]
+
+    def manifest(self, stage: str) -> Path:
+        return self.stage_dir(stage) / MANIFEST_NAME
+
+    @staticmethod
+    def script(stage: str) -> str:
+        return STAGES[stage][1]
+
+    # -- stage 01: prepare ---------------------------------------------------
+    def dataset(self, split: str) -> Path:
+        assert split in SPLITS, split
+        return self.stage_dir("prepare") / split
+
+    def token_freq(self, split: str) -> Path:
+        assert split in SPLITS, split
+        return self.stage_dir("prepare") / f"token_freq_{split}.npy"
+
+    # -- stage 02: extract (the store's own file names live in eagle3/store.py) --
+    def store(self) -> Path:
+        return self.stage_dir("extract")
+
+    # -- stage 03: vocab -----------------------------------------------------
+    def d2t(self, suffix: str = "pt") -> Path:
+        return self.stage_dir("vocab") / f"d2t.{suffix}"
+
+    def t2d(self, suffix: str = "pt") -> Path:
+        return self.stage_dir("vocab") / f"t2d.{suffix}"
+
+    # -- stage 04: train -----------------------------------------------------
+    def checkpoints(self) -> Path:
+        return self.stage_dir("train") / "checkpoints"
+
+    def train_metrics(self) -> Path:
+        return self.stage_dir("train") / "metrics.jsonl"
+
+    # -- stage 05: export ----------------------------------------------------
+    def export_dir(self) -> Path:
+        return self.stage_dir("export")
+
+    # -- stage 06: evaluate --------------------------------------------------
+    def evaluate_dir(self) -> Path:
+        return self.stage_dir("evaluate")
