@@ -1,0 +1,11 @@
+"""Stage 03: token frequencies -> the draft vocabulary (`d2t` / `t2d`).
+
+    python 03_build_vocab_mapping.py --config configs/tiny-llama.yaml [--draft-vocab-size 32000]
+
+Reads WORK/01_dataset/, writes WORK/03_vocab/ (see eagle3/vocab.py).
+"""
+from eagle3.cli import run_stage
+from eagle3.vocab import VocabConfig, build_vocab_mapping
+
+if __name__ == "__main__":
+    run_stage(VocabConfig, "vocab", build_vocab_mapping, __doc__)

@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny targets and a prepared work directory, built once per session."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eagle3.tiny import build_tiny_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tmp_path_factory) -> dict[str, Path]:
+    """Lazily built tiny targets, keyed by kind (llama, deepseek_v3, kimi_k25)."""
+    root = tmp_path_factory.mktemp("targets")
+
+    class Targets(dict):
+        def __missing__(self, kind):
+            self[kind] = build_tiny_target(kind, root / kind)
+            return self[kind]
+
+    return Targets()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_targets) -> Path:
+    return tiny_targets["llama"]
+
+
+@pytest.fixture(scope="session")
+def prepared_llama(tmp_path_factory, tiny_llama) -> Path:
+    """A work dir where stage 01 ran on the shipped demo chats with the tiny Llama."""
+    from eagle3.prepare import PrepareConfig, prepare_dataset
+
+    wd = tmp_path_factory.mktemp("work-llama")
+    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama),
+                                  data=[str(ROOT / "data" / "demo_chats.jsonl")],
+                                  max_length=512, eval_fraction=0.1, num_workers=1))
+    return wd

@@ -1,0 +1,114 @@
+"""Stage 01 end to end on small files: records, bad-record accounting, split, outputs."""
+import json
+
+import numpy as np
+import pytest
+
+from eagle3.chats import BadRecord, normalize
+from eagle3.errors import PipelineError
+from eagle3.manifest import read_manifest
+from eagle3.prepare import PrepareConfig, is_eval, prepare_dataset
+from eagle3.workdir import WorkDir
+
+GOOD_OPENAI = {"messages": [{"role": "system", "content": "Be brief."},
+                            {"role": "user", "content": "What is the capital of France?"},
+                            {"role": "assistant", "content": "The capital of France is Paris."}]}
+GOOD_SHAREGPT = {"conversations": [{"from": "human", "value": "Count from 1 to 3."},
+                                   {"from": "gpt", "value": "Sure, here is the count: 1, 2, 3."},
+                                   {"from": "human", "value": "Thanks!"},
+                                   {"from": "gpt", "value": "You are welcome."}]}
+BAD = {
+    "unknown_role": {"messages": [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]},
+    "empty_content": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
+    "no_assistant_turn": {"messages": [{"role": "user", "content": "hi"}]},
+    "non_alternating": {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                                     {"role": "assistant", "content": "c"}]},
+    "no_messages": {"text": "plain"},
+}
+
+
+def write_jsonl(path, records, raw_lines=()):
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+        for line in raw_lines:
+            f.write(line + "\n")
+    return path
+
+
+def test_normalize_both_shapes_and_trailing_user_turn():
+    msgs, trimmed = normalize(GOOD_SHAREGPT)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"] and not trimmed
+    rec = {"messages": GOOD_OPENAI["messages"] + [{"role": "user", "content": "And Spain?"}]}
+    msgs, trimmed = normalize(rec)
+    assert trimmed and msgs[-1]["role"] == "assistant" and len(msgs) == 3
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]},
+                          {"role": "assistant", "content": "Hello."}]}
+    assert normalize(parts)[0][0]["content"] == "Hi you"
+
+
+@pytest.mark.parametrize("reason", sorted(BAD))
+def test_normalize_reasons(reason):
+    with pytest.raises(BadRecord) as e:
+        normalize(BAD[reason])
+    assert e.value.reason == reason
+
+
+def test_bad_records_are_counted_by_reason(tmp_path, tiny_llama):
+    data = write_jsonl(tmp_path / "chats.jsonl", [GOOD_OPENAI, GOOD_SHAREGPT] * 5 + list(BAD.values()),
+                       raw_lines=["{not json"])
+    wd = tmp_path / "w"
+    m = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(data)],
+                                      eval_fraction=0.0, num_workers=1))
+    assert m.counts["bad_records"] == {**{r: 1 for r in BAD}, "malformed_json": 1}
+    assert m.counts["train_samples"] == 10 and m.counts["eval_samples"] == 0
+    assert m.counts["records"] == 10 + len(BAD) + 1
+
+
+def test_strict_stops_at_first_bad_record_naming_file_and_line(tmp_path, tiny_llama):
+    data = write_jsonl(tmp_path / "chats.jsonl", [GOOD_OPENAI, GOOD_OPENAI, BAD["unknown_role"], GOOD_OPENAI])
+    with pytest.raises(PipelineError, match=r"chats\.jsonl:3: bad record \(unknown_role"):
+        prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)],
+                                      strict=True, num_workers=1))
+    assert not (tmp_path / "w" / "01_dataset" / "manifest.json").exists()
+
+
+def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog):
+    import datasets
+
+    wd = WorkDir(prepared_llama)
+    m = read_manifest(wd, "prepare", needed_by="test")
+    train, evals = datasets.load_from_disk(str(wd.dataset("train"))), datasets.load_from_disk(str(wd.dataset("eval")))
+    assert len(train) == m.counts["train_samples"] and len(evals) == m.counts["eval_samples"]
+    assert m.counts["train_samples"] + m.counts["eval_samples"] == 400 and m.counts["bad_records"] == {}
+    assert 20 <= len(evals) <= 60  # ~10% of 400, by hash
+    assert not set(train["sample_id"]) & set(evals["sample_id"])
+    assert all(is_eval(s, 0, 0.1) for s in evals["sample_id"])
+    # the split is by conversation and independent of order: recompute from ids
+    assert not any(is_eval(s, 0, 0.1) for s in train["sample_id"])
+    freq = np.load(wd.token_freq("train"))
+    expect = np.zeros_like(freq)
+    for row in train.with_format("numpy"):
+        ids, mask = row["input_ids"], row["loss_mask"].astype(bool)
+        assert len(ids) == len(mask) == row["num_tokens"] <= 512
+        np.add.at(expect, ids[mask], 1)
+    assert np.array_equal(freq, expect) and freq.sum() == m.counts["train_assistant_tokens"]
+    assert freq.shape == (m.extra["vocab_size"],)
+
+    # same inputs: nothing to do, manifest untouched
+    before = wd.manifest("prepare").read_text()
+    with caplog.at_level("INFO"):
+        prepare_dataset(PrepareConfig(work_dir=prepared_llama, target_model=str(tiny_llama),
+                                      data=m.params["data"], max_length=512, eval_fraction=0.1, num_workers=1))
+    assert "already complete" in caplog.text
+    assert wd.manifest("prepare").read_text() == before
+
+
+def test_truncation_and_changed_params_redo(tmp_path, tiny_llama):
+    data = write_jsonl(tmp_path / "c.jsonl", [GOOD_SHAREGPT] * 3)
+    cfg = dict(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)], eval_fraction=0.0,
+               num_workers=1)
+    full = prepare_dataset(PrepareConfig(**cfg, max_length=4096))
+    short = prepare_dataset(PrepareConfig(**cfg, max_length=24))  # other params: redone, not skipped
+    assert full.counts["truncated"] == 0 and short.counts["truncated"] == 3
+    assert short.counts["train_tokens"] == 3 * 24 < full.counts["train_tokens"]

@@ -1,0 +1,90 @@
+"""Stage 03: d2t / t2d by DESIGN.md convention 2, coverage, and refusals."""
+import numpy as np
+import pytest
+import torch
+
+from eagle3.errors import PipelineError
+from eagle3.manifest import read_manifest
+from eagle3.vocab import VocabConfig, build_vocab_mapping, coverage, mapping_from_ids, select_draft_ids
+from eagle3.workdir import WorkDir
+
+
+def test_top_k_with_ties_to_lower_id_sorted():
+    freq = np.array([0, 5, 3, 5, 3, 9, 0, 3])
+    # 9@5, 5@1, 5@3, then a tie of 3s at 2, 4, 7 -> lower ids first
+    assert select_draft_ids(freq, 4).tolist() == [1, 2, 3, 5]
+    assert select_draft_ids(freq, 5).tolist() == [1, 2, 3, 4, 5]
+
+
+def test_padding_with_lowest_unused_ids():
+    freq = np.array([0, 0, 7, 0, 1, 0, 0, 2])
+    assert select_draft_ids(freq, 5).tolist() == [0, 1, 2, 4, 7]  # seen {2,4,7} + unused {0,1}
+
+
+def test_mapping_invariants():
+    freq = np.random.default_rng(0).poisson(2.0, size=1000)
+    ids = select_draft_ids(freq, 100)
+    d2t, t2d = mapping_from_ids(ids, 1000)
+    assert d2t.dtype == np.int64 and t2d.dtype == bool
+    assert np.array_equal(d2t + np.arange(100), ids) and np.array_equal(np.flatnonzero(t2d), ids)
+    assert t2d.sum() == 100 and np.all(d2t >= 0) and np.all(np.diff(d2t) >= 0)
+
+
+def test_coverage_hand_computed():
+    freq = np.array([10, 0, 5, 5, 80])
+    t2d = np.array([True, True, False, False, True])
+    assert coverage(freq, t2d) == pytest.approx(90 / 100)
+
+
+def test_stage_writes_mapping_and_both_coverages(prepared_llama, tiny_llama):
+    wd = WorkDir(prepared_llama)
+    m = build_vocab_mapping(VocabConfig(work_dir=prepared_llama, target_model=str(tiny_llama), draft_vocab_size=128))
+    d2t, t2d = torch.load(wd.d2t(), weights_only=True), torch.load(wd.t2d(), weights_only=True)
+    assert np.array_equal(np.load(wd.d2t("npy")), d2t.numpy()) and np.array_equal(np.load(wd.t2d("npy")), t2d.numpy())
+    freq = {s: np.load(wd.token_freq(s)) for s in ("train", "eval")}
+    expect_ids = select_draft_ids(freq["train"], 128)
+    assert torch.equal(d2t + torch.arange(128), torch.from_numpy(expect_ids))
+    assert int(t2d.sum()) == 128 and t2d.shape[0] == read_manifest(wd, "prepare", needed_by="t").extra["vocab_size"]
+    assert m.counts["coverage_train"] == pytest.approx(coverage(freq["train"], t2d.numpy()))
+    assert m.counts["coverage_eval"] == pytest.approx(coverage(freq["eval"], t2d.numpy()))
+    assert m.counts["coverage_eval"] < 1.0  # 128 of 360 seen ids cannot cover everything
+
+
+def test_refuses_oversized_draft_vocab(prepared_llama):
+    with pytest.raises(PipelineError, match=r"draft_vocab_size = 5000 is larger than the target vocab \(960"):
+        build_vocab_mapping(VocabConfig(work_dir=prepared_llama, draft_vocab_size=5000))
+
+
+def test_refuses_frequency_file_of_another_size(tmp_path, prepared_llama):
+    import shutil
+
+    wd = WorkDir(tmp_path / "copy")
+    shutil.copytree(prepared_llama / "01_dataset", wd.stage_dir("prepare"))
+    np.save(wd.token_freq("train"), np.zeros(1000, dtype=np.int64))  # same bytes? no: size differs too
+    with pytest.raises(PipelineError):
+        build_vocab_mapping(VocabConfig(work_dir=wd.root, draft_vocab_size=64))
+    # a file of the right byte size but the wrong shape passes the manifest check and is caught by shape
+    man = read_manifest(WorkDir(prepared_llama), "prepare", needed_by="t")
+    good = np.load(WorkDir(prepared_llama).token_freq("train"))
+    np.save(wd.token_freq("train"), good.reshape(2, -1))
+    import json
+    d = json.loads(wd.manifest("prepare").read_text())
+    d["outputs"]["token_freq_train.npy"]["bytes"] = wd.token_freq("train").stat().st_size
+    wd.manifest("prepare").write_text(json.dumps(d))
+    with pytest.raises(PipelineError, match=r"token_freq_train\.npy has shape \(2, 480\), the target vocab is 960"):
+        build_vocab_mapping(VocabConfig(work_dir=wd.root, draft_vocab_size=64))
+    assert man.extra["vocab_size"] == 960
+
+
+def test_refuses_stage01_from_another_tokenizer(tmp_path, prepared_llama):
+    from chat_templates import TEMPLATES, make_tokenizer
+
+    other = tmp_path / "other-target"
+    make_tokenizer(TEMPLATES["chatml"]).save_pretrained(other)
+    with pytest.raises(PipelineError, match=r"built with another tokenizer .* rerun `python 01_prepare_dataset.py"):
+        build_vocab_mapping(VocabConfig(work_dir=prepared_llama, target_model=str(other), draft_vocab_size=64))
+
+
+def test_refuses_missing_stage01(tmp_path):
+    with pytest.raises(PipelineError, match=r"01_dataset/manifest.json, which does not exist: run `python 01_prepare_dataset.py"):
+        build_vocab_mapping(VocabConfig(work_dir=tmp_path, draft_vocab_size=64))
