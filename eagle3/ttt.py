@@ -1,0 +1,270 @@
+"""Train-time test (TTT): the K-step unroll, its loss and its metrics. Pure tensors.
+
+Reads nothing from disk. The training loop (eagle3 train stage) builds one batch
+of target outputs, turns them into labels with `target_draft_distribution`, and
+calls `ttt_loss`, which runs the drafter K times over the batch in one visible
+loop and returns the differentiable loss plus per-step metrics (DESIGN.md
+conventions 4 and 5).
+
+Index arithmetic (b = row, t = drafter position, k = step, p = t + 1 + k):
+
+    hidden input   step 0: fc(aux[b, t]);  step k >= 1: step k-1's pre-norm output at t
+    embed input    E[input_ids[b, t + 1 + k]]  (teacher forcing from the data, as EAGLE-3)
+    rope position  position_ids[b, t] + k      (see Eagle3Drafter.step)
+    predicts       token t + 2 + k
+    label          target_probs[b, p]: the target's final hidden state at p gives the
+                   logits for token p + 1 = t + 2 + k, restricted to the draft rows
+    target argmax  target_argmax[b, p]
+    carries loss   t + 2 + k < T, loss_mask[b, t + 2 + k] (the predicted token is an
+                   assistant token), t2d[target_argmax[b, p]] (the draft vocab can say
+                   it), and attention_mask at t and t + 2 + k when one is given
+
+Rows t with t + 1 + k >= T have no input token; they get a zero embedding and
+carry no loss. No valid output ever depends on them: step k at t reads step 0 at
+s <= t and steps 1..k at t only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .errors import PipelineError
+from .model import Eagle3Drafter, TTTCache
+
+
+@dataclass
+class TTTConfig:
+    """How far to unroll and how to weight the steps."""
+
+    num_steps: int = 7  # K: EAGLE-3 trains 7 draft steps
+    step_decay: float = 0.8  # loss weight of step k is step_decay ** k
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise PipelineError(
+                f"TTTConfig.num_steps = {self.num_steps!r}; it must be an integer >= 1 "
+                f"(7 is EAGLE-3's choice; it should be at least the num_speculative_tokens you will serve).")
+        if not 0.0 < float(self.step_decay) <= 1.0:
+            raise PipelineError(
+                f"TTTConfig.step_decay = {self.step_decay!r}; it must be in (0, 1] (EAGLE-3 uses 0.8).")
+
+    def step_weights(self) -> list[float]:
+        return [float(self.step_decay) ** k for k in range(self.num_steps)]
+
+
+@dataclass
+class TTTOutput:
+    """`loss` is differentiable; `metrics` are plain floats, fetched with one device sync.
+
+    metrics keys: loss_k, full_acc_k, cond_acc_k for k in 0..K-1,
+    expected_accept_length (= 1 + sum_k full_acc_k), and num_valid (the step-0
+    valid position count, full_acc's denominator; weight by it when averaging
+    batches or ranks).
+    """
+
+    loss: Tensor
+    metrics: dict[str, float]
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    """Upcast bf16/fp16 for softmax and loss; leave fp32/fp64 alone (tests run in fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _shift_left(x: Tensor, n: int) -> Tensor:
+    """Along dim 1, row t of the result is row t + n of x; the last n rows are zero/False."""
+    T = x.shape[1]
+    n = min(n, T)
+    pad = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
+    return torch.cat([x[:, n:], pad], dim=1)  # [B, T - n, ...] + [B, n, ...] -> [B, T, ...]
+
+
+def chunked_argmax(hidden: Tensor, lm_head_weight: Tensor, chunk_size: int = 256) -> Tensor:
+    """Full-vocab argmax of `hidden @ lm_head_weight.T` without all logits at once.
+
+    hidden [B, T, H], lm_head_weight [V, H] -> [B, T] int64. Only a [B, chunk, V]
+    block of logits exists at a time, in the weight's dtype (what the serving
+    engine's greedy sampling sees).
+    """
+    out = []
+    for s in range(0, hidden.shape[1], chunk_size):
+        logits = hidden[:, s:s + chunk_size].to(lm_head_weight.dtype) @ lm_head_weight.T  # [B, c, H] -> [B, c, V]
+        out.append(logits.argmax(dim=-1))  # [B, c, V] -> [B, c]
+    return torch.cat(out, dim=1)  # -> [B, T]
+
+
+@torch.no_grad()
+def target_draft_distribution(
+    draft_ids: Tensor,
+    *,
+    target_hidden: Tensor | None = None,
+    lm_head_weight: Tensor | None = None,
+    target_logits: Tensor | None = None,
+    target_argmax: Tensor | None = None,
+    chunk_size: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """The target's distribution over the draft vocab, and its full-vocab argmax.
+
+    Row p of both outputs is the target's prediction of token p + 1.
+    draft_ids [V_d]: target id of each draft row (`drafter.draft_ids()`).
+    Give either `target_hidden [B, T, H]` (after the target's final norm, i.e. what
+    its lm_head reads) with `lm_head_weight [V_t, H]`, or `target_logits [B, T, V_t]`
+    (small cases and tests; it is already the full-vocab tensor).
+    `target_argmax [B, T]`: pass it when stage 02 stored it; then only the V_d draft
+    rows of the lm_head are multiplied. Without it, the full-vocab logits are made
+    one chunk of `chunk_size` positions at a time, and the same chunk also gives
+    the draft rows, so no full-sequence full-vocab tensor ever exists.
+    Returns probs [B, T, V_d] (float32, or float64 for float64 inputs) and argmax [B, T] int64 (target ids).
+    """
+    if target_logits is not None:
+        if target_hidden is not None or lm_head_weight is not None:
+            raise PipelineError(
+                "target_draft_distribution: pass target_logits OR target_hidden + lm_head_weight, not both.")
+        probs = torch.softmax(_at_least_fp32(target_logits[..., draft_ids]), dim=-1)  # [B, T, V_t] -> [B, T, V_d]
+        argmax = target_argmax if target_argmax is not None else target_logits.argmax(dim=-1)  # -> [B, T]
+        return probs, argmax.long()
+    if target_hidden is None or lm_head_weight is None:
+        raise PipelineError("target_draft_distribution: needs target_hidden and lm_head_weight (or target_logits).")
+    if target_hidden.shape[-1] != lm_head_weight.shape[-1]:
+        raise PipelineError(
+            f"target_draft_distribution: hidden width {target_hidden.shape[-1]} does not match the lm_head "
+            f"{tuple(lm_head_weight.shape)}; stage 02 must store the target's final (normed) hidden state.")
+    probs, argmax = [], []
+    w_draft = lm_head_weight[draft_ids] if target_argmax is not None else None  # [V_t, H] -> [V_d, H]
+    for s in range(0, target_hidden.shape[1], chunk_size):
+        h = target_hidden[:, s:s + chunk_size].to(lm_head_weight.dtype)  # [B, c, H]
+        if w_draft is None:
+            logits = h @ lm_head_weight.T  # [B, c, H] -> [B, c, V_t], one chunk only
+            argmax.append(logits.argmax(dim=-1))  # [B, c, V_t] -> [B, c]
+            draft_logits = logits[..., draft_ids]  # [B, c, V_t] -> [B, c, V_d]
+        else:
+            draft_logits = h @ w_draft.T  # [B, c, H] -> [B, c, V_d]
+        probs.append(torch.softmax(_at_least_fp32(draft_logits), dim=-1))
+    probs_t = torch.cat(probs, dim=1)  # -> [B, T, V_d]
+    argmax_t = target_argmax.long() if target_argmax is not None else torch.cat(argmax, dim=1)  # -> [B, T]
+    return probs_t, argmax_t
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    aux: Tensor,
+    input_ids: Tensor,
+    embed_weight: Tensor,
+    target_probs: Tensor,
+    target_argmax: Tensor,
+    loss_mask: Tensor,
+    config: TTTConfig,
+    *,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+) -> TTTOutput:
+    """Unroll the drafter K steps over one batch; loss = sum_k decay^k * loss_k.
+
+    aux [B, T, A*H_t]: fused aux hidden states of the target at each position.
+    input_ids [B, T]: target token ids. embed_weight [V_t, H]: the frozen target
+    embedding. target_probs [B, T, V_d] and target_argmax [B, T]: row p is the
+    target's prediction of token p + 1 (`target_draft_distribution`).
+    loss_mask [B, T]: 1 where token j is an assistant token; the prediction of
+    token j is trained only if loss_mask[j]. attention_mask [B, T]: 1 = real token.
+    See the module docstring for the index arithmetic.
+
+    Metrics: a step-k output at t *matches* when it carries loss (valid_k) and the
+    draft argmax mapped through d2t equals the target's full-vocab argmax. chain_k
+    = steps 0..k all match. full_acc_k = #chain_k / #valid_0: the denominator is
+    step 0's valid positions for every k, so a later step without a label (past
+    the sequence end, outside the assistant mask, argmax outside the draft vocab)
+    counts as a miss. That is conservative, makes full_acc non-increasing in k,
+    and gives full_acc_k = full_acc_{k-1} * cond_acc_k with cond_acc_k =
+    #chain_k / #chain_{k-1} (cond_acc_0 = full_acc_0; 0 when nothing is left).
+    """
+    B, T = input_ids.shape
+    c = drafter.config
+    if aux.shape[:2] != (B, T) or target_argmax.shape != (B, T) or loss_mask.shape != (B, T):
+        raise PipelineError(
+            f"ttt_loss: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)}, "
+            f"target_argmax {tuple(target_argmax.shape)}, loss_mask {tuple(loss_mask.shape)}; all must be [B, T, ...].")
+    if target_probs.shape != (B, T, c.draft_vocab_size):
+        raise PipelineError(
+            f"ttt_loss: target_probs {tuple(target_probs.shape)} should be [B, T, draft_vocab_size] = "
+            f"[{B}, {T}, {c.draft_vocab_size}]; build it with target_draft_distribution(drafter.draft_ids(), ...).")
+    if embed_weight.shape != (c.target_vocab_size, c.hidden_size):
+        raise PipelineError(
+            f"ttt_loss: embed_weight {tuple(embed_weight.shape)} is not the target embedding "
+            f"[{c.target_vocab_size}, {c.hidden_size}] the drafter config describes.")
+
+    weights = config.step_weights()
+    draft_ids = drafter.draft_ids()  # [V_d] target id of each draft row
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    learn = loss_mask.bool() & real  # [B, T]: token j may be trained as a prediction
+    in_draft = drafter.t2d[target_argmax]  # [B, T] -> [B, T]: the draft vocab can say row p's argmax
+    embeds_all = F.embedding(input_ids, embed_weight)  # [B, T] -> [B, T, H]
+    hidden = drafter.project_aux(aux)  # [B, T, A*H_t] -> [B, T, H]
+    cache = TTTCache()
+
+    total = _at_least_fp32(hidden.new_zeros(()))
+    step_losses: list[Tensor] = []
+    chain_counts: list[Tensor] = []
+    n_valid0 = None
+    chain = None
+    for k in range(config.num_steps):
+        embeds = _shift_left(embeds_all, 1 + k)  # [B, T, H]: row t holds token t+1+k
+        out = drafter.step(embeds, hidden, cache,
+                           attention_mask=attention_mask, position_ids=position_ids)  # 2 x [B, T, H] -> [B, T, H]
+        # valid[t]: label row p = t+1+k exists and is in the draft vocab, token t+2+k is learnable.
+        valid = _shift_left(in_draft, 1 + k) & _shift_left(learn, 2 + k) & real  # [B, T]
+        b_idx, t_idx = valid.nonzero(as_tuple=True)  # N valid positions
+        p_idx = t_idx + 1 + k  # label row for each valid position
+        logits = _at_least_fp32(drafter.compute_logits(out[b_idx, t_idx]))  # [N, H] -> [N, V_d]
+        logp = F.log_softmax(logits, dim=-1)  # [N, V_d]
+        ce = -(target_probs[b_idx, p_idx] * logp).sum(dim=-1)  # [N, V_d] -> [N]
+        loss_k = ce.sum() / max(b_idx.numel(), 1)
+        total = total + weights[k] * loss_k
+        step_losses.append(loss_k.detach())
+
+        with torch.no_grad():
+            hit = draft_ids[logits.argmax(dim=-1)] == target_argmax[b_idx, p_idx]  # [N] target ids compared
+            match = torch.zeros_like(valid)
+            match[b_idx, t_idx] = hit  # [B, T]; False wherever step k has no label
+            chain = match if chain is None else chain & match
+            chain_counts.append(chain.sum())
+            if n_valid0 is None:
+                n_valid0 = valid.sum()
+        hidden = out  # the pre-norm output is the next step's hidden input (gradient flows through)
+
+    # One device-to-host transfer for all metrics (the nonzero above already syncs once per step).
+    K = config.num_steps
+    vals = torch.stack([v.double() for v in step_losses + chain_counts + [n_valid0]]).tolist()
+    losses, chains, n0 = vals[:K], vals[K:2 * K], vals[2 * K]
+    metrics: dict[str, float] = {}
+    for k in range(config.num_steps):
+        metrics[f"loss_{k}"] = losses[k]
+        metrics[f"full_acc_{k}"] = chains[k] / n0 if n0 > 0 else 0.0
+        prev = n0 if k == 0 else chains[k - 1]
+        metrics[f"cond_acc_{k}"] = chains[k] / prev if prev > 0 else 0.0
+    metrics["expected_accept_length"] = 1.0 + sum(metrics[f"full_acc_{k}"] for k in range(config.num_steps))
+    metrics["num_valid"] = n0
+    return TTTOutput(loss=total, metrics=metrics)
+
+
+class TTTModel(nn.Module):
+    """`ttt_loss` as one module forward, for DDP/FSDP wrapping.
+
+    DDP and FSDP act in a module's forward hooks; `ttt_loss` calls the drafter's
+    `step`/`compute_logits` directly (K times), so wrap this module, not the
+    drafter, and call it once per batch. The frozen embedding stays an input, not a
+    buffer: DDP would otherwise broadcast the [V_t, H] table on every forward.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, config: TTTConfig) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.config = config
+
+    def forward(self, aux: Tensor, input_ids: Tensor, embed_weight: Tensor, target_probs: Tensor,
+                target_argmax: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None) -> TTTOutput:
+        return ttt_loss(self.drafter, aux, input_ids, embed_weight, target_probs, target_argmax, loss_mask,
+                        self.config, attention_mask=attention_mask, position_ids=position_ids)

@@ -1,0 +1,231 @@
+"""Tests for eagle3/ttt.py: label alignment, loss, metrics, and that training learns."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eagle3.errors import PipelineError
+from eagle3.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.ttt import TTTConfig, TTTModel, chunked_argmax, target_draft_distribution, ttt_loss
+
+V_T, V_D, H = 50, 20, 32
+
+
+def tiny_drafter(seed: int = 0, draft_ids: list[int] | None = None) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=48, target_hidden_size=H, draft_vocab_size=V_D,
+                        target_vocab_size=V_T, max_position_embeddings=64)
+    m = Eagle3Drafter(cfg).double()
+    if draft_ids is not None:
+        ids = torch.tensor(draft_ids)
+        t2d = torch.zeros(V_T, dtype=torch.bool)
+        t2d[ids] = True
+        m.set_vocab_mapping(ids - torch.arange(V_D), t2d)
+    return m
+
+
+def test_ttt_config_validation():
+    assert TTTConfig().num_steps == 7 and TTTConfig().step_weights()[2] == pytest.approx(0.64)
+    with pytest.raises(PipelineError, match="num_steps"):
+        TTTConfig(num_steps=0)
+    with pytest.raises(PipelineError, match="step_decay"):
+        TTTConfig(step_decay=1.5)
+
+
+def test_chunked_argmax_and_draft_distribution_match_full_logits():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 37, 16, generator=g)
+    w = torch.randn(101, 16, generator=g)
+    full = hidden @ w.T  # [2, 37, 101]
+    assert torch.equal(chunked_argmax(hidden, w, chunk_size=8), full.argmax(-1))
+    draft_ids = torch.tensor(sorted(torch.randperm(101, generator=g)[:30].tolist()))
+    want = torch.softmax(full[..., draft_ids], -1)
+    for kw in ({}, {"target_argmax": full.argmax(-1)}):
+        probs, arg = target_draft_distribution(draft_ids, target_hidden=hidden, lm_head_weight=w,
+                                               chunk_size=5, **kw)
+        torch.testing.assert_close(probs, want)
+        assert torch.equal(arg, full.argmax(-1))
+    probs, arg = target_draft_distribution(draft_ids, target_logits=full)
+    torch.testing.assert_close(probs, want)
+    assert torch.equal(arg, full.argmax(-1))
+
+
+def make_batch(seed: int, B: int = 2, T: int = 9):
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = sorted(torch.randperm(V_T, generator=g)[:V_D].tolist())
+    input_ids = torch.randint(0, V_T, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * H, generator=g, dtype=torch.double)
+    embed = torch.randn(V_T, H, generator=g, dtype=torch.double)
+    logits = 3 * torch.randn(B, T, V_T, generator=g, dtype=torch.double)
+    logits[..., draft_ids] += 1.0  # about half the argmaxes land in the draft vocab
+    loss_mask = (torch.rand(B, T, generator=g) > 0.2).long()
+    return draft_ids, input_ids, aux, embed, logits, loss_mask
+
+
+def test_loss_and_metrics_match_explicit_loops():
+    draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(1)
+    m = tiny_drafter(2, draft_ids)
+    B, T = input_ids.shape
+    K, decay = 3, 0.7
+    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    out = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, TTTConfig(num_steps=K, step_decay=decay))
+
+    # Independent: teacher-forced embeddings by hand, labels from the raw target logits.
+    with torch.no_grad():
+        cache, h, step_logits = TTTCache(), m.project_aux(aux), []
+        for k in range(K):
+            emb = torch.zeros(B, T, H, dtype=torch.double)
+            for b in range(B):
+                for t in range(T):
+                    if t + 1 + k < T:
+                        emb[b, t] = embed[input_ids[b, t + 1 + k]]
+            h = m.step(emb, h, cache)
+            step_logits.append(m.compute_logits(h))
+    total, losses, chain, chains, n_valid0 = 0.0, [], {}, [], 0
+    for k in range(K):
+        ces, match = [], {}
+        for b in range(B):
+            for t in range(T):
+                p = t + 1 + k  # target row that predicts token t + 2 + k
+                if not (t + 2 + k < T and loss_mask[b, t + 2 + k]):
+                    continue
+                tgt = int(logits[b, p].argmax())
+                if tgt not in draft_ids:
+                    continue
+                q = torch.softmax(logits[b, p, draft_ids], -1)
+                lp = torch.log_softmax(step_logits[k][b, t], -1)
+                ces.append(float(-(q * lp).sum()))
+                match[(b, t)] = draft_ids[int(step_logits[k][b, t].argmax())] == tgt
+        if k == 0:
+            n_valid0 = len(ces)
+            chain = {bt for bt, ok in match.items() if ok}
+        else:
+            chain = {bt for bt in chain if match.get(bt, False)}
+        chains.append(len(chain))
+        losses.append(sum(ces) / len(ces))
+        total += decay ** k * losses[-1]
+
+    assert n_valid0 > 5  # the example exercises real positions
+    assert out.loss.item() == pytest.approx(total, rel=1e-9)
+    assert out.metrics["num_valid"] == n_valid0
+    for k in range(K):
+        assert out.metrics[f"loss_{k}"] == pytest.approx(losses[k], rel=1e-9)
+        assert out.metrics[f"full_acc_{k}"] == pytest.approx(chains[k] / n_valid0)
+    assert out.metrics["expected_accept_length"] == pytest.approx(1 + sum(c / n_valid0 for c in chains))
+
+
+def test_out_of_draft_vocab_and_unmasked_positions_carry_no_loss():
+    draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(3)
+    m = tiny_drafter(4, draft_ids)
+    cfg = TTTConfig(num_steps=2)
+    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    base = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, cfg)
+    # Rewriting the labels of rows whose argmax is outside the draft vocab changes nothing.
+    outside = ~m.t2d[argmax]
+    assert outside.any()
+    probs2 = probs.clone()
+    probs2[outside] = torch.softmax(torch.randn(int(outside.sum()), V_D, dtype=torch.double), -1)
+    assert ttt_loss(m, aux, input_ids, embed, probs2, argmax, loss_mask, cfg).loss.item() == base.loss.item()
+    # All argmaxes outside the draft vocab, or an all-zero mask: zero loss, zero count, grads still flow.
+    out_ids = [i for i in range(V_T) if i not in draft_ids]
+    for am, lm in ((torch.full_like(argmax, out_ids[0]), loss_mask), (argmax, torch.zeros_like(loss_mask))):
+        out = ttt_loss(m, aux, input_ids, embed, probs, am, lm, cfg)
+        assert out.loss.item() == 0.0 and out.metrics["num_valid"] == 0
+        assert out.metrics["expected_accept_length"] == 1.0
+        out.loss.backward()
+
+
+def test_metric_definitions_on_a_hand_made_case():
+    """T = 8, K = 3, identity mapping; target argmax of row p is p, except row 6 (id 40, not draftable).
+
+    valid_0 = {0..4}, valid_1 = {0..3}, valid_2 = {0, 1, 2} (t + 2 + k < 8, row t+1+k != 6).
+    Hits: step 0 at {0,1,2,3}; step 1 at {0,1,3}; step 2 at {0,2}.
+    chain_0 = {0,1,2,3}, chain_1 = {0,1,3}, chain_2 = {0} (t=3 has no step-2 label: a miss;
+    t=2 hits at step 2 but missed step 1).
+    """
+    m = tiny_drafter(0)
+    T, K = 8, 3
+    argmax = torch.arange(T)[None].clone()
+    argmax[0, 6] = 40
+    probs = torch.softmax(torch.randn(1, T, V_D, dtype=torch.double), -1)
+    hits = {0: {0, 1, 2, 3}, 1: {0, 1, 3}, 2: {0, 2}}
+    valid = {0: [0, 1, 2, 3, 4], 1: [0, 1, 2, 3], 2: [0, 1, 2]}
+    step = {"k": 0}
+
+    def fake_logits(hidden):
+        k = step["k"]
+        step["k"] += 1
+        assert hidden.shape[0] == len(valid[k])  # only valid rows reach the lm_head
+        rows = []
+        for t in valid[k]:
+            right = t + 1 + k
+            rows.append(torch.nn.functional.one_hot(torch.tensor(right if t in hits[k] else (right + 1) % V_D), V_D))
+        return 10.0 * torch.stack(rows).double() + 0 * hidden.sum()
+
+    m.compute_logits = fake_logits
+    out = ttt_loss(m, torch.zeros(1, T, 3 * H, dtype=torch.double), torch.zeros(1, T, dtype=torch.long),
+                   torch.zeros(V_T, H, dtype=torch.double), probs, argmax, torch.ones(1, T), TTTConfig(num_steps=K))
+    mt = out.metrics
+    assert mt["num_valid"] == 5
+    assert [mt[f"full_acc_{k}"] for k in range(K)] == pytest.approx([0.8, 0.6, 0.2])
+    assert [mt[f"cond_acc_{k}"] for k in range(K)] == pytest.approx([0.8, 0.75, 1 / 3])
+    assert mt["expected_accept_length"] == pytest.approx(2.6)
+
+
+def test_ttt_model_forward_is_ttt_loss():
+    draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(7)
+    m = tiny_drafter(8, draft_ids)
+    cfg = TTTConfig(num_steps=2)
+    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    a = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, cfg)
+    b = TTTModel(m, cfg)(aux, input_ids, embed, probs, argmax, loss_mask)
+    assert a.loss.item() == b.loss.item() and a.metrics == b.metrics
+    assert sorted(TTTModel(m, cfg).state_dict()) == sorted("drafter." + k for k in m.state_dict())
+
+
+def test_gradients_reach_every_weight_and_not_the_embedding():
+    draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(5)
+    m = tiny_drafter(6, draft_ids)
+    embed.requires_grad_(False)
+    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, TTTConfig(num_steps=3)).loss.backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert embed.grad is None
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    Hs, VD, VT, B, T, K = 64, 64, 96, 4, 32, 3
+    cfg = DrafterConfig(hidden_size=Hs, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+                        intermediate_size=128, target_hidden_size=Hs, draft_vocab_size=VD,
+                        target_vocab_size=VT, max_position_embeddings=T + K)
+    m = Eagle3Drafter(cfg)
+    embed = torch.randn(VT, Hs)
+    aux = torch.randn(B, T, 3 * Hs)
+    input_ids = torch.randint(0, VT, (B, T))
+    target_logits = 4 * torch.randn(B, T, VT)
+    target_logits[..., :VD] += 2  # most argmaxes in the (identity) draft vocab, some not
+    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=target_logits)
+    mask = torch.ones(B, T)
+    tcfg = TTTConfig(num_steps=K)
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    first = None
+    for i in range(300):
+        out = ttt_loss(m, aux, input_ids, embed, probs, argmax, mask, tcfg)
+        first = first if first is not None else out.metrics
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        # Stop early (the machine may be shared) once step 0 and the fed-back steps have learned.
+        if out.metrics["full_acc_0"] > 0.95 and out.metrics["full_acc_2"] > 0.7:
+            break
+    mt = out.metrics
+    assert mt["num_valid"] > 60
+    assert first["full_acc_0"] < 0.2 and mt["full_acc_0"] > 0.9, (first, mt)
+    assert mt["loss_0"] < 0.6 * first["loss_0"]  # soft labels: the floor is the targets' entropy
+    assert mt["full_acc_0"] >= mt["full_acc_1"] >= mt["full_acc_2"] > 0.6
+    assert math.isfinite(mt["expected_accept_length"]) and mt["expected_accept_length"] > 2.0
