@@ -73,6 +73,18 @@ class WorkDir:
     def checkpoints(self) -> Path:
         return self.stage_dir("train") / "checkpoints"
 
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints() / f"step-{step:07d}.pt"
+
+    def best_checkpoint(self) -> Path:
+        return self.checkpoints() / "best.pt"
+
+    def latest_checkpoint(self) -> Path:
+        return self.checkpoints() / "latest.json"
+
+    def tensorboard_dir(self) -> Path:
+        return self.stage_dir("train") / "tensorboard"
+
     def train_metrics(self) -> Path:
         return self.stage_dir("train") / "metrics.jsonl"
 

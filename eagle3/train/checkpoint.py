@@ -1,0 +1,78 @@
+"""Training checkpoints: everything a resume needs, written atomically.
+
+One file per checkpoint, a dict saved with `torch.save` and read with
+`torch.load(weights_only=True)`:
+
+    model            drafter state_dict (convention 6 names; what export saves)
+    drafter_config   DrafterConfig.to_dict()
+    aux_layers       the target layers the drafter reads (convention 1)
+    optimizer, scheduler, step, epoch, rng (torch CPU [+ CUDA] generator state)
+    train_config     the TrainConfig's identity parameters; identity (its fingerprint)
+    eval             the held-out metrics at this step (when evaluated)
+    best             the best held-out expected accept length so far and its step
+
+File names come from WorkDir (step-NNNNNNN.pt, best.pt, latest.json).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ..atomic import save_torch, write_json
+from ..errors import PipelineError
+from ..workdir import WorkDir
+
+log = logging.getLogger(__name__)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(wd: WorkDir, ckpt: dict, *, keep: int, is_best: bool) -> Path:
+    path = wd.checkpoint(ckpt["step"])
+    save_torch(path, ckpt)
+    if is_best:
+        save_torch(wd.best_checkpoint(), ckpt)
+    write_json(wd.latest_checkpoint(), {"step": ckpt["step"], "file": path.name, "identity": ckpt["identity"]})
+    steps = sorted(int(p.stem.split("-")[1]) for p in wd.checkpoints().glob("step-*.pt"))
+    for s in steps[:-keep] if keep > 0 else []:
+        wd.checkpoint(s).unlink(missing_ok=True)
+    return path
+
+
+def load_checkpoint(path: Path) -> dict:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - unpickling raises many types
+        raise PipelineError(f"cannot read checkpoint {path} ({type(e).__name__}: {e}); delete it or pass --force "
+                            f"to train from scratch.") from e
+
+
+def latest_checkpoint(wd: WorkDir, identity: str) -> dict | None:
+    """The checkpoint to resume from, or None. Refuses one from another run setup."""
+    pointer = wd.latest_checkpoint()
+    if not pointer.is_file():
+        return None
+    info = json.loads(pointer.read_text())
+    if info["identity"] != identity:
+        raise PipelineError(
+            f"{pointer} belongs to a run with other parameters or inputs (identity {info['identity'][:12]}, "
+            f"this run {identity[:12]}); pass --force to discard its checkpoints and start over, or use "
+            f"another --work-dir.")
+    path = pointer.parent / info["file"]
+    if not path.is_file():
+        raise PipelineError(f"{pointer} names {path}, which is missing; pass --force to start over.")
+    return load_checkpoint(path)

@@ -1,0 +1,139 @@
+"""Starting from an existing drafter (`--init-from DIR`) without scrambling its labels.
+
+Row i of a drafter's lm_head predicts target token `i + d2t[i]` of *its own*
+mapping (DESIGN.md convention 3). Loading its weights under another mapping
+silently relabels almost every row (31,748 of 32,000 positions differed for the
+K2 drafter against a K2.5 mapping). So a fine-tune either
+
+- `keep`s the drafter's mapping for the whole run (stage 03's is then unused, and
+  the coverage the drafter's vocabulary gets on our data is reported), or
+- `remap`s: lm_head rows are permuted into stage 03's mapping; rows of tokens the
+  drafter never had are initialised from the target's lm_head row of that token,
+  scaled to the mean norm of the drafter's own rows (the drafter's norm output
+  lives in a space trained to feed its lm_head, so a unit-free direction from the
+  target plus a typical magnitude is the least surprising start).
+
+Either way the comparison (positions differing, tokens shared, only in each) is
+logged and returned for the manifest. Aux layer ids and sizes are checked first.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..diagnose import VocabMapping, compare_mappings
+from ..drafter_io import drafter_config_from_hf_config, load_drafter_dir
+from ..engine_rules import intended_layers
+from ..errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class InitReport:
+    source: str
+    mode: str
+    layers: list[int]
+    layers_from: str
+    comparison: dict
+    rows_copied: int = 0
+    rows_new: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "vocab_mode": self.mode, "aux_layers": self.layers,
+                "aux_layers_from": self.layers_from, **self.comparison,
+                "rows_copied": self.rows_copied, "rows_new": self.rows_new, **self.extra}
+
+
+def remap_lm_head(lm_head: torch.Tensor, src_ids: np.ndarray, dst_ids: np.ndarray,
+                  new_rows: Callable[[np.ndarray], torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    """lm_head rows for `dst_ids` (target ids, ascending) from a head over `src_ids`.
+
+    lm_head [V_src, H] -> [V_dst, H]; a token in both keeps its trained row, the
+    others come from `new_rows(target_ids) -> [n, H]`. Returns (rows, copied, new).
+    """
+    where = {int(t): i for i, t in enumerate(src_ids)}
+    out = torch.empty(len(dst_ids), lm_head.shape[1], dtype=lm_head.dtype)  # [V_dst, H]
+    src_rows = [where.get(int(t), -1) for t in dst_ids]
+    have = torch.tensor([r >= 0 for r in src_rows], dtype=torch.bool)
+    if have.any():
+        out[have] = lm_head[torch.tensor([r for r in src_rows if r >= 0])]  # gather [n_copied, H]
+    missing = dst_ids[~have.numpy()]
+    if len(missing):
+        out[~have] = new_rows(missing).to(lm_head.dtype)  # [n_new, H]
+    return out, int(have.sum()), int(len(missing))
+
+
+def scaled_target_rows(target_rows: Callable[[np.ndarray], torch.Tensor], reference: torch.Tensor):
+    """new_rows for `remap_lm_head`: target lm_head directions at the drafter's typical row norm."""
+    scale = reference.float().norm(dim=1).mean()
+
+    def rows(ids: np.ndarray) -> torch.Tensor:
+        w = target_rows(ids).float()  # [n, H]
+        return w / w.norm(dim=1, keepdim=True).clamp_min(1e-6) * scale
+
+    return rows
+
+
+def load_initial_drafter(
+    path: str | Path, *, aux_layers: list[int], target_hidden: int, target_vocab: int,
+    our_ids: np.ndarray, mode: str, target_rows: Callable[[np.ndarray], torch.Tensor],
+    expected_from: str,
+) -> tuple[dict, dict[str, torch.Tensor], InitReport]:
+    """(DrafterConfig dict, state_dict, report) of the drafter at `path`, ready for our run."""
+    hf, tensors = load_drafter_dir(path)
+    cfg = drafter_config_from_hf_config(hf, tensors, source=f"{path}/config.json")
+    layers, layers_from = intended_layers(hf)
+    if layers is None:
+        from ..target import default_aux_layers
+
+        raise PipelineError(
+            f"{path}/config.json names no aux layer ids ({layers_from}); the engines would use the default "
+            f"for the target, but this drafter's training layers cannot be checked. Add "
+            f"`eagle_aux_hidden_state_layer_ids` to it if you know them (our store has {aux_layers}; the "
+            f"default for this target would be e.g. {default_aux_layers(61)} for 61 layers).")
+    if list(layers) != list(aux_layers):
+        raise PipelineError(
+            f"aux layer mismatch: the drafter {path} was trained on layers {layers} ({layers_from}) but the "
+            f"hidden-state store has {aux_layers} ({expected_from}); rerun stage 02 with "
+            f"--aux-layers {','.join(map(str, layers))}, or start from another drafter.")
+    for what, theirs, ours in (("target hidden size", cfg["target_hidden_size"], target_hidden),
+                               ("target vocab size", cfg["target_vocab_size"], target_vocab)):
+        if theirs != ours:
+            raise PipelineError(f"{what} mismatch: {theirs} ({path}/config.json) vs {ours} ({expected_from}); "
+                                f"this drafter was built for another target.")
+
+    V = cfg["target_vocab_size"]
+    if "d2t" in tensors:
+        their_ids = tensors["d2t"].numpy().astype(np.int64) + np.arange(cfg["draft_vocab_size"])
+    else:  # both engines then use the identity
+        their_ids = np.arange(cfg["draft_vocab_size"], dtype=np.int64)
+    cmp = compare_mappings(VocabMapping(str(path), their_ids, V), VocabMapping("stage 03", our_ids, V))
+    log.info("init-from %s: its d2t vs stage 03's: %d of %d positions differ, %d tokens shared, %d only in the "
+             "drafter's, %d only in ours", path, cmp["positions_differing"], cmp["positions_compared"],
+             cmp["tokens_shared"], cmp["only_in_a"], cmp["only_in_b"])
+    report = InitReport(str(path), mode, list(layers), layers_from, cmp)
+
+    if mode == "keep":
+        ids = their_ids
+        log.info("vocab mode 'keep' (the safe default): training with the drafter's own mapping; stage 03's "
+                 "mapping is not used")
+    else:
+        new_head, report.rows_copied, report.rows_new = remap_lm_head(
+            tensors["lm_head.weight"], their_ids, our_ids, scaled_target_rows(target_rows, tensors["lm_head.weight"]))
+        tensors["lm_head.weight"] = new_head
+        ids = our_ids
+        cfg["draft_vocab_size"] = len(our_ids)
+        log.info("vocab mode 'remap': %d lm_head rows permuted into stage 03's mapping, %d new rows initialised "
+                 "from the target's lm_head", report.rows_copied, report.rows_new)
+    d2t = torch.from_numpy(ids - np.arange(len(ids)))
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[torch.from_numpy(ids)] = True
+    tensors["d2t"], tensors["t2d"] = d2t, t2d
+    return cfg, tensors, report
