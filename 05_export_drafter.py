@@ -1,0 +1,13 @@
+"""Stage 05: export a trained drafter as config.json + model.safetensors for SGLang and vLLM.
+
+    python 05_export_drafter.py --config configs/tiny-llama.yaml [--checkpoint PATH] [--out-dir DIR]
+
+Writes the drafter folder (default WORK/05_export), an export report (export_report.json
+and .md: layers each engine captures, vocab coverage, expected accept length) and the
+stage manifest. Check any drafter folder with `python -m eagle3.diagnose inspect DIR`.
+"""
+from eagle3.cli import run_stage
+from eagle3.export import ExportConfig, export_drafter
+
+if __name__ == "__main__":
+    run_stage(ExportConfig, "export", export_drafter, __doc__)

@@ -1,0 +1,400 @@
+"""Diagnostics for drafters, vocab mappings and hidden-state stores.
+
+    python -m eagle3.diagnose inspect DIR [--target-config PATH_OR_DIR] [--json]
+    python -m eagle3.diagnose compare-vocab A B [--dataset WORK_DIR] [--json]
+    python -m eagle3.diagnose probe-hidden WORK_A WORK_B [--split eval] [--max-samples N] [--json]
+
+`inspect` reads any drafter folder (ours, or a published one such as an SGLang-format
+drafter) and says what vLLM and SGLang will do with it: tensor names and shapes, d2t
+sanity, the layers each engine captures, context length and tie_word_embeddings
+against a target. It exits 1 when anything would fail or silently misbehave in an
+engine, 0 otherwise, and 2 when the folder cannot be read.
+
+`compare-vocab` compares two draft vocabularies (a drafter folder, a stage 03 folder
+or work dir, or a d2t/t2d file): positions differing, tokens shared or only in one,
+and with `--dataset` the coverage each gets on a stage 01 dataset's assistant tokens.
+
+`probe-hidden` compares two targets' hidden-state stores (stage 02 of two work dirs
+over the same samples): cosine similarity per aux layer and per position range, to
+judge whether a drafter trained on one target can serve the other.
+
+This module prints its reports (that is its product); everything else logs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .drafter_io import CONFIG_NAME, normalise_names, read_drafter_dir
+from .engine_rules import (RULES, TargetFacts, captured_layers, check_drafter, d2t_summary, errors,
+                           implied_head_dim, intended_layers, rules_for, sglang_name, vllm_name)
+from .errors import PipelineError
+from .workdir import WorkDir
+
+log = logging.getLogger(__name__)
+
+
+# =========================================================================== inspect
+
+def inspect_drafter(path: Path | str, target_config: str | None = None) -> dict[str, Any]:
+    """Everything `inspect` reports, as a JSON-able dict (key "ok": no errors)."""
+    files = read_drafter_dir(path)
+    cfg, tensors = files.config, files.tensors
+    target = None
+    if target_config is not None:
+        from .target import read_target_info
+
+        target = TargetFacts.from_info(read_target_info(target_config))
+    findings = check_drafter(cfg, tensors, target, pipeline_format=False)
+    N = target.num_layers if target else None
+    layers, where = intended_layers(cfg)
+    canon, _ = normalise_names(tensors)
+    d2t = canon.get("d2t")
+    return {
+        "path": str(files.path),
+        "weight_files": [p.name for p in files.weight_files],
+        "config": {k: cfg.get(k) for k in (
+            "architectures", "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size",
+            "target_hidden_size", "max_position_embeddings", "tie_word_embeddings", "torch_dtype")},
+        "head_dim_used": implied_head_dim(cfg),
+        "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
+                     "vllm": vllm_name(n)[0], "sglang": sglang_name(n)[0]} for n, t in tensors.items()],
+        "d2t": d2t_summary(d2t, cfg.get("vocab_size")) if d2t is not None else None,
+        "layers": {
+            "trained": layers, "from": where,
+            "config_top_level": cfg.get("eagle_aux_hidden_state_layer_ids"),
+            "config_nested": (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            if isinstance(cfg.get("eagle_config"), dict) else None,
+            "captured": {rule: captured_layers(rule, cfg, N) for rule in rules_for(target.family if target else None)},
+        },
+        "target": asdict(target) if target else None,
+        "findings": [asdict(f) for f in findings],
+        "errors": len(errors(findings)),
+        "ok": not errors(findings),
+    }
+
+
+def format_inspect(r: dict[str, Any]) -> str:
+    c = r["config"]
+    out = [f"drafter {r['path']}  ({', '.join(r['weight_files'])})", ""]
+    out.append(f"config: {c['architectures']} model_type={c['model_type']} layers={c['num_hidden_layers']} "
+               f"hidden={c['hidden_size']} heads={c['num_attention_heads']}/{c['num_key_value_heads']} "
+               f"head_dim={c['head_dim'] if c['head_dim'] is not None else 'absent -> ' + str(r['head_dim_used'])} "
+               f"intermediate={c['intermediate_size']}")
+    out.append(f"        vocab={c['vocab_size']} draft_vocab={c['draft_vocab_size']} "
+               f"target_hidden={c['target_hidden_size']} max_position_embeddings={c['max_position_embeddings']} "
+               f"tie_word_embeddings={c['tie_word_embeddings']} dtype={c['torch_dtype']}")
+    out += ["", f"{'tensor':44s} {'shape':>16s} {'dtype':9s} {'vLLM':7s} SGLang"]
+    for t in r["tensors"]:
+        out.append(f"{t['name']:44s} {str(t['shape']):>16s} {t['dtype']:9s} {t['vllm']:7s} {t['sglang']}")
+    d = r["d2t"]
+    out.append("")
+    if d:
+        out.append(f"d2t: {d['size']} ids, {d['dtype']}, target ids {d.get('min_target_id')}..{d.get('max_target_id')}, "
+                   f"ascending={d['ascending']} duplicates={d['duplicates']} out_of_range={d['out_of_range']}")
+    else:
+        out.append("d2t: absent")
+    L = r["layers"]
+    out += ["", f"aux layers: trained on {L['trained']} ({L['from']}); config top-level {L['config_top_level']}, "
+                f"eagle_config {L['config_nested']}"]
+    for rule, got in L["captured"].items():
+        mark = "" if got is None or got == L["trained"] or L["trained"] is None else "   <-- differs"
+        out.append(f"  {RULES[rule].split(':')[0]:42s} captures {got if got is not None else '[2, N//2, N-3] of the target'}{mark}")
+    if r["target"]:
+        t = r["target"]
+        out.append(f"target {t['source']}: {t['family']} family, {t['num_layers']} layers, hidden {t['hidden_size']}, "
+                   f"vocab {t['vocab_size']}, context {t['max_position_embeddings']}")
+    out.append("")
+    order = {"error": 0, "warning": 1, "info": 2}
+    for f in sorted(r["findings"], key=lambda f: order[f["level"]]):
+        out.append(f"{f['level'].upper():7s} [{f['engine']}] {f['topic']}: {f['message']}")
+    out += ["", "OK: both engines load this drafter as trained" if r["ok"]
+            else f"FAIL: {r['errors']} problem(s) that fail or silently misbehave in an engine"]
+    return "\n".join(out)
+
+
+# =========================================================================== compare-vocab
+
+@dataclass
+class VocabMapping:
+    """A draft vocabulary: target id of each draft position (convention 2 order)."""
+
+    source: str
+    target_ids: np.ndarray  # int64 [draft_vocab]
+    vocab_size: int | None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.target_ids)
+
+
+def _ids_from_array(a: np.ndarray, source: str) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype == bool:
+        return np.flatnonzero(a).astype(np.int64)  # a t2d
+    if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise PipelineError(f"{source}: expected a 1-D integer d2t or a bool t2d, got {a.dtype} {a.shape}.")
+    return a.astype(np.int64) + np.arange(len(a), dtype=np.int64)
+
+
+def _load_array(path: Path) -> np.ndarray:
+    if path.suffix == ".npy":
+        return np.load(path)
+    if path.suffix in (".pt", ".pth"):
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+        if isinstance(obj, dict):
+            obj = obj.get("d2t", obj.get("t2d"))
+        if not isinstance(obj, torch.Tensor):
+            raise PipelineError(f"{path} holds no d2t/t2d tensor.")
+        return obj.numpy()
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        t = load_file(path)
+        t, _ = normalise_names(t)
+        if "d2t" not in t:
+            raise PipelineError(f"{path} has no d2t tensor.")
+        return t["d2t"].numpy()
+    raise PipelineError(f"{path}: unknown mapping file type; pass a .npy/.pt d2t or t2d, a drafter folder, "
+                        f"a stage 03 folder or a work dir.")
+
+
+def load_mapping(path: Path | str) -> VocabMapping:
+    """A draft vocabulary from a drafter folder, a stage 03 folder, a work dir, or a d2t/t2d file."""
+    path = Path(path)
+    if path.is_file():
+        return VocabMapping(str(path), _ids_from_array(_load_array(path), str(path)), None)
+    if not path.is_dir():
+        raise PipelineError(f"{path} does not exist; pass a drafter folder, a stage 03 folder, a work dir, "
+                            f"or a d2t/t2d file.")
+    if (path / CONFIG_NAME).is_file():
+        files = read_drafter_dir(path)
+        t, _ = normalise_names(files.tensors)
+        V = files.config.get("vocab_size")
+        if "d2t" in t:
+            ids = _ids_from_array(t["d2t"].numpy(), str(path))
+        else:  # no d2t: both engines use the identity over draft_vocab_size
+            ids = np.arange(int(files.config.get("draft_vocab_size") or V), dtype=np.int64)
+        return VocabMapping(str(path), ids, int(V) if V else None)
+    wd = WorkDir(path)
+    for folder in (path, wd.stage_dir("vocab")):
+        for name in ("d2t.npy", "d2t.pt"):
+            if (folder / name).is_file():
+                ids = _ids_from_array(_load_array(folder / name), str(folder / name))
+                V = None
+                if (folder / "t2d.npy").is_file():
+                    V = int(np.load(folder / "t2d.npy").shape[0])
+                return VocabMapping(str(folder / name), ids, V)
+    raise PipelineError(f"{path} holds no drafter ({CONFIG_NAME}), no d2t.npy/d2t.pt, and no "
+                        f"{WorkDir(path).stage_dir('vocab').name}/ folder.")
+
+
+def compare_mappings(a: VocabMapping, b: VocabMapping) -> dict[str, Any]:
+    """Positions differing (i: a's id != b's id), tokens shared, tokens only in a or b."""
+    n = min(a.draft_vocab_size, b.draft_vocab_size)
+    differing = int((a.target_ids[:n] != b.target_ids[:n]).sum()) + abs(a.draft_vocab_size - b.draft_vocab_size)
+    sa, sb = set(a.target_ids.tolist()), set(b.target_ids.tolist())
+    return {
+        "a": {"source": a.source, "draft_vocab_size": a.draft_vocab_size, "vocab_size": a.vocab_size},
+        "b": {"source": b.source, "draft_vocab_size": b.draft_vocab_size, "vocab_size": b.vocab_size},
+        "positions_compared": max(a.draft_vocab_size, b.draft_vocab_size),
+        "positions_differing": differing,
+        "tokens_shared": len(sa & sb),
+        "only_in_a": len(sa - sb),
+        "only_in_b": len(sb - sa),
+    }
+
+
+def mapping_coverage(m: VocabMapping, freq: np.ndarray) -> float:
+    """Share of token occurrences (a stage 01 frequency array) the mapping can predict."""
+    from .vocab import coverage
+
+    t2d = np.zeros(len(freq), dtype=bool)
+    ids = m.target_ids[(m.target_ids >= 0) & (m.target_ids < len(freq))]
+    t2d[ids] = True
+    return coverage(freq, t2d)
+
+
+def compare_vocab(a_path: str, b_path: str, dataset: str | None = None) -> dict[str, Any]:
+    a, b = load_mapping(a_path), load_mapping(b_path)
+    r = compare_mappings(a, b)
+    if dataset is not None:
+        wd = WorkDir(dataset)
+        r["coverage"] = {}
+        for split in ("train", "eval"):
+            f = wd.token_freq(split)
+            if not f.is_file():
+                continue
+            freq = np.load(f)
+            for m in (a, b):
+                if m.vocab_size is not None and m.vocab_size != len(freq):
+                    raise PipelineError(f"{m.source} is for a vocab of {m.vocab_size}, {f} counts {len(freq)} "
+                                        f"ids: another target's dataset.")
+            r["coverage"][split] = {"assistant_tokens": int(freq.sum()), "a": mapping_coverage(a, freq),
+                                    "b": mapping_coverage(b, freq)}
+        if not r["coverage"]:
+            raise PipelineError(f"{wd.stage_dir('prepare')} has no token_freq_*.npy; run "
+                                f"`python {wd.script('prepare')} --work-dir {dataset}` first.")
+    return r
+
+
+def format_compare(r: dict[str, Any]) -> str:
+    out = [f"A: {r['a']['source']} (draft vocab {r['a']['draft_vocab_size']}, target vocab {r['a']['vocab_size']})",
+           f"B: {r['b']['source']} (draft vocab {r['b']['draft_vocab_size']}, target vocab {r['b']['vocab_size']})",
+           f"positions differing: {r['positions_differing']}/{r['positions_compared']}",
+           f"tokens shared: {r['tokens_shared']}; only in A: {r['only_in_a']}; only in B: {r['only_in_b']}"]
+    for split, c in (r.get("coverage") or {}).items():
+        out.append(f"coverage of {split} assistant tokens ({c['assistant_tokens']}): A {100 * c['a']:.2f}%, "
+                   f"B {100 * c['b']:.2f}%")
+    if r["positions_differing"]:
+        out.append("note: lm_head rows follow d2t (convention 3); weights of one with the mapping of the other "
+                   "predict the wrong tokens")
+    return "\n".join(out)
+
+
+# =========================================================================== probe-hidden
+
+DEFAULT_RANGES = (0, 64, 256, 1024)
+
+
+def _work_dir_of(path: Path) -> WorkDir:
+    """Accept a work dir or its 02_hidden_states folder."""
+    path = Path(path)
+    if path.name == WorkDir(path.parent).store().name:  # given WORK/02_hidden_states itself
+        return WorkDir(path.parent)
+    return WorkDir(path)
+
+
+def probe_hidden(a_path: str, b_path: str, split: str = "eval", max_samples: int = 200,
+                 ranges: tuple[int, ...] = DEFAULT_RANGES) -> dict[str, Any]:
+    """Cosine similarity of two stores' hidden states on the samples both hold with equal tokens."""
+    from .store import HiddenStateStore
+
+    sa = HiddenStateStore.open(_work_dir_of(Path(a_path)), needed_by="diagnose probe-hidden", allow_missing=True)
+    sb = HiddenStateStore.open(_work_dir_of(Path(b_path)), needed_by="diagnose probe-hidden", allow_missing=True)
+    if sa.hidden_size != sb.hidden_size:
+        raise PipelineError(f"hidden sizes differ ({sa.hidden_size} in {sa.dir}, {sb.hidden_size} in {sb.dir}); "
+                            f"cosine similarity needs the same width (e.g. Kimi-K2 vs K2.5).")
+    if sa.num_aux != sb.num_aux:
+        raise PipelineError(f"{sa.dir} holds {sa.num_aux} aux layers, {sb.dir} {sb.num_aux}; extract the same "
+                            f"number of layers from both targets.")
+    va, vb = sa.split(split), sb.split(split)
+    where_b = {sid: i for i, sid in enumerate(vb.sample_ids)}
+    H, A = sa.hidden_size, sa.num_aux
+    edges = list(ranges) + [None]
+    names = [f"{la}/{lb}" for la, lb in zip(sa.aux_layers, sb.aux_layers)] + ["final"]
+    sums = torch.zeros(len(names), len(ranges), dtype=torch.float64)
+    counts = torch.zeros(len(ranges), dtype=torch.float64)
+    compared = skipped_tokens = 0
+    for i, sid in enumerate(va.sample_ids):
+        if compared >= max_samples:
+            break
+        j = where_b.get(sid)
+        if j is None:
+            continue
+        x, y = va[i], vb[j]
+        if x.num_tokens != y.num_tokens or not torch.equal(x.input_ids, y.input_ids):
+            skipped_tokens += 1
+            continue
+        T = x.num_tokens
+        per = [(x.aux[:, k * H:(k + 1) * H], y.aux[:, k * H:(k + 1) * H]) for k in range(A)]  # A x [T, H]
+        per.append((x.final, y.final))
+        cos = torch.stack([torch.nn.functional.cosine_similarity(p.float(), q.float(), dim=-1, eps=1e-6)
+                           for p, q in per])  # [A+1, T]
+        pos = torch.arange(T)
+        for r, lo in enumerate(ranges):
+            hi = edges[r + 1]
+            sel = (pos >= lo) & (pos < hi) if hi is not None else pos >= lo
+            sums[:, r] += cos[:, sel].double().sum(-1)
+            counts[r] += int(sel.sum())
+        compared += 1
+    if compared == 0:
+        raise PipelineError(f"no sample of split {split!r} is in both stores with the same tokens ({sa.dir}, "
+                            f"{sb.dir}); extract both targets from the same stage 01 dataset (same tokenizer).")
+    labels = [f"[{lo},{edges[r + 1]})" if edges[r + 1] is not None else f"[{lo},...)" for r, lo in enumerate(ranges)]
+    total = counts.sum()
+    table = {}
+    for n, name in enumerate(names):
+        row = {"all": float(sums[n].sum() / total)}
+        for r, lab in enumerate(labels):
+            row[lab] = float(sums[n, r] / counts[r]) if counts[r] else None
+        table[name] = row
+    return {"a": {"store": str(sa.dir), "target": sa.target_model, "aux_layers": sa.aux_layers},
+            "b": {"store": str(sb.dir), "target": sb.target_model, "aux_layers": sb.aux_layers},
+            "split": split, "samples_compared": compared, "samples_skipped_other_tokens": skipped_tokens,
+            "tokens_compared": int(total), "tokens_per_range": dict(zip(labels, counts.long().tolist())),
+            "cosine": table}
+
+
+def format_probe(r: dict[str, Any]) -> str:
+    labels = list(r["tokens_per_range"])
+    out = [f"A: {r['a']['store']} ({r['a']['target']}, layers {r['a']['aux_layers']})",
+           f"B: {r['b']['store']} ({r['b']['target']}, layers {r['b']['aux_layers']})",
+           f"split {r['split']}: {r['samples_compared']} samples, {r['tokens_compared']} tokens compared; "
+           f"{r['samples_skipped_other_tokens']} skipped (different tokens)",
+           "", "mean cosine similarity (layer A/B x position range)",
+           f"{'layer':10s} {'all':>7s} " + " ".join(f"{lab:>12s}" for lab in labels)]
+    for name, row in r["cosine"].items():
+        cells = " ".join(f"{row[lab]:12.4f}" if row[lab] is not None else f"{'-':>12s}" for lab in labels)
+        out.append(f"{name:10s} {row['all']:7.4f} {cells}")
+    out.append(f"{'tokens':10s} {r['tokens_compared']:7d} " + " ".join(f"{r['tokens_per_range'][lab]:12d}"
+                                                                      for lab in labels))
+    return "\n".join(out)
+
+
+# =========================================================================== CLI
+
+def main(argv: list[str] | None = None) -> int:
+    from .logs import setup_logging
+
+    p = argparse.ArgumentParser(prog="python -m eagle3.diagnose", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pi = sub.add_parser("inspect", help="check a drafter folder against vLLM's and SGLang's rules")
+    pi.add_argument("dir", help="drafter folder (config.json + model.safetensors)")
+    pi.add_argument("--target-config", help="the target's model folder or config.json (or hub id)")
+    pc = sub.add_parser("compare-vocab", help="compare two draft vocabularies")
+    pc.add_argument("a", help="drafter folder, stage 03 folder, work dir, or d2t/t2d file (.npy/.pt)")
+    pc.add_argument("b")
+    pc.add_argument("--dataset", help="work dir whose stage 01 token frequencies give the coverage")
+    pp = sub.add_parser("probe-hidden", help="cosine similarity of two targets' hidden-state stores")
+    pp.add_argument("a", help="work dir (or its 02_hidden_states folder) of target A")
+    pp.add_argument("b", help="the same for target B, extracted from the same stage 01 samples")
+    pp.add_argument("--split", default="eval", choices=("train", "eval"))
+    pp.add_argument("--max-samples", type=int, default=200)
+    pp.add_argument("--ranges", default=",".join(map(str, DEFAULT_RANGES)),
+                    help="position range starts, comma-separated (default %(default)s)")
+    for sp in (pi, pc, pp):
+        sp.add_argument("--json", action="store_true", help="print the report as JSON")
+        sp.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    setup_logging(logging.DEBUG if a.verbose else logging.WARNING)
+    try:
+        if a.cmd == "inspect":
+            r = inspect_drafter(a.dir, a.target_config)
+            text, rc = format_inspect(r), (0 if r["ok"] else 1)
+        elif a.cmd == "compare-vocab":
+            r = compare_vocab(a.a, a.b, a.dataset)
+            text, rc = format_compare(r), 0
+        else:
+            ranges = tuple(sorted({int(x) for x in a.ranges.split(",") if x.strip()} | {0}))
+            r = probe_hidden(a.a, a.b, a.split, a.max_samples, ranges)
+            text, rc = format_probe(r), 0
+    except PipelineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(r, indent=2, default=str) if a.json else text)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The aux-layer translation per engine rule, and the engines' tensor-name rules."""
+from __future__ import annotations
+
+import torch
+
+from eagle3 import engine_rules as er
+
+
+# -- the translation (DESIGN.md convention 7) ------------------------------------------
+
+def test_translation_for_kimi_k25_default_layers():
+    cfg = er.aux_layer_config([2, 30, 58])
+    assert cfg == {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}}
+
+
+def test_vllm_reads_top_level_as_is():
+    cfg = er.aux_layer_config([2, 30, 58])
+    assert er.captured_layers(er.VLLM, cfg, 61) == [2, 30, 58]
+    # Top-level wins over nested even when they disagree.
+    assert er.captured_layers(er.VLLM, {**cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [9, 9, 9]}},
+                              61) == [2, 30, 58]
+
+
+def test_vllm_reads_nested_ids_as_is_when_top_level_is_absent():
+    # vLLM 0.32's fallback takes SGLang's nested ids WITHOUT adding one: an SGLang-only
+    # config is read one layer off by vLLM.
+    sglang_only = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+    assert er.captured_layers(er.VLLM, sglang_only, 61) == [1, 29, 57]
+    assert er.captured_layers(er.VLLM, {}, 61) == [2, 30, 58]  # default [2, N//2, N-3]
+    assert er.captured_layers(er.VLLM, {}, None) is None
+
+
+def test_sglang_old_rule_adds_one_to_each_nested_id():
+    cfg = er.aux_layer_config([2, 30, 58])
+    assert er.captured_layers(er.SGLANG, cfg, 61) == [2, 30, 58]
+    assert er.captured_layers(er.SGLANG, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 28]}},
+                              32) == [3, 16, 29]
+    # Top-level ids are not read by SGLang: without nested ids it uses its default.
+    assert er.captured_layers(er.SGLANG, {"eagle_aux_hidden_state_layer_ids": [3, 9, 20]}, 32) == [2, 16, 29]
+
+
+def test_sglang_deepseek_rule_adds_one_only_when_first_id_is_1():
+    # [1, 29, 57] starts with 1, so every id gets +1: the same layers as the old rule.
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57]}}
+    assert er.captured_layers(er.SGLANG_DEEPSEEK, nested, 61) == [2, 30, 58]
+    assert er.captured_layers(er.SGLANG, nested, 61) == [2, 30, 58]
+    # Any other first id: taken as-is, so the old and new rules disagree by one.
+    other = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 29, 57]}}
+    assert er.captured_layers(er.SGLANG_DEEPSEEK, other, 61) == [2, 29, 57]
+    assert er.captured_layers(er.SGLANG, other, 61) == [3, 30, 58]
+    zero = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 29, 57]}}
+    assert er.captured_layers(er.SGLANG_DEEPSEEK, zero, 61) == [0, 29, 57]  # layer 0 = the embeddings
+
+
+def test_default_layers_translate_for_every_engine_and_family():
+    for n in (8, 16, 32, 61, 80):
+        layers = er.default_layers(n)
+        for family in ("llama", "deepseek", None):
+            assert er.translation_problems(layers, family) == [], (n, family)
+
+
+def test_layer_1_cannot_be_expressed_for_the_deepseek_rule():
+    assert er.translation_problems([1, 30, 58], "llama") == []  # old rule: nested 0 + 1 = 1
+    problems = er.translation_problems([1, 30, 58], "deepseek")
+    assert len(problems) == 1 and "nested id 0" in problems[0] and "[0, 29, 57]" in problems[0]
+
+
+def test_first_layer_other_than_2_breaks_only_the_deepseek_rule():
+    assert er.translation_problems([3, 30, 58], "llama") == []
+    (p,) = er.translation_problems([3, 30, 58], "deepseek")
+    assert "[2, 29, 57]" in p
+
+
+def test_layer_range_problems():
+    assert er.layer_range_problems([2, 4, 5], 8) == []
+    assert any("negative" in p for p in er.layer_range_problems([-1, 4, 5], 8))
+    assert any("embedding" in p for p in er.layer_range_problems([0, 4, 5], 8))
+    assert any(">=" in p for p in er.layer_range_problems([2, 4, 8], 8))
+    assert any("ascending" in p for p in er.layer_range_problems([5, 4, 2], 8))
+
+
+def test_intended_layers():
+    assert er.intended_layers(er.aux_layer_config([2, 4, 5]))[0] == [2, 4, 5]
+    layers, where = er.intended_layers({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}})
+    assert layers == [2, 4, 5] and "SGLang" in where
+    assert er.intended_layers({})[0] is None
+
+
+def test_target_family():
+    assert er.target_family("LlamaForCausalLM", "llama") == "llama"
+    assert er.target_family("DeepseekV3ForCausalLM", "deepseek_v3") == "deepseek"
+    assert er.target_family("KimiK25ForConditionalGeneration", "deepseek_v3") == "deepseek"
+    assert er.target_family("Qwen3ForCausalLM", "qwen3") == "llama"
+    assert er.rules_for("llama") == (er.VLLM, er.SGLANG)
+    assert er.SGLANG_DEEPSEEK in er.rules_for("deepseek") and er.SGLANG_DEEPSEEK in er.rules_for(None)
+
+
+# -- tensor names ----------------------------------------------------------------------
+
+def test_vllm_name_rules():
+    assert er.vllm_name("fc.weight") == ("load", "fc.weight")
+    assert er.vllm_name("midlayer.self_attn.q_proj.weight") == ("load", "midlayer.self_attn.q_proj.weight")
+    assert er.vllm_name("layers.0.mlp.up_proj.weight") == ("load", "midlayer.mlp.up_proj.weight")
+    assert er.vllm_name("lm_head.weight") == ("load", "lm_head.weight")
+    assert er.vllm_name("d2t") == ("load", "d2t")
+    assert er.vllm_name("t2d") == ("skip", "t2d")
+    assert er.vllm_name("model.fc.weight")[0] == "reject"  # vLLM prepends model. itself
+    assert er.vllm_name("extra.weight")[0] == "reject"
+    assert er.vllm_name("fc.bias")[0] == "ignore"
+
+
+def test_sglang_name_rules():
+    assert er.sglang_name("fc.weight") == ("load", "fc.weight")
+    assert er.sglang_name("model.fc.weight") == ("load", "fc.weight")
+    assert er.sglang_name("midlayer.mlp.gate_proj.weight") == ("load", "midlayer.mlp.gate_proj.weight")
+    assert er.sglang_name("layers.0.mlp.gate_proj.weight")[0] == "ignore"  # silently: weights stay random
+    assert er.sglang_name("model.lm_head.weight")[0] == "ignore"
+    assert er.sglang_name("d2t") == ("load", "d2t") and er.sglang_name("t2d")[0] == "skip"
+
+
+# -- check_drafter on synthetic tensors ---------------------------------------------------
+
+def _drafter(H=64, nh=1, nkv=1, D=64, inter=128, V=100, Vd=16, layers=(2, 4, 5)):
+    cfg = {"architectures": [er.ARCHITECTURE], "model_type": "llama", "num_hidden_layers": 1, "hidden_size": H,
+           "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": D, "intermediate_size": inter,
+           "vocab_size": V, "draft_vocab_size": Vd, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+           **er.aux_layer_config(list(layers))}
+    shapes = er.expected_shapes(cfg, 3)
+    t = {n: torch.zeros(shapes[n], dtype=torch.bfloat16) for n in er.WEIGHT_NAMES}
+    ids = torch.arange(0, 2 * Vd, 2) if 2 * Vd <= V else torch.arange(Vd)
+    t["d2t"] = ids - torch.arange(Vd)
+    t["t2d"] = torch.zeros(V, dtype=torch.bool).index_fill_(0, ids, True)
+    return cfg, t
+
+
+def test_clean_synthetic_drafter_has_no_errors_or_warnings():
+    cfg, t = _drafter()
+    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                            family="llama")
+    assert [f for f in er.check_drafter(cfg, t, target) if f.level != "info"] == []
+
+
+def test_deepseek_target_with_layers_starting_at_3_is_an_error():
+    cfg, t = _drafter(layers=(3, 4, 5))
+    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                            family="deepseek")
+    bad = er.errors(er.check_drafter(cfg, t, target))
+    assert len(bad) == 1 and "captures [2, 3, 4]" in bad[0].message
+
+
+def test_d2t_with_equal_vocabs_is_refused_by_vllm():
+    cfg, t = _drafter(V=16, Vd=16)
+    t["d2t"] = torch.zeros(16, dtype=torch.int64)
+    t["t2d"] = torch.ones(16, dtype=torch.bool)
+    bad = er.errors(er.check_drafter(cfg, t))
+    assert [f.engine for f in bad] == ["vllm"] and "drop d2t" in bad[0].message
+
+
+def test_d2t_summary():
+    s = er.d2t_summary(torch.tensor([0, 0, 1, -1]), 10)  # ids 0, 1, 3, 2
+    assert s["duplicates"] == 0 and not s["ascending"] and s["out_of_range"] == 0
+    s = er.d2t_summary(torch.tensor([5, 5, 8]), 10)  # ids 5, 6, 10
+    assert s["out_of_range"] == 1 and s["ascending"]
