@@ -11,6 +11,11 @@ chat set) with a Llama-3 style chat template. Kinds:
 - `kimi_k25`: the same text model nested as Kimi-K2.5 is: sizes under
   `text_config`, weights under `language_model.`.
 
+`--train-steps N` then trains the random model for N steps of next-token
+prediction on the shipped chats, so the demo's target is a teacher with
+predictable continuations (a random target's greedy output is noise that no
+drafter can learn well). Tests use untrained targets: faster, same shapes.
+
 Sizes are chosen so vLLM's CPU build runs them too (head_dim 64; MLA with
 kv_lora_rank 512 and qk_rope_head_dim 64; noaux_tc routing): see DESIGN.md.
 """
@@ -81,7 +86,7 @@ def llama_config(vocab_size: int, tok):
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
         rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        torch_dtype="float32")
+        dtype="float32")
 
 
 def deepseek_v3_config(vocab_size: int, tok):
@@ -95,7 +100,7 @@ def deepseek_v3_config(vocab_size: int, tok):
         q_lora_rank=128, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
         max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-        torch_dtype="float32")
+        dtype="float32")
 
 
 def build_model(kind: str, tok, seed: int = 0):
@@ -105,10 +110,57 @@ def build_model(kind: str, tok, seed: int = 0):
     vocab = padded_vocab(len(tok))
     cfg = llama_config(vocab, tok) if kind == "llama" else deepseek_v3_config(vocab, tok)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-def save_target(kind: str, model, tok, out: Path) -> None:
+def _chat_token_batches(tok, chats: Path, max_len: int = 256) -> list[list[int]]:
+    seqs = []
+    for raw in chats.read_text().splitlines():
+        rec = json.loads(raw)
+        if "messages" in rec:
+            msgs = rec["messages"]
+        else:
+            role = {"human": "user", "gpt": "assistant", "system": "system"}
+            msgs = [{"role": role[m["from"]], "content": m["value"]} for m in rec["conversations"]]
+        text = tok.apply_chat_template(msgs, tokenize=False)
+        seqs.append(tok.encode(text, add_special_tokens=False)[:max_len])
+    return seqs
+
+
+def train_on_chats(model, tok, steps: int, seed: int = 0, chats: Path = DEMO_CHATS,
+                   batch_size: int = 16, lr: float = 3e-3) -> list[float]:
+    """Next-token training on whole chats; returns the loss curve (one value per step)."""
+    import torch
+    from tqdm import tqdm
+
+    seqs = _chat_token_batches(tok, chats)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(  # linear warmup, then linear decay to 10%
+        opt, lambda s: (s + 1) / warmup if s < warmup else max(0.1, 1 - (s - warmup) / max(1, steps - warmup)))
+    pad = tok.pad_token_id
+    losses = []
+    model.train()
+    for _ in tqdm(range(steps), desc="train tiny target", unit="step"):
+        idx = torch.randint(len(seqs), (batch_size,), generator=g).tolist()
+        width = max(len(seqs[i]) for i in idx)
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        for row, i in enumerate(idx):
+            ids[row, : len(seqs[i])] = torch.tensor(seqs[i])
+        labels = ids.masked_fill(ids == pad, -100)
+        loss = model(input_ids=ids, attention_mask=(ids != pad).long(), labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss))
+    model.eval()
+    return losses
+
+
+def save_target(kind: str, model, tok, out: Path, recipe: dict) -> None:
     """Write the folder atomically: a half-built target is never mistaken for one."""
     from safetensors.torch import save_file
 
@@ -126,22 +178,26 @@ def save_target(kind: str, model, tok, out: Path) -> None:
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         else:
             model.save_pretrained(tmp, safe_serialization=True)
-        (tmp / "TINY_TARGET.json").write_text(json.dumps({"kind": kind}) + "\n")
+        (tmp / "TINY_TARGET.json").write_text(json.dumps({"kind": kind, "recipe": recipe}) + "\n")
 
 
-def build_tiny_target(kind: str, out: Path | str, seed: int = 0, force: bool = False) -> Path:
+def build_tiny_target(kind: str, out: Path | str, seed: int = 0, force: bool = False,
+                      train_steps: int = 0) -> Path:
     if kind not in KINDS:
         raise ValueError(f"unknown tiny target kind {kind!r}; choose one of {KINDS}")
     out = Path(out)
     marker = out / "TINY_TARGET.json"
-    if marker.is_file() and not force and json.loads(marker.read_text()).get("kind") == kind:
+    recipe = {"kind": kind, "seed": seed, "train_steps": train_steps}
+    if marker.is_file() and not force and json.loads(marker.read_text()).get("recipe") == recipe:
         log.info("tiny %s target already at %s", kind, out)
         return out
     tok = build_tokenizer()
     model = build_model(kind, tok, seed)
-    save_target(kind, model, tok, out)
-    log.info("built tiny %s target at %s (vocab %d, %d layers)", kind, out,
-             model.config.vocab_size, model.config.num_hidden_layers)
+    losses = train_on_chats(model, tok, train_steps, seed) if train_steps else []
+    save_target(kind, model, tok, out, recipe={**recipe, "final_loss": losses[-1] if losses else None})
+    log.info("built tiny %s target at %s (vocab %d, %d layers%s)", kind, out, model.config.vocab_size,
+             model.config.num_hidden_layers,
+             f", trained {train_steps} steps: loss {losses[0]:.2f} -> {losses[-1]:.2f}" if losses else ", untrained")
     return out
 
 
@@ -153,9 +209,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, help="folder to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
+    p.add_argument("--train-steps", type=int, default=0,
+                   help="train the random model on the shipped chats for this many steps (the demo uses 300)")
     a = p.parse_args(argv)
     setup_logging()
-    build_tiny_target(a.kind, a.out, a.seed, a.force)
+    build_tiny_target(a.kind, a.out, a.seed, a.force, a.train_steps)
 
 
 if __name__ == "__main__":

@@ -51,9 +51,11 @@ def epoch_batches(lengths: list[int], cfg: Batching, epoch: int | None) -> list[
 
 
 def rank_batches(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:
-    """This process's share; every rank gets the same count (extra batches are dropped)."""
+    """This process's share, interleaved: step s of rank r reads batch s*world + r, so
+    W processes with grad_accum 1 see exactly what one process with grad_accum W
+    sees. Every rank gets the same count (the remainder is dropped)."""
     per_rank = len(batches) // world
-    return batches[rank * per_rank:(rank + 1) * per_rank] if world > 1 else batches
+    return batches[rank::world][:per_rank]
 
 
 def load_batch(split: SplitView, indices: list[int], max_seq_len: int) -> dict[str, torch.Tensor]:
