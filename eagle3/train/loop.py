@@ -365,7 +365,12 @@ def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
         mlog.write("eval", 0, start)
         uniform = math.log(dcfg.draft_vocab_size)
         log.info(fmt("start", 0, total, start, f" | uniform loss ln({dcfg.draft_vocab_size}) = {uniform:.3f}"))
-        if cfg.init_from and start["loss_0"] > uniform:
+        if start["num_valid"] == 0:
+            raise PipelineError(
+                f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
+                f"of {dcfg.draft_vocab_size} tokens, or the loss mask is empty. Check the mapping "
+                f"({cfg.init_from or wd.d2t()}) against this target, and stage 01's loss mask.")
+        if cfg.init_from and not start["loss_0"] <= uniform:
             msg = (f"the starting held-out loss_0 {start['loss_0']:.3f} of {cfg.init_from} is worse than uniform "
                    f"over the draft vocab (ln {dcfg.draft_vocab_size} = {uniform:.3f}): its weights do not fit "
                    f"this data. Usual causes: an lm_head read under another token mapping (try --vocab-mode "

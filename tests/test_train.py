@@ -1,0 +1,222 @@
+"""Stage 04 end to end on a tiny target: resume, DDP, and fine-tuning without scrambled labels."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3.errors import PipelineError
+from eagle3.extract.config import ExtractConfig
+from eagle3.extract.run import extract_hidden_states
+from eagle3.manifest import read_manifest
+from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.train.config import TrainConfig
+from eagle3.train.finetune import remap_lm_head
+from eagle3.train.loop import train_drafter
+from eagle3.vocab import VocabConfig, build_vocab_mapping
+from eagle3.workdir import WorkDir
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=3,
+             warmup_steps=2)
+
+
+@pytest.fixture(scope="session")
+def sharp_llama(tmp_path_factory, tiny_llama) -> Path:
+    """The tiny Llama with its lm_head scaled up: a random but confident teacher, so a
+    good drafter's loss sits well below uniform and a scrambled one's well above."""
+    out = tmp_path_factory.mktemp("sharp") / "target"
+    shutil.copytree(tiny_llama, out)
+    w = load_file(out / "model.safetensors")
+    w["lm_head.weight"] = w["lm_head.weight"] * 40
+    save_file(w, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="session")
+def stages_123(tmp_path_factory, sharp_llama) -> Path:
+    """Stages 01-03 on 120 demo chats (draft vocab 128); copy before training in it."""
+    wd = tmp_path_factory.mktemp("train-base")
+    lines = (ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:120]
+    data = wd / "chats.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(sharp_llama), data=[str(data)], max_length=256,
+                                  eval_fraction=0.15, num_workers=1))
+    extract_hidden_states(ExtractConfig(work_dir=wd, target_model=str(sharp_llama), backend="hf",
+                                        samples_per_file=32, dtype="float32"))
+    build_vocab_mapping(VocabConfig(work_dir=wd, draft_vocab_size=128))
+    return wd
+
+
+def fresh(base: Path, dest: Path, vocab: int | None = None) -> Path:
+    for stage in ("01_dataset", "02_hidden_states", "03_vocab"):
+        shutil.copytree(base / stage, dest / stage)
+    if vocab is not None:
+        build_vocab_mapping(VocabConfig(work_dir=dest, draft_vocab_size=vocab, force=True))
+    return dest
+
+
+def weights(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
+
+
+def test_killed_and_resumed_run_equals_unbroken_run(tmp_path, stages_123, sharp_llama):
+    a, b = fresh(stages_123, tmp_path / "a"), fresh(stages_123, tmp_path / "b")
+    cfg = dict(target_model=str(sharp_llama), max_steps=6, learning_rate=2e-3, **{**SMALL, "save_every": 2})
+    train_drafter(TrainConfig(work_dir=b, **cfg))
+    assert train_drafter(TrainConfig(work_dir=a, stop_after=3, **cfg)) is None  # "killed" after step 3
+    assert not WorkDir(a).manifest("train").exists()
+    assert json.loads(WorkDir(a).latest_checkpoint().read_text())["step"] == 2  # step 3's work is lost
+    m = train_drafter(TrainConfig(work_dir=a, **cfg))  # resumes from step 2
+    assert m.counts["steps"] == 6
+    wa, wb = weights(WorkDir(a).checkpoint(6)), weights(WorkDir(b).checkpoint(6))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    lines = [json.loads(line) for line in WorkDir(a).train_metrics().read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [1, 2, 3, 4, 5, 6]  # no duplicate step 3
+    # a finished run is not redone
+    before = WorkDir(a).manifest("train").read_text()
+    train_drafter(TrainConfig(work_dir=a, **cfg))
+    assert WorkDir(a).manifest("train").read_text() == before
+
+
+def test_two_process_gloo_run_equals_one_process_with_grad_accum(tmp_path, stages_123, sharp_llama):
+    one, two = fresh(stages_123, tmp_path / "one"), fresh(stages_123, tmp_path / "two")
+    cfg = dict(target_model=str(sharp_llama), max_steps=3, learning_rate=2e-3, **SMALL)
+    train_drafter(TrainConfig(work_dir=one, grad_accum=2, **cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in cfg.items()]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        "29517", str(ROOT / "04_train_drafter.py"), "--work-dir", str(two), "--device", "cpu",
+                        *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = read_manifest(WorkDir(two), "train", needed_by="test")
+    assert m.counts["processes"] == 2 and m.counts["steps"] == 3
+    w1, w2 = weights(WorkDir(one).checkpoint(3)), weights(WorkDir(two).checkpoint(3))
+    for k in w1:
+        assert torch.allclose(w1[k].float(), w2[k].float(), atol=1e-5, rtol=1e-4), k
+
+
+@pytest.fixture(scope="session")
+def trained_export(tmp_path_factory, stages_123, sharp_llama):
+    """A drafter trained on mapping A (128 tokens) and exported as SGLang/vLLM expect."""
+    from eagle3.export import ExportConfig, export_drafter
+
+    wd = fresh(stages_123, tmp_path_factory.mktemp("ft") / "w1")
+    m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), max_steps=40, learning_rate=3e-3,
+                                  **{**SMALL, "log_every": 10, "eval_every": 40}))
+    out = export_drafter(ExportConfig(work_dir=wd, target_model=str(sharp_llama)))
+    return wd, Path(out), m
+
+
+def test_fine_tune_keep_reproduces_the_drafters_own_loss(tmp_path, stages_123, sharp_llama, trained_export, caplog):
+    src_wd, export_dir, src_m = trained_export
+    uniform = math.log(128)
+    assert src_m.counts["final_eval"]["loss_0"] < uniform - 0.5  # the teacher is confident; the drafter learned
+    # another work dir whose stage 03 chose a different mapping (96 tokens: most positions differ)
+    wd = fresh(stages_123, tmp_path / "w2", vocab=96)
+    with caplog.at_level("INFO"):
+        m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(export_dir),
+                                      max_steps=1, learning_rate=1e-5, **SMALL))
+    assert "positions differ" in caplog.text and "vocab mode 'keep'" in caplog.text
+    rep = m.extra["init_from"]
+    assert rep["vocab_mode"] == "keep" and rep["positions_differing"] > 0 and rep["tokens_shared"] == 96
+    start = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()][0]
+    assert start["split"] == "eval" and start["step"] == 0
+    # same weights (bf16-rounded by export), same mapping, same held-out positions: same loss
+    assert start["loss_0"] == pytest.approx(src_m.counts["final_eval"]["loss_0"], rel=0.02)
+    assert start["full_acc_0"] == pytest.approx(src_m.counts["final_eval"]["full_acc_0"], abs=0.03)
+
+
+def test_remap_keeps_every_shared_tokens_logit():
+    g = torch.Generator().manual_seed(0)
+    H, V = 16, 50
+    a_ids = np.array([1, 3, 4, 8, 10, 20, 33, 40])
+    b_ids = np.array([0, 3, 8, 9, 20, 33, 41])
+    head_a = torch.randn(len(a_ids), H, generator=g)
+    target = torch.randn(V, H, generator=g)
+    head_b, copied, new = remap_lm_head(head_a, a_ids, b_ids, lambda ids: target[torch.from_numpy(ids)])
+    assert (copied, new) == (4, 3)
+    x = torch.randn(5, H, generator=g)
+    la, lb = x @ head_a.T, x @ head_b.T
+    for j, t in enumerate(b_ids):
+        if t in a_ids:
+            assert torch.equal(lb[:, j], la[:, list(a_ids).index(t)])
+        else:
+            assert torch.equal(head_b[j], target[t])
+    # on the shared tokens, the distribution (renormalised over them) is unchanged
+    shared = [t for t in b_ids if t in a_ids]
+    pa = torch.log_softmax(la[:, [list(a_ids).index(t) for t in shared]], -1)
+    pb = torch.log_softmax(lb[:, [list(b_ids).index(t) for t in shared]], -1)
+    assert torch.allclose(pa, pb)
+
+
+def test_fine_tune_remap_reports_rows(tmp_path, stages_123, sharp_llama, trained_export):
+    _, export_dir, _ = trained_export
+    wd = fresh(stages_123, tmp_path / "w3", vocab=96)
+    m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(export_dir),
+                                  vocab_mode="remap", max_steps=1, learning_rate=1e-5, **SMALL))
+    rep = m.extra["init_from"]
+    assert rep["vocab_mode"] == "remap" and rep["rows_copied"] == 96 and rep["rows_new"] == 0
+    d2t = torch.load(WorkDir(wd).d2t(), weights_only=True)
+    assert torch.equal(weights(WorkDir(wd).best_checkpoint())["d2t"], d2t)  # trained under stage 03's mapping
+
+
+def test_weights_with_another_drafters_mapping_are_stopped_by_the_starting_loss_gate(
+        tmp_path, stages_123, sharp_llama, trained_export):
+    _, export_dir, _ = trained_export
+    # The failure this product exists for: the drafter's weights with a d2t from elsewhere.
+    bad = tmp_path / "scrambled"
+    shutil.copytree(export_dir, bad)
+    t = load_file(bad / "model.safetensors")
+    V = t["t2d"].shape[0]
+    # Like two drafters' mappings built from different data: mostly the same tokens,
+    # ten swapped (out at the bottom, in at the top) shift almost every position.
+    ids = (t["d2t"] + torch.arange(128)).numpy()
+    swap_in = np.setdiff1d(np.arange(V), ids)[-10:]
+    other = np.sort(np.concatenate([ids[10:], swap_in]))
+    assert (other != ids).sum() > 100
+    t["d2t"] = torch.from_numpy(other - np.arange(128))
+    t["t2d"] = torch.zeros(V, dtype=torch.bool)
+    t["t2d"][torch.from_numpy(other)] = True
+    save_file(t, bad / "model.safetensors")
+    wd = fresh(stages_123, tmp_path / "w4")
+    with pytest.raises(PipelineError, match=r"worse than uniform .* mapping .* aux layer ids"):
+        train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
+                                  **SMALL))
+    assert not WorkDir(wd).checkpoints().exists()
+
+
+def test_a_mapping_that_never_holds_the_target_argmax_is_refused(tmp_path, stages_123, sharp_llama):
+    wd = fresh(stages_123, tmp_path / "w6")
+    prep = read_manifest(WorkDir(wd), "prepare", needed_by="test")
+    freq = np.load(WorkDir(wd).token_freq("train"))
+    unseen = np.flatnonzero(freq == 0)[:16]  # ids no assistant token ever is
+    d2t = torch.from_numpy(unseen - np.arange(16))
+    t2d = torch.zeros(prep.extra["vocab_size"], dtype=torch.bool)
+    t2d[torch.from_numpy(unseen)] = True
+    torch.save(d2t, WorkDir(wd).d2t())
+    torch.save(t2d, WorkDir(wd).t2d())
+    with pytest.raises(PipelineError, match="no held-out position can be trained"):
+        train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), max_steps=1, **SMALL))
+
+
+def test_init_from_refuses_other_aux_layers(tmp_path, stages_123, sharp_llama, trained_export):
+    _, export_dir, _ = trained_export
+    bad = tmp_path / "layers"
+    shutil.copytree(export_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 4, 6]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    wd = fresh(stages_123, tmp_path / "w5")
+    with pytest.raises(PipelineError, match=r"aux layer mismatch: .* layers \[1, 4, 6\] .* store has \[2, 4, 5\]"):
+        train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
+                                  **SMALL))
