@@ -30,6 +30,7 @@ from ..diagnose import VocabMapping, compare_mappings
 from ..drafter_io import drafter_config_from_hf_config, load_drafter_dir
 from ..engine_rules import intended_layers
 from ..errors import PipelineError
+from ..target import default_aux_layers
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def scaled_target_rows(target_rows: Callable[[np.ndarray], torch.Tensor], refere
 
 
 def load_initial_drafter(
-    path: str | Path, *, aux_layers: list[int], target_hidden: int, target_vocab: int,
+    path: str | Path, *, aux_layers: list[int], num_target_layers: int, target_hidden: int, target_vocab: int,
     our_ids: np.ndarray, mode: str, target_rows: Callable[[np.ndarray], torch.Tensor],
     expected_from: str,
 ) -> tuple[dict, dict[str, torch.Tensor], InitReport]:
@@ -91,13 +92,11 @@ def load_initial_drafter(
     cfg = drafter_config_from_hf_config(hf, tensors, source=f"{path}/config.json")
     layers, layers_from = intended_layers(hf)
     if layers is None:
-        from ..target import default_aux_layers
-
-        raise PipelineError(
-            f"{path}/config.json names no aux layer ids ({layers_from}); the engines would use the default "
-            f"for the target, but this drafter's training layers cannot be checked. Add "
-            f"`eagle_aux_hidden_state_layer_ids` to it if you know them (our store has {aux_layers}; the "
-            f"default for this target would be e.g. {default_aux_layers(61)} for 61 layers).")
+        # Both engines then capture their default [2, N//2, N-3]; a drafter published
+        # without ids was trained for that default, as far as anyone can tell.
+        layers = default_aux_layers(num_target_layers)
+        layers_from = f"none in config.json; the engines' default for {num_target_layers} layers"
+        log.warning("%s/config.json names no aux layer ids: assuming the engines' default %s", path, layers)
     if list(layers) != list(aux_layers):
         raise PipelineError(
             f"aux layer mismatch: the drafter {path} was trained on layers {layers} ({layers_from}) but the "

@@ -289,7 +289,8 @@ def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
             return load_lm_head(info, rows=torch.from_numpy(ids))
 
         dcfg_dict, state, init_report = load_initial_drafter(
-            cfg.init_from, aux_layers=store.aux_layers, target_hidden=info.hidden_size,
+            cfg.init_from, aux_layers=store.aux_layers, num_target_layers=info.num_layers,
+            target_hidden=info.hidden_size,
             target_vocab=info.vocab_size, our_ids=our_ids, mode=cfg.vocab_mode, target_rows=target_rows,
             expected_from=str(store.manifest.path))
         dcfg_dict["max_position_embeddings"] = max(dcfg_dict["max_position_embeddings"], info.max_position_embeddings)
