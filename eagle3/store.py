@@ -1,0 +1,601 @@
+"""The hidden-state store: what stage 02 writes and stage 04 reads.
+
+Reads nothing of its own; `eagle3/extract/run.py` writes it, the trainer reads it
+with `HiddenStateStore.open(wd, needed_by=...)`. All store file names live here,
+inside `WorkDir.store()` (`WORK/02_hidden_states/`):
+
+    store.json                 identity of the store (layers, hidden size, tokenizer, ...),
+                               written before the first file; a rerun with other settings
+                               is refused until --force.
+    {split}-{nnnnn}.safetensors one file of `samples_per_file` consecutive samples of a split
+    {split}-{nnnnn}.json        its index entry: sample ids, byte size, xxh3-128 checksum,
+                               rejected (NaN/Inf) samples; written after the file is renamed,
+                               so a file without one is incomplete.
+    index.json                 all entries of the files present, written with the manifest.
+    .{split}-{nnnnn}.partial    a file being written (never read; removed on resume).
+
+One file holds, for its S samples and their T tokens in total (safetensors layout,
+each tensor concatenated over the samples, read by memory map without copying):
+
+    sample_offsets  int64 [S+1]   token offset of each sample inside the file
+    target_argmax   int32 [T]     argmax of the target's full-vocab logits at position t
+                                  (its prediction of token t+1) where loss_mask[t] or
+                                  loss_mask[t+1] is 1; -1 elsewhere (never a label) and
+                                  for rejected samples
+    input_ids       int32 [T]
+    aux             bf16  [T, A*H] residual stream after each aux layer (convention 1),
+                                  concatenated in ascending layer order
+    final           bf16  [T, H]  last layer's output AFTER the target's final norm, so
+                                  target logits = final @ lm_head.T (no norm to re-apply)
+    loss_mask       int8  [T]     1 = assistant token carrying loss (from stage 01)
+    valid           int8  [S]     0 = rejected for NaN/Inf (its data is zeroed, mask 0)
+
+Bytes per token: 2*A*H + 2*H + 4 + 4 + 1 = 2H(A+1) + 9; A = 3, H = 7168: 57,353 B.
+
+The temporary file is created with its final size (header, token ids and mask
+written, hidden states zero) so the backends, including vLLM's worker process
+through the KV connector, write each sample's states at its own offset
+(`write_sample_states`); `finalize_file` then applies the final norm, computes the
+argmax, rejects non-finite samples, checksums and renames.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .atomic import write_json
+from .errors import PipelineError
+from .manifest import Manifest, check_same, read_manifest
+from .workdir import WorkDir
+
+log = logging.getLogger(__name__)
+
+STORE_FORMAT = 1
+STORE_JSON = "store.json"
+INDEX_JSON = "index.json"
+CHECKSUM = "xxh3_128"
+STORE_DTYPE = "bfloat16"  # aux and final; what the manifest records as `dtype`
+FINALIZE_CHUNK_ELEMS = 1 << 24  # aux+final elements per finalize step (~64 MB as float32)
+_ALIGN = 64  # data section starts at a multiple of this (safetensors allows header padding)
+_ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.bfloat16: "BF16"}
+_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def file_name(split: str, file_no: int) -> str:
+    return f"{split}-{file_no:05d}.safetensors"
+
+
+def entry_name(split: str, file_no: int) -> str:
+    return f"{split}-{file_no:05d}.json"
+
+
+def partial_name(split: str, file_no: int) -> str:
+    return f".{split}-{file_no:05d}.partial"
+
+
+def bytes_per_token(hidden_size: int, num_aux: int) -> int:
+    """aux + final (bf16) + target_argmax + input_ids (int32) + loss_mask (int8)."""
+    return 2 * num_aux * hidden_size + 2 * hidden_size + 4 + 4 + 1
+
+
+# --------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """Where each tensor of one store file lies; identical for writer and reader."""
+
+    num_samples: int
+    num_tokens: int
+    hidden_size: int
+    num_aux: int
+    data_start: int  # byte offset of the data section (after the padded header)
+
+    def tensors(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        # Ordered by item size (8, 4, 2, 1 bytes) so each tensor is aligned to its
+        # item size without gaps (safetensors forbids holes in the data section).
+        S, T, H, A = self.num_samples, self.num_tokens, self.hidden_size, self.num_aux
+        return [
+            ("sample_offsets", torch.int64, (S + 1,)),
+            ("target_argmax", torch.int32, (T,)),
+            ("input_ids", torch.int32, (T,)),
+            ("aux", torch.bfloat16, (T, A * H)),
+            ("final", torch.bfloat16, (T, H)),
+            ("loss_mask", torch.int8, (T,)),
+            ("valid", torch.int8, (S,)),
+        ]
+
+    def spans(self) -> dict[str, tuple[int, int]]:
+        """name -> (start, end) offsets relative to the data section."""
+        out, pos = {}, 0
+        for name, dtype, shape in self.tensors():
+            n = int(np.prod(shape)) * dtype.itemsize
+            out[name] = (pos, pos + n)
+            pos += n
+        return out
+
+    @property
+    def data_bytes(self) -> int:
+        return max(e for _, e in self.spans().values())
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_start + self.data_bytes
+
+    def offset(self, name: str) -> int:
+        """Absolute byte offset of tensor `name` in the file."""
+        return self.data_start + self.spans()[name][0]
+
+    @classmethod
+    def build(cls, num_samples: int, num_tokens: int, hidden_size: int, num_aux: int,
+              metadata: dict[str, str]) -> tuple["FileLayout", bytes]:
+        """The layout and the safetensors header bytes (length prefix included)."""
+        lay = cls(num_samples, num_tokens, hidden_size, num_aux, 0)
+        spans = lay.spans()
+        header = {"__metadata__": metadata}
+        for name, dtype, shape in lay.tensors():
+            header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": list(spans[name])}
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        pad = (-(8 + len(raw))) % _ALIGN
+        raw += b" " * pad
+        return dataclasses.replace(lay, data_start=8 + len(raw)), struct.pack("<Q", len(raw)) + raw
+
+    @classmethod
+    def read(cls, path: Path | str) -> tuple["FileLayout", dict[str, str]]:
+        """Parse a store file's header (also accepts a partial file)."""
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise PipelineError(f"{path} is too short to be a store file; rerun stage 02 to redo it.")
+            (n,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(f.read(n))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise PipelineError(f"{path} has a corrupt header ({e}); rerun stage 02 to redo it.") from e
+        meta = header.pop("__metadata__", {})
+        aux, offs = header["aux"]["shape"], header["sample_offsets"]["shape"]
+        lay = cls(offs[0] - 1, aux[0], header["final"]["shape"][1], aux[1] // header["final"]["shape"][1], 8 + n)
+        assert lay.spans() == {k: tuple(v["data_offsets"]) for k, v in header.items()}, f"{path}: unexpected layout"
+        return lay, meta
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while len(buf):
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.detach().contiguous().cpu().view(torch.uint8).numpy()).cast("B")
+
+
+def create_partial_file(path: Path, *, split: str, file_no: int, first_sample: int,
+                        input_ids: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]],
+                        hidden_size: int, aux_layers: Sequence[int], identity_hash: str) -> FileLayout:
+    """Create the temporary file at its final size with token ids, masks and offsets.
+
+    Hidden states stay zero (a sparse hole) until the backend writes them.
+    """
+    lengths = [len(x) for x in input_ids]
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    meta = {"store_format": str(STORE_FORMAT), "split": split, "file_no": str(file_no),
+            "first_sample": str(first_sample), "aux_layers": json.dumps(list(aux_layers)),
+            "identity": identity_hash}
+    lay, header = FileLayout.build(len(lengths), int(offsets[-1]), hidden_size, len(aux_layers), meta)
+    ids = np.concatenate([np.asarray(x, dtype=np.int32) for x in input_ids]) if lengths else np.zeros(0, np.int32)
+    mask = np.concatenate([np.asarray(x, dtype=np.int8) for x in loss_masks]) if lengths else np.zeros(0, np.int8)
+    assert ids.shape == mask.shape, "input_ids and loss_mask lengths differ"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, lay.total_bytes)
+        _pwrite_all(fd, memoryview(header), 0)
+        _pwrite_all(fd, memoryview(offsets).cast("B"), lay.offset("sample_offsets"))
+        _pwrite_all(fd, memoryview(ids).cast("B"), lay.offset("input_ids"))
+        _pwrite_all(fd, memoryview(mask).cast("B"), lay.offset("loss_mask"))
+    finally:
+        os.close(fd)
+    return lay
+
+
+def write_sample_states(path: Path | str, row: int, aux: torch.Tensor, final_prenorm: torch.Tensor,
+                        layout: FileLayout | None = None) -> None:
+    """Write one sample's states at token row `row` of a partial file.
+
+    aux: [T, A, H] or [T, A*H]; final_prenorm: [T, H] (the residual stream after all
+    N layers, before the final norm: vLLM id N). Called by the hf backend and, inside
+    vLLM's worker process, by the project's KV connector; samples may arrive in any
+    order and from another process.
+    """
+    lay = layout or FileLayout.read(path)[0]
+    T = aux.shape[0]
+    aux = aux.reshape(T, -1).to(torch.bfloat16)  # [T, A, H] -> [T, A*H]
+    assert aux.shape[1] == lay.num_aux * lay.hidden_size, (aux.shape, lay)
+    assert final_prenorm.shape == (T, lay.hidden_size), (final_prenorm.shape, lay)
+    assert 0 <= row and row + T <= lay.num_tokens, (row, T, lay.num_tokens)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        _pwrite_all(fd, _as_bytes(aux), lay.offset("aux") + row * lay.num_aux * lay.hidden_size * 2)
+        _pwrite_all(fd, _as_bytes(final_prenorm.to(torch.bfloat16)), lay.offset("final") + row * lay.hidden_size * 2)
+    finally:
+        os.close(fd)
+
+
+def file_checksum(path: Path | str, chunk: int = 64 << 20) -> str:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return f"{CHECKSUM}:{h.hexdigest()}"
+
+
+def label_positions(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[T] bool: positions t whose target logits can be a training label, i.e. where
+    loss_mask[t] or loss_mask[t+1] (same sample) is 1.
+
+    Covers both alignments stage 04 may use for convention 4: the mask of the token
+    the logits predict (t+1), or the mask of the logits' own position (t).
+    """
+    m = loss_mask.bool()
+    need = m.clone()
+    need[:-1] |= m[1:]
+    ends = offsets[1:] - 1  # last token of each sample: its t+1 belongs to the next sample
+    ends = ends[ends >= 0]
+    need[ends] = m[ends]
+    return need
+
+
+def finalize_file(partial: Path, final_path: Path, *, split: str, file_no: int, first_sample: int,
+                  sample_ids: Sequence[str], identity_hash: str,
+                  normalize: Callable[[torch.Tensor], torch.Tensor],
+                  argmax: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """Turn a filled partial file into a complete one; return its index entry.
+
+    `normalize`: [t, H] pre-norm -> [t, H] float (the target's final norm);
+    `argmax`: [t, H] bf16 normed -> [t] int (the target's lm_head argmax), taken only
+    at `label_positions` (-1 elsewhere). Both run in place over chunks of tokens: a
+    few large ops per file, not a few per sample (small ops are slow on busy CPUs).
+    The argmax is taken from the stored bf16 `final`, the same numbers stage 04 turns
+    into draft logits, so "target argmax" means the same in both stages. A sample
+    with any non-finite aux or final value is rejected: zeroed, masked, `valid` 0,
+    listed in the entry.
+    """
+    lay, _ = FileLayout.read(partial)
+    T, S = lay.num_tokens, lay.num_samples
+    with open(partial, "r+b") as f:
+        mm = mmap.mmap(f.fileno(), lay.total_bytes)
+        try:
+            v = _views(mm, lay)
+            bad = torch.zeros(T, dtype=torch.bool)  # [T] token has a non-finite value
+            normed = normed32 = None
+            offs = v["sample_offsets"]  # [S+1]
+            need = label_positions(v["loss_mask"], offs)  # [T] bool
+            rows = max(1, FINALIZE_CHUNK_ELEMS // (lay.hidden_size * (lay.num_aux + 1)))
+            for a in range(0, T, rows):
+                b = min(T, a + rows)
+                normed32 = normalize(v["final"][a:b].float())  # [c, H] float32
+                # A row sum is non-finite iff a value is (or the row overflows float32,
+                # which only garbage states do); much faster than isfinite on bf16.
+                bad[a:b] = ~torch.isfinite(normed32.sum(-1) + v["aux"][a:b].float().sum(-1))
+                normed = normed32.to(torch.bfloat16)
+                v["final"][a:b] = normed
+                # Only where a label can be needed: the full-vocab matmul is the costliest step.
+                keep = need[a:b].nonzero().flatten()  # [k]
+                am = torch.full((b - a,), -1, dtype=torch.int32)
+                if len(keep):
+                    am[keep] = argmax(normed[keep]).to(torch.int32)  # [k, H] -> [k]
+                v["target_argmax"][a:b] = am
+            nbad = torch.cat([torch.zeros(1, dtype=torch.int64), bad.cumsum(0)])  # [T+1]
+            ok = (nbad[offs[1:]] - nbad[offs[:-1]]) == 0  # [S]
+            v["valid"][:] = ok.to(torch.int8)
+            rejected = (~ok).nonzero().flatten().tolist()
+            for i in rejected:
+                # Zeroed and masked, so a reader that ignores `valid` still takes no loss here.
+                a, b = int(offs[i]), int(offs[i + 1])
+                v["aux"][a:b] = 0
+                v["final"][a:b] = 0
+                v["target_argmax"][a:b] = -1
+                v["loss_mask"][a:b] = 0
+            del v, offs, need, normed, normed32  # views of the mapping: drop before closing it
+            mm.flush()
+        finally:
+            mm.close()
+        os.fsync(f.fileno())
+    if rejected:
+        log.warning("%s: %d sample(s) rejected for NaN/Inf hidden states: %s", final_path.name,
+                    len(rejected), [sample_ids[i] for i in rejected[:10]])
+    entry = {
+        "name": final_path.name, "split": split, "file_no": file_no, "first_sample": first_sample,
+        "num_samples": S, "num_tokens": T, "bytes": lay.total_bytes,
+        "checksum": file_checksum(partial), "rejected": rejected, "sample_ids": list(sample_ids),
+        "identity": identity_hash,
+    }
+    os.replace(partial, final_path)
+    # The entry is written after the rename: a file without an entry is incomplete.
+    write_json(final_path.with_suffix(".json"), entry)
+    return entry
+
+
+def file_problem(store_dir: Path, entry: dict, *, verify_checksum: bool) -> str | None:
+    """None when the file of `entry` is intact, else what is wrong with it."""
+    f = store_dir / entry["name"]
+    if not f.is_file():
+        return f"{f} is missing"
+    size = f.stat().st_size
+    if size != entry["bytes"]:
+        return f"{f} has {size} bytes, its index entry says {entry['bytes']} (truncated?)"
+    if verify_checksum:
+        got = file_checksum(f)
+        if got != entry["checksum"]:
+            return f"{f} has checksum {got}, its index entry says {entry['checksum']} (corrupted)"
+    return None
+
+
+def read_entry(store_dir: Path, split: str, file_no: int) -> dict | None:
+    p = store_dir / entry_name(split, file_no)
+    try:
+        return json.loads(p.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def write_index(store_dir: Path, identity: dict, entries: list[dict], num_samples: dict[str, int],
+                samples_per_file: int) -> Path:
+    splits = {}
+    for split, n in num_samples.items():
+        files = sorted((e for e in entries if e["split"] == split), key=lambda e: e["file_no"])
+        splits[split] = {"num_samples": n, "samples_per_file": samples_per_file,
+                         "num_files": -(-n // samples_per_file), "files": files}
+    path = store_dir / INDEX_JSON
+    write_json(path, {"store_format": STORE_FORMAT, "identity": identity, "splits": splits})
+    return path
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def _views(buf, lay: FileLayout) -> dict[str, torch.Tensor]:
+    """Tensors over `buf` (an mmap) without copying."""
+    out = {}
+    spans = lay.spans()
+    for name, dtype, shape in lay.tensors():
+        a, b = spans[name]
+        n = (b - a) // dtype.itemsize
+        t = torch.frombuffer(buf, dtype=dtype, count=n, offset=lay.data_start + a) if n else torch.zeros(0, dtype=dtype)
+        out[name] = t.view(shape)
+    return out
+
+
+@dataclass
+class Sample:
+    """One sample's tensors, views into the memory-mapped file (do not write to them).
+
+    input_ids      int32 [T]
+    loss_mask      int8  [T]   1 = assistant token carrying loss
+    aux            bf16  [T, A*H]  aux layers concatenated (fc input of the drafter)
+    final          bf16  [T, H]    target's final hidden state after its final norm
+    target_argmax  int32 [T]   target's full-vocab argmax at t (its prediction of token t+1)
+                               where loss_mask[t] or loss_mask[t+1] is 1, else -1 (no label)
+
+    Convention 4 at position t (drafter input: aux[t], embed(input_ids[t+1]), predicts
+    token t+2): the label distribution is softmax(final[t+1] @ lm_head[draft_ids].T);
+    the position carries loss iff the assistant mask holds (loss_mask[t+2], the
+    predicted token, is the usual choice; loss_mask[t+1] also works) and
+    target_argmax[t+1] is in the draft vocab. target_argmax is present for both.
+    """
+
+    sample_id: str
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    aux: torch.Tensor
+    final: torch.Tensor
+    target_argmax: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class _MappedFile:
+    def __init__(self, path: Path):
+        self.path = path
+        self.layout, self.meta = FileLayout.read(path)
+        with open(path, "rb") as f:
+            # ACCESS_COPY: a private mapping, so torch gets a writable buffer (no
+            # warning) while pages are still shared with the page cache until written.
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        self.t = _views(self.mm, self.layout)
+        self.offsets = self.t["sample_offsets"].tolist()
+
+
+class SplitView:
+    """The valid (not rejected) samples of one split, in dataset order."""
+
+    def __init__(self, store: "HiddenStateStore", split: str, info: dict):
+        self.store, self.split = store, split
+        self.files = info["files"]
+        self._files: dict[int, _MappedFile] = {}
+        loc, ids = [], []
+        for e in self.files:
+            rej = set(e["rejected"])
+            for j in range(e["num_samples"]):
+                if j not in rej:
+                    loc.append((e["file_no"], j))
+                    ids.append(e["sample_ids"][j])
+        self._loc = loc  # sample -> (file number, position in file)
+        self.sample_ids = ids
+        self.num_tokens = sum(e["num_tokens"] for e in self.files)
+        self.num_rejected = sum(len(e["rejected"]) for e in self.files)
+        self.num_samples_total = info["num_samples"]
+
+    def __len__(self) -> int:
+        return len(self._loc)
+
+    def _file(self, file_no: int) -> _MappedFile:
+        if file_no not in self._files:
+            self._files[file_no] = _MappedFile(self.store.dir / file_name(self.split, file_no))
+        return self._files[file_no]
+
+    def location(self, i: int) -> tuple[str, int, int]:
+        """(file name, token offset in the file, number of tokens) of sample i."""
+        file_no, j = self._loc[i]
+        mf = self._file(file_no)
+        return mf.path.name, mf.offsets[j], mf.offsets[j + 1] - mf.offsets[j]
+
+    def __getitem__(self, i: int) -> Sample:
+        file_no, j = self._loc[i]
+        mf = self._file(file_no)
+        a, b = mf.offsets[j], mf.offsets[j + 1]
+        t = mf.t
+        return Sample(self.sample_ids[i], t["input_ids"][a:b], t["loss_mask"][a:b], t["aux"][a:b],
+                      t["final"][a:b], t["target_argmax"][a:b])
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def lengths(self) -> list[int]:
+        return [self.location(i)[2] for i in range(len(self))]
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A numpy view (bf16 as int16): numpy copies run on one thread, with no OpenMP
+    start-up per call, which dominates small copies on busy CPUs."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def collate(samples: Sequence[Sample], pad_to: int | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded training batch (copies into new tensors; the only copy on the read path).
+
+    -> input_ids [B, T] int64, loss_mask [B, T] int8, attention_mask [B, T] bool,
+       aux [B, T, A*H] bf16, final [B, T, H] bf16, target_argmax [B, T] int64 (-1 on padding)
+    """
+    B = len(samples)
+    T = pad_to or max(s.num_tokens for s in samples)
+    AH, H = samples[0].aux.shape[1], samples[0].final.shape[1]
+    # numpy allocations (calloc: zero pages on demand) viewed as torch tensors
+    dst = {
+        "input_ids": np.zeros((B, T), np.int64), "loss_mask": np.zeros((B, T), np.int8),
+        "attention_mask": np.zeros((B, T), np.bool_), "aux": np.zeros((B, T, AH), np.int16),
+        "final": np.zeros((B, T, H), np.int16), "target_argmax": np.full((B, T), -1, np.int64),
+    }
+    out = {k: torch.from_numpy(v) for k, v in dst.items()}
+    out["aux"], out["final"] = out["aux"].view(torch.bfloat16), out["final"].view(torch.bfloat16)
+    for b, s in enumerate(samples):
+        n = min(s.num_tokens, T)
+        dst["input_ids"][b, :n] = _np(s.input_ids[:n])
+        dst["loss_mask"][b, :n] = _np(s.loss_mask[:n])
+        dst["attention_mask"][b, :n] = True
+        dst["aux"][b, :n] = _np(s.aux[:n])
+        dst["final"][b, :n] = _np(s.final[:n])
+        dst["target_argmax"][b, :n] = _np(s.target_argmax[:n])
+    return out
+
+
+class HiddenStateStore:
+    """Read side of the store. Open with `HiddenStateStore.open(wd, needed_by=...)`."""
+
+    def __init__(self, store_dir: Path, index: dict, manifest: Manifest | None):
+        self.dir = Path(store_dir)
+        self.index = index
+        self.manifest = manifest
+        ident = index["identity"]
+        self.aux_layers: list[int] = list(ident["aux_layers"])
+        self.hidden_size: int = int(ident["hidden_size"])
+        self.num_layers: int = int(ident["num_layers"])
+        self.vocab_size: int = int(ident["vocab_size"])
+        self.tokenizer_fingerprint: str = ident["tokenizer_fingerprint"]
+        self.target_model: str = ident["target_model"]
+        self.dtype = STORE_DTYPE
+        self._splits = {s: SplitView(self, s, info) for s, info in index["splits"].items()}
+
+    @property
+    def num_aux(self) -> int:
+        return len(self.aux_layers)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.hidden_size, self.num_aux)
+
+    def split(self, name: str) -> SplitView:
+        if name not in self._splits:
+            raise PipelineError(f"{self.dir / INDEX_JSON} has no split {name!r}; it has {sorted(self._splits)}.")
+        return self._splits[name]
+
+    def missing_files(self) -> list[str]:
+        out = []
+        for split, info in self.index["splits"].items():
+            have = {e["file_no"] for e in info["files"]}
+            out += [file_name(split, k) for k in range(info["num_files"]) if k not in have]
+        return out
+
+    def verify(self) -> None:
+        """Re-read every file and compare its checksum with the index (slow: reads it all)."""
+        for split, info in self.index["splits"].items():
+            for e in info["files"]:
+                problem = file_problem(self.dir, e, verify_checksum=True)
+                if problem:
+                    raise PipelineError(f"{problem}; rerun `python {WorkDir.script('extract')}` to redo it.")
+
+    @classmethod
+    def open(cls, wd: WorkDir, *, needed_by: str, aux_layers: Sequence[int] | None = None,
+             tokenizer_fingerprint: str | None = None, hidden_size: int | None = None,
+             allow_missing: bool = False, expected_from: str = "your config") -> "HiddenStateStore":
+        """Check stage 02's manifest and the expected values, then map the store.
+
+        `aux_layers`, `tokenizer_fingerprint`, `hidden_size`: what the caller expects
+        (None: accept the store's); a mismatch raises naming both values. A store with
+        missing files (a box of a multi-box run not finished or not copied here) is
+        refused unless `allow_missing`.
+        """
+        m = read_manifest(wd, "extract", needed_by=needed_by)
+        store_dir = wd.store()
+        script = wd.script("extract")
+        try:
+            index = json.loads((store_dir / INDEX_JSON).read_text())
+        except (FileNotFoundError, json.JSONDecodeError) as e:
+            raise PipelineError(f"{needed_by}: {store_dir / INDEX_JSON} is missing or unreadable ({e}); "
+                                f"rerun `python {script} --work-dir {wd.root}`.") from e
+        if index.get("store_format") != STORE_FORMAT:
+            raise PipelineError(f"{store_dir / INDEX_JSON} has store format {index.get('store_format')}, this "
+                                f"code reads {STORE_FORMAT}; rerun `python {script} --force`.")
+        ident = index["identity"]
+        fix = f"rerun `python {script} --force` with the settings you want, or change {expected_from}"
+        if aux_layers is not None:
+            check_same("aux layer ids", list(ident["aux_layers"]), list(aux_layers),
+                       ours_from=str(m.path), theirs_from=expected_from, fix=fix)
+        if tokenizer_fingerprint is not None:
+            check_same("tokenizer fingerprint", ident["tokenizer_fingerprint"], tokenizer_fingerprint,
+                       ours_from=str(m.path), theirs_from=expected_from, fix=fix)
+        if hidden_size is not None:
+            check_same("target hidden size", int(ident["hidden_size"]), int(hidden_size),
+                       ours_from=str(m.path), theirs_from=expected_from, fix=fix)
+        store = cls(store_dir, index, m)
+        missing = store.missing_files()
+        if missing and not allow_missing:
+            raise PipelineError(
+                f"{needed_by}: the store in {store_dir} lacks {len(missing)} file(s) (e.g. {missing[:3]}): "
+                f"a box of a multi-box run has not finished, or its files were not copied here. Run the "
+                f"missing --shard-index values (see {m.path} extra.missing), copy all files into {store_dir}, "
+                f"then rerun `python {script}` once to rebuild the index.")
+        for e in (e for info in index["splits"].values() for e in info["files"]):
+            problem = file_problem(store_dir, e, verify_checksum=False)
+            if problem:
+                raise PipelineError(f"{needed_by}: {problem}; rerun `python {script}` to redo it.")
+        return store

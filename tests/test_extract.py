@@ -1,0 +1,366 @@
+"""Stage 02 (eagle3/extract/): both backends, resume, shards, validation, the next reader.
+
+Runs on the tiny targets on CPU. vLLM's CPU build is required, not optional: the
+vLLM tests fail (never skip) when it cannot run. One vLLM engine per target
+(module-scoped fixture), a few dozen samples, `gpu_memory_utilization` 0.3.
+"""
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3 import store
+from eagle3.errors import PipelineError
+from eagle3.extract import ExtractConfig, extract_hidden_states
+from eagle3.extract import run as run_mod
+from eagle3.manifest import read_manifest
+from eagle3.store import HiddenStateStore
+from eagle3.workdir import WorkDir
+
+ROOT = Path(__file__).resolve().parent.parent
+N_CHATS = 40
+AUX = [2, 4, 5]  # the default [2, N//2, N-3] for the 8-layer tiny targets
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, tiny_targets):
+    """kind -> a work dir where stage 01 ran on the first N_CHATS demo chats (built lazily)."""
+    from eagle3.prepare import PrepareConfig, prepare_dataset
+
+    root = tmp_path_factory.mktemp("extract")
+    chats = root / "chats.jsonl"
+    chats.write_text("".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines(True)[:N_CHATS]))
+
+    class Prepared(dict):
+        def __missing__(self, kind):
+            wd = root / f"prep-{kind}"
+            prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_targets[kind]), data=[str(chats)],
+                                          max_length=512, eval_fraction=0.2, num_workers=1))
+            self[kind] = wd
+            return wd
+
+    return Prepared()
+
+
+def fresh_wd(prepared_wd: Path, dst: Path) -> Path:
+    """A new work dir holding a copy of stage 01's output (and no store)."""
+    shutil.copytree(prepared_wd / "01_dataset", dst / "01_dataset")
+    return dst
+
+
+def cfg_for(wd: Path, target: Path, **kw) -> ExtractConfig:
+    base = dict(work_dir=wd, target_model=str(target), backend="hf", samples_per_file=4,
+                gpu_memory_utilization=0.3, enforce_eager=True)
+    base.update(kw)
+    return ExtractConfig(**base)
+
+
+def store_files(wd: Path) -> dict[str, bytes]:
+    """The store's content: data files and their index entries (the manifest has a timestamp)."""
+    d = WorkDir(wd).store()
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())
+            if p.suffix in (".safetensors", ".json") and p.name not in ("manifest.json",)}
+
+
+@pytest.fixture(scope="module")
+def hf_store(prepared, tiny_targets, tmp_path_factory):
+    """kind -> a work dir with a complete hf-backend store (built lazily, once)."""
+    class Stores(dict):
+        def __missing__(self, kind):
+            wd = fresh_wd(prepared[kind], tmp_path_factory.mktemp(f"hf-{kind}"))
+            extract_hidden_states(cfg_for(wd, tiny_targets[kind]))
+            self[kind] = wd
+            return wd
+
+    return Stores()
+
+
+@pytest.fixture(scope="module")
+def vllm_store(prepared, tiny_targets, tmp_path_factory):
+    """kind -> a work dir with a complete vLLM-backend store: one engine start per target."""
+    class Stores(dict):
+        def __missing__(self, kind):
+            wd = fresh_wd(prepared[kind], tmp_path_factory.mktemp(f"vllm-{kind}"))
+            extract_hidden_states(cfg_for(wd, tiny_targets[kind], backend="vllm"))
+            self[kind] = wd
+            return wd
+
+    return Stores()
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Make any attempt to load a model fail loudly: for checks that must happen before."""
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded although the run should not need one")
+
+    monkeypatch.setattr(run_mod, "make_backend", boom)
+    from eagle3.extract import target_head
+
+    monkeypatch.setattr(target_head.TargetHead, "load", classmethod(boom))
+
+
+# --------------------------------------------------------------------------- backends agree
+
+
+def _hf_reference(target: Path, input_ids: torch.Tensor):
+    """transformers float32: all hidden states [N+1] of [T, H] and the logits [T, V]."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = m(input_ids.long()[None], output_hidden_states=True)
+    return [h[0] for h in out.hidden_states], out.logits[0]
+
+
+def _tok_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-token relative L2 error of a against b: [T, H] x [T, H] -> [T]."""
+    a, b = a.float(), b.float()
+    return (a - b).norm(dim=-1) / b.norm(dim=-1)
+
+
+# bf16 tolerance on the per-token relative error (median, 90th percentile). Llama's two
+# bf16 runs differ by rounding (~0.5%); DeepSeek-V3's by more (bf16 MLA, and MoE routing
+# near-ties of random tiny weights flip experts for a few tokens). Neighbouring layers
+# differ by ~50%, so an off-by-one fails either way.
+TOL = {"llama": (0.02, 0.02), "deepseek_v3": (0.04, 0.10)}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, kind: str) -> bool:
+    e = _tok_err(a, b)
+    return e.median().item() < TOL[kind][0] and e.quantile(0.9).item() < TOL[kind][1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "deepseek_v3"])
+def test_vllm_and_hf_backends_store_the_same_states(kind, hf_store, vllm_store, tiny_targets):
+    wd_hf, wd_vllm = hf_store[kind], vllm_store[kind]
+    hf = HiddenStateStore.open(WorkDir(wd_hf), needed_by="test")
+    vl = HiddenStateStore.open(WorkDir(wd_vllm), needed_by="test")
+    assert hf.aux_layers == vl.aux_layers == AUX
+    m = read_manifest(WorkDir(wd_vllm), "extract", needed_by="test")
+    assert m.extra["aux_layers"] == AUX and m.extra["hidden_size"] == 256 and m.extra["dtype"] == "bfloat16"
+    assert m.counts["bytes_per_token"] == 2 * 3 * 256 + 2 * 256 + 9
+
+    agree = total = 0
+    for split in ("train", "eval"):
+        a, b = hf.split(split), vl.split(split)
+        assert len(a) == len(b) > 0 and a.sample_ids == b.sample_ids
+        aux_a, aux_b, fin_a, fin_b = [], [], [], []
+        for i in range(len(a)):
+            x, y = a[i], b[i]
+            assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+            aux_a.append(x.aux.view(-1, 256))  # [T, 3H] -> [3T, H]
+            aux_b.append(y.aux.view(-1, 256))
+            fin_a.append(x.final)
+            fin_b.append(y.final)
+            m = store.label_positions(x.loss_mask, torch.tensor([0, x.num_tokens]))
+            assert (x.target_argmax[~m] == -1).all() and (y.target_argmax[~m] == -1).all()
+            agree += int((x.target_argmax[m] == y.target_argmax[m]).sum())
+            total += int(m.sum())
+        assert _close(torch.cat(aux_b), torch.cat(aux_a), kind), split
+        assert _close(torch.cat(fin_b), torch.cat(fin_a), kind), split
+    assert agree / total > 0.85  # random tiny weights: small logit margins flip some argmaxes
+
+    # Against transformers' own hidden_states (float32): stored layer k matches
+    # hidden_states[k] and not its neighbours k-1, k+1, so an off-by-one in either
+    # backend fails here.
+    for s in (hf.split("train")[0], vl.split("train")[0]):
+        hs, logits = _hf_reference(tiny_targets[kind], s.input_ids)
+        aux = s.aux.view(s.num_tokens, len(AUX), 256)  # [T, 3H] -> [T, 3, H]
+        for j, k in enumerate(AUX):
+            assert _close(aux[:, j], hs[k], kind), k
+            err = _tok_err(aux[:, j], hs[k]).median().item()
+            for nb in (k - 1, k + 1):
+                nb_err = _tok_err(aux[:, j], hs[nb]).median().item()
+                assert nb_err > max(0.2, 5 * err), (k, nb, nb_err, err)
+        assert _close(s.final, hs[8], kind)  # transformers' hidden_states[N] is after the final norm
+        m = store.label_positions(s.loss_mask, torch.tensor([0, s.num_tokens]))
+        assert (s.target_argmax[m] == logits.argmax(-1)[m]).float().mean() > 0.85
+
+
+def test_vllm_refuses_kimi_k25_on_cpu(prepared, tiny_targets, tmp_path, no_model_load):
+    wd = fresh_wd(prepared["deepseek_v3"], tmp_path)
+    with pytest.raises(PipelineError, match="--backend hf"):
+        extract_hidden_states(cfg_for(wd, tiny_targets["kimi_k25"], backend="vllm"))
+
+
+def test_hf_backend_loads_kimi_k25_text_model(prepared, hf_store, tiny_targets, tmp_path):
+    # Same weights as the tiny DeepSeek-V3, nested as Kimi-K2.5 (text_config, language_model.*).
+    wd = fresh_wd(prepared["deepseek_v3"], tmp_path)
+    extract_hidden_states(cfg_for(wd, tiny_targets["kimi_k25"]))
+    a = HiddenStateStore.open(WorkDir(wd), needed_by="test").split("train")
+    b = HiddenStateStore.open(WorkDir(hf_store["deepseek_v3"]), needed_by="test").split("train")
+    for i in (0, len(a) - 1):
+        assert torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final)
+        assert torch.equal(a[i].target_argmax, b[i].target_argmax)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("ids, msg", [
+    ([-1, 4, 5], "negative"), ([2, 2, 5], "distinct and ascending"), ([5, 4, 2], "distinct and ascending"),
+    ([0, 4, 5], "out of range"), ([2, 4, 8], "out of range"),
+])
+def test_bad_layer_ids_refused_before_loading(ids, msg, prepared, tiny_targets, tmp_path, no_model_load):
+    wd = fresh_wd(prepared["llama"], tmp_path)
+    with pytest.raises(PipelineError, match=msg):
+        extract_hidden_states(cfg_for(wd, tiny_targets["llama"], aux_layers=ids))
+
+
+def test_layer_count_read_from_text_config(prepared, tiny_targets, tmp_path, no_model_load):
+    wd = fresh_wd(prepared["deepseek_v3"], tmp_path)
+    with pytest.raises(PipelineError, match="8-layer"):
+        extract_hidden_states(cfg_for(wd, tiny_targets["kimi_k25"], aux_layers=[2, 4, 8]))
+
+
+def test_other_tokenizer_refused_before_loading(prepared, tiny_targets, tmp_path, no_model_load):
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_targets["llama"], other)
+    (other / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                                               "{% endfor %}")
+    wd = fresh_wd(prepared["llama"], tmp_path / "wd")
+    with pytest.raises(PipelineError, match="tokenizer fingerprint mismatch") as e:
+        extract_hidden_states(cfg_for(wd, other))
+    prep_fp = read_manifest(WorkDir(wd), "prepare", needed_by="test").extra["tokenizer_fingerprint"]
+    assert prep_fp in str(e.value)
+
+
+def test_next_reader_refuses_other_layers_or_tokenizer(hf_store):
+    wd = WorkDir(hf_store["llama"])
+    fp = HiddenStateStore.open(wd, needed_by="t").tokenizer_fingerprint
+    with pytest.raises(PipelineError, match="aux layer ids mismatch") as e:
+        HiddenStateStore.open(wd, needed_by="04_train_drafter.py", aux_layers=[1, 4, 5])
+    assert "[2, 4, 5]" in str(e.value) and "[1, 4, 5]" in str(e.value)
+    with pytest.raises(PipelineError, match="tokenizer fingerprint mismatch") as e:
+        HiddenStateStore.open(wd, needed_by="04_train_drafter.py", tokenizer_fingerprint="f" * 64)
+    assert fp in str(e.value) and "f" * 64 in str(e.value)
+    HiddenStateStore.open(wd, needed_by="t", aux_layers=AUX, tokenizer_fingerprint=fp, hidden_size=256)
+
+
+def test_rerun_with_other_layers_refused_without_force(hf_store, tiny_targets, tmp_path, no_model_load):
+    wd = tmp_path / "wd"
+    shutil.copytree(hf_store["llama"], wd)
+    with pytest.raises(PipelineError, match=r"aux_layers: \[2, 4, 5\].*vs \[1, 4, 5\]"):
+        extract_hidden_states(cfg_for(wd, tiny_targets["llama"], aux_layers=[1, 4, 5]))
+
+
+def test_nonfinite_samples_are_counted_not_dropped_silently(prepared, tiny_targets, tmp_path, monkeypatch):
+    from eagle3.extract import hf_backend
+
+    real, poisoned = hf_backend.HFBackend.forward, []
+
+    def forward(self, input_ids):
+        out = real(self, input_ids)
+        if not poisoned:  # the first sample of the first batch: train sample 0
+            out[0][0][1, 0, 7] = float("nan")
+            poisoned.append(True)
+        return out
+
+    monkeypatch.setattr(hf_backend.HFBackend, "forward", forward)
+    wd = fresh_wd(prepared["llama"], tmp_path)
+    m = extract_hidden_states(cfg_for(wd, tiny_targets["llama"]))
+    first = HiddenStateStore.open(WorkDir(wd), needed_by="t").index["splits"]["train"]["files"][0]["sample_ids"][0]
+    assert m.counts["train_rejected_nonfinite"] == 1 and m.counts["eval_rejected_nonfinite"] == 0
+    assert m.extra["rejected_sample_ids"] == {store.file_name("train", 0): [first]}
+    split = HiddenStateStore.open(WorkDir(wd), needed_by="t").split("train")
+    assert first not in split.sample_ids and split.num_rejected == 1
+    assert len(split) == m.counts["train_samples"] - 1
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def test_rerun_of_complete_store_does_nothing(hf_store, tiny_targets, no_model_load):
+    m = extract_hidden_states(cfg_for(hf_store["llama"], tiny_targets["llama"]))
+    assert m.extra["complete"]
+
+
+def test_kill_and_resume_equals_unbroken_run(prepared, hf_store, tiny_targets, tmp_path):
+    wd = fresh_wd(prepared["llama"], tmp_path)
+    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
+           "--target-model", str(tiny_targets["llama"]), "--backend", "hf", "--samples-per-file", "4"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    d = WorkDir(wd).store()
+    deadline = time.monotonic() + 120
+    try:
+        while len(list(d.glob("*-0*.json"))) < 2:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    n_plan = len(run_mod.plan_files({s: len(HiddenStateStore.open(WorkDir(hf_store["llama"]), needed_by="t")
+                                            .split(s)) for s in ("train", "eval")}, 4))
+    assert len(list(d.glob("*-0*.json"))) < n_plan, "killed too late to test a resume"
+    assert not (WorkDir(wd).manifest("extract")).exists()
+    extract_hidden_states(cfg_for(wd, tiny_targets["llama"]))
+    assert not list(d.glob(".*partial*"))
+    assert store_files(wd) == store_files(hf_store["llama"])
+
+
+def test_corrupted_and_truncated_files_are_redone(hf_store, tiny_targets, tmp_path, caplog):
+    wd = tmp_path / "wd"
+    shutil.copytree(hf_store["llama"], wd)
+    d = WorkDir(wd).store()
+    f1, f2 = d / store.file_name("train", 1), d / store.file_name("train", 2)
+    data = bytearray(f1.read_bytes())
+    data[len(data) // 2] ^= 0x55  # same size: only the checksum can tell
+    f1.write_bytes(bytes(data))
+    f2.write_bytes(f2.read_bytes()[:-1000])
+    with pytest.raises(PipelineError, match="has .* bytes"):  # the next reader refuses the truncated one
+        HiddenStateStore.open(WorkDir(wd), needed_by="t")
+    extract_hidden_states(cfg_for(wd, tiny_targets["llama"]))
+    assert "corrupted" in caplog.text and "truncated" in caplog.text
+    assert store_files(wd) == store_files(hf_store["llama"])
+
+
+# --------------------------------------------------------------------------- several boxes
+
+
+def test_two_shards_combine_into_one_run(prepared, hf_store, tiny_targets, tmp_path, monkeypatch):
+    boxes = [fresh_wd(prepared["llama"], tmp_path / f"box{i}") for i in range(2)]
+    for i, wd in enumerate(boxes):
+        extract_hidden_states(cfg_for(wd, tiny_targets["llama"], num_shards=2, shard_index=i))
+    m0 = read_manifest(WorkDir(boxes[0]), "extract", needed_by="t")
+    assert not m0.extra["complete"] and m0.extra["missing"]["shard_indices"] == [1]
+    with pytest.raises(PipelineError, match="lacks .* file"):
+        HiddenStateStore.open(WorkDir(boxes[0]), needed_by="t")
+    partial = HiddenStateStore.open(WorkDir(boxes[0]), needed_by="t", allow_missing=True)
+    assert partial.missing_files() and len(partial.split("train")) < len(
+        HiddenStateStore.open(WorkDir(hf_store["llama"]), needed_by="t").split("train"))
+
+    # Copy box 1's files next to box 0's; one more run (no model needed) completes the manifest.
+    d0, d1 = WorkDir(boxes[0]).store(), WorkDir(boxes[1]).store()
+    for f in d1.glob("*-0*"):
+        shutil.copy2(f, d0 / f.name)
+    monkeypatch.setattr(run_mod, "make_backend", lambda *a, **k: pytest.fail("no model should be needed"))
+    m = extract_hidden_states(cfg_for(boxes[0], tiny_targets["llama"]))
+    assert m.extra["complete"] and m.counts["files_present"] == m.counts["files_expected"]
+    assert store_files(boxes[0]) == store_files(hf_store["llama"])
+
+
+def test_data_parallel_workers_write_the_same_store(prepared, hf_store, tiny_targets, tmp_path):
+    wd = fresh_wd(prepared["llama"], tmp_path)
+    extract_hidden_states(cfg_for(wd, tiny_targets["llama"], data_parallel_size=2))
+    assert store_files(wd) == store_files(hf_store["llama"])
+
+
+def test_plan_is_deterministic_and_partitioned():
+    plan = run_mod.plan_files({"train": 10, "eval": 3}, 4)
+    assert [(f.split, f.file_no, f.first, f.count) for f in plan] == [
+        ("train", 0, 0, 4), ("train", 1, 4, 4), ("train", 2, 8, 2), ("eval", 0, 0, 3)]
+    parts = [run_mod.box_files(plan, 3, i) for i in range(3)]
+    assert sorted((f for p in parts for f in p), key=plan.index) == plan
+    assert not set(parts[0]) & set(parts[1])

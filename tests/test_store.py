@@ -1,0 +1,167 @@
+"""The hidden-state store format (eagle3/store.py): layout, writer, finalize, zero-copy reader.
+
+No model here: files are filled with known tensors, finalized with a known norm and
+argmax, and read back. The stage-level behaviour (resume, shards, validation by
+the next reader) is in test_extract.py.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3 import store
+from eagle3.errors import PipelineError
+
+H, A = 32, 3
+NORM_W = torch.linspace(0.5, 1.5, H)
+LM_HEAD = torch.randn(50, H, generator=torch.Generator().manual_seed(1))
+
+
+def _norm(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * NORM_W
+
+
+def _argmax(h):
+    return (h.float() @ LM_HEAD.T).argmax(-1)
+
+
+def _samples(lengths, seed=0):
+    g = np.random.default_rng(seed)
+    ids = [g.integers(0, 50, n).astype(np.int32) for n in lengths]
+    masks = [(g.random(n) < 0.5).astype(np.int8) for n in lengths]
+    aux = [torch.randn(n, A, H, generator=torch.Generator().manual_seed(seed + i)) for i, n in enumerate(lengths)]
+    pre = [torch.randn(n, H, generator=torch.Generator().manual_seed(100 + seed + i)) * 3
+           for i, n in enumerate(lengths)]
+    return ids, masks, aux, pre
+
+
+def _build(tmp_path, lengths, *, nan_sample=None, order=None):
+    ids, masks, aux, pre = _samples(lengths)
+    if nan_sample is not None:
+        aux[nan_sample][1, 0, 3] = float("nan")
+    partial = tmp_path / store.partial_name("train", 0)
+    lay = store.create_partial_file(partial, split="train", file_no=0, first_sample=0, input_ids=ids,
+                                    loss_masks=masks, hidden_size=H, aux_layers=[1, 2, 3], identity_hash="h")
+    rows = np.cumsum([0] + lengths)[:-1]
+    for i in order or range(len(lengths)):  # any order: vLLM finishes requests out of order
+        store.write_sample_states(partial, int(rows[i]), aux[i], pre[i])
+    final = tmp_path / store.file_name("train", 0)
+    entry = store.finalize_file(partial, final, split="train", file_no=0, first_sample=0,
+                                sample_ids=[f"s{i}" for i in range(len(lengths))], identity_hash="h",
+                                normalize=_norm, argmax=_argmax)
+    return lay, entry, final, (ids, masks, aux, pre)
+
+
+def _reader(tmp_path, entries, n):
+    ident = {"aux_layers": [1, 2, 3], "hidden_size": H, "num_layers": 5, "vocab_size": 50,
+             "tokenizer_fingerprint": "t", "target_model": "m"}
+    index = {"store_format": store.STORE_FORMAT, "identity": ident,
+             "splits": {"train": {"num_samples": n, "samples_per_file": n, "num_files": 1, "files": entries}}}
+    return store.HiddenStateStore(tmp_path, index, None)
+
+
+def test_round_trip_values_and_layout(tmp_path):
+    lengths = [5, 9, 1, 7]
+    lay, entry, path, (ids, masks, aux, pre) = _build(tmp_path, lengths, order=[2, 0, 3, 1])
+    assert not (tmp_path / store.partial_name("train", 0)).exists()
+    assert path.stat().st_size == entry["bytes"] == lay.total_bytes
+    assert lay.data_start % 64 == 0
+    # Bytes per token: everything but the header and the per-sample arrays.
+    T, S = sum(lengths), len(lengths)
+    assert lay.data_bytes == T * store.bytes_per_token(H, A) + 8 * (S + 1) + S
+    assert store.bytes_per_token(7168, 3) == 57353  # the reference case, in the module docstring
+
+    split = _reader(tmp_path, [entry], S).split("train")
+    assert len(split) == S and split.num_tokens == T
+    for i in range(S):
+        s = split[i]
+        assert s.sample_id == f"s{i}"
+        assert torch.equal(s.input_ids, torch.from_numpy(ids[i]))
+        assert torch.equal(s.loss_mask, torch.from_numpy(masks[i]))
+        assert s.aux.dtype == torch.bfloat16 and s.aux.shape == (lengths[i], A * H)
+        assert torch.equal(s.aux, aux[i].reshape(lengths[i], A * H).to(torch.bfloat16))
+        want_final = _norm(pre[i].to(torch.bfloat16).float()).to(torch.bfloat16)  # pre-norm travels as bf16
+        assert torch.equal(s.final, want_final)
+        # The argmax exists where mask[t] or mask[t+1] is 1; elsewhere it is never a label.
+        m = s.loss_mask.bool()
+        need = m | torch.cat([m[1:], torch.zeros(1, dtype=torch.bool)])
+        want_argmax = torch.where(need, _argmax(want_final).to(torch.int32), -1)
+        assert torch.equal(s.target_argmax, want_argmax)
+
+
+def test_label_positions_stay_inside_samples():
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 1, 0, 0, 1], dtype=torch.int8)
+    offs = torch.tensor([0, 6, 10])  # samples [0, 6) and [6, 10)
+    # t=1 precedes an assistant token; t=5 does not, because t+1=6 starts the next sample.
+    assert store.label_positions(mask, offs).int().tolist() == [0, 1, 1, 1, 0, 0, 1, 0, 1, 1]
+
+
+def test_file_is_plain_safetensors(tmp_path):
+    lay, entry, path, _ = _build(tmp_path, [4, 6])
+    tensors = load_file(path)
+    assert set(tensors) == {n for n, _, _ in lay.tensors()}
+    assert tensors["sample_offsets"].tolist() == [0, 4, 10]
+    assert tensors["aux"].shape == (10, A * H) and tensors["final"].dtype == torch.bfloat16
+    assert tensors["valid"].tolist() == [1, 1]
+
+
+def test_reader_is_zero_copy(tmp_path):
+    _, entry, _, _ = _build(tmp_path, [3, 4])
+    split = _reader(tmp_path, [entry], 2).split("train")
+    a, b = split[0], split[1]
+    # Both samples are views of one mapping of the file: no per-sample copy was made.
+    assert a.aux.untyped_storage().data_ptr() == b.aux.untyped_storage().data_ptr()
+    assert b.aux.data_ptr() - a.aux.data_ptr() == 3 * A * H * 2
+    assert split.location(1) == (store.file_name("train", 0), 3, 4)
+
+
+def test_nonfinite_sample_is_rejected_not_dropped(tmp_path):
+    _, entry, path, _ = _build(tmp_path, [4, 5, 6], nan_sample=1)
+    assert entry["rejected"] == [1]
+    t = load_file(path)
+    assert t["valid"].tolist() == [1, 0, 1]
+    assert (t["target_argmax"][4:9] == -1).all() and (t["loss_mask"][4:9] == 0).all()
+    assert torch.isfinite(t["aux"].float()).all()
+    split = _reader(tmp_path, [entry], 3).split("train")
+    assert len(split) == 2 and split.sample_ids == ["s0", "s2"] and split.num_rejected == 1
+
+
+def test_truncated_and_corrupted_files_are_detected(tmp_path):
+    _, entry, path, _ = _build(tmp_path, [4, 5])
+    assert store.file_problem(tmp_path, entry, verify_checksum=True) is None
+    data = bytearray(path.read_bytes())
+    data[-20] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert "corrupted" in store.file_problem(tmp_path, entry, verify_checksum=True)
+    assert store.file_problem(tmp_path, entry, verify_checksum=False) is None  # same size
+    path.write_bytes(bytes(data[:-100]))
+    assert "truncated" in store.file_problem(tmp_path, entry, verify_checksum=False)
+    path.unlink()
+    assert "missing" in store.file_problem(tmp_path, entry, verify_checksum=False)
+
+
+def test_entry_written_after_rename(tmp_path):
+    _, entry, path, _ = _build(tmp_path, [2])
+    on_disk = json.loads(path.with_suffix(".json").read_text())
+    assert on_disk == entry and store.read_entry(tmp_path, "train", 0) == entry
+
+
+def test_header_garbage_is_a_clear_error(tmp_path):
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{{{{{")
+    with pytest.raises(PipelineError, match="corrupt header"):
+        store.FileLayout.read(bad)
+
+
+def test_collate_pads_right(tmp_path):
+    _, entry, _, _ = _build(tmp_path, [3, 5])
+    split = _reader(tmp_path, [entry], 2).split("train")
+    b = store.collate([split[0], split[1]])
+    assert b["aux"].shape == (2, 5, A * H) and b["final"].shape == (2, 5, H)
+    assert b["attention_mask"].tolist() == [[True] * 3 + [False] * 2, [True] * 5]
+    assert (b["target_argmax"][0, 3:] == -1).all()
+    assert torch.equal(b["aux"][1], split[1].aux)
