@@ -207,7 +207,7 @@ class Trainer:
 
     def forward(self, batch: dict):
         b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        amax = b["target_argmax"].clamp_min(0)  # -1 marks padding, which the attention mask hides
+        amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
         probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
                                              lm_head_weight=self.lm_rows, target_argmax=amax)
         with self.autocast():
