@@ -48,7 +48,8 @@ class PrepareConfig:
     seed: int = param(0, help="seed of the train/eval split (by conversation)")
     trust_remote_code: bool = param(False, help="allow the tokenizer's custom code (Kimi needs it)")
     strict: bool = param(False, help="stop at the first bad record instead of counting it")
-    num_workers: int = param(0, identity=False, help="tokenizer processes (0 = one per CPU, max 16)")
+    num_workers: int = param(0, identity=False, help="tokenizer processes (0 = auto: CPUs - 1, max 16, "
+                                                    "one per 5000 records)")
     force: bool = param(False, identity=False, help="redo the stage even if it is complete")
 
     def __post_init__(self):
@@ -105,9 +106,11 @@ def _process(raw: RawRecord) -> PreparedSample | BadRecord:
 
 
 def _tokenize_all(cfg: PrepareConfig, records: list[RawRecord]):
-    workers = cfg.num_workers or min(16, os.cpu_count() or 1)
-    # A worker costs seconds to start (imports, tokenizer load): not worth it for small sets.
-    workers = min(workers, max(1, len(records) // 2000))
+    # A spawned worker costs ~5 s to start (imports, tokenizer load), and the main
+    # process keeps one core busy feeding it: on 2 cores one process is faster
+    # (bench/bench_prepare.py), so the default leaves a core to the main process
+    # and only goes parallel for large sets.
+    workers = cfg.num_workers or max(1, min(16, (os.cpu_count() or 1) - 1, len(records) // 5000))
     init = (cfg.target_model, cfg.trust_remote_code, cfg.max_length)
     bar = dict(total=len(records), unit="conv", desc="tokenize", smoothing=0.1)
     if workers <= 1:
