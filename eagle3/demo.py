@@ -1,0 +1,144 @@
+"""The demo's closing summary: what each stage produced, in one screen.
+
+    python -m eagle3.demo --config configs/tiny-llama.yaml [--elapsed-s SECONDS]
+
+Reads the manifests of stages 01, 03, 04 and 06 of the config's work directory,
+stage 04's metrics.jsonl and stage 06's results.json; writes nothing. `summary_text`
+returns the text (tests read it); `main` prints it. scripts/demo.sh calls it last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .config import load_yaml
+from .errors import PipelineError
+from .manifest import read_manifest
+from .workdir import WorkDir
+
+# The issue's goal for the embedded demo: a trained drafter worth serving at K = 3.
+GOAL_ACCEPTANCE = 2.0
+CURVE_ROWS = 8  # held-out evaluations shown in the training table (evenly spaced)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x, spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _spark(values: list[float], lo: float = 0.0, hi: float = 1.0) -> str:
+    """A one-line bar chart: the training curve at a glance in any terminal."""
+    bars = "▁▂▃▄▅▆▇█"
+    if not values:
+        return ""
+    span = (hi - lo) or 1.0
+    return "".join(bars[min(len(bars) - 1, max(0, int((v - lo) / span * (len(bars) - 1) + 0.5)))] for v in values)
+
+
+def _evenly(rows: list, n: int) -> list:
+    if len(rows) <= n:
+        return rows
+    idx = sorted({round(i * (len(rows) - 1) / (n - 1)) for i in range(n)})
+    return [rows[i] for i in idx]
+
+
+def training_table(metrics: list[dict], K: int) -> list[str]:
+    evals = [m for m in metrics if m.get("split") == "eval"]
+    trains = [m for m in metrics if m.get("split") == "train"]
+    if not evals:
+        return ["  (no held-out evaluations in stage 04's metrics)"]
+    k_trained = sum(1 for key in evals[0] if key.startswith("full_acc_"))
+    ks = list(range(min(K, k_trained)))
+    head = "  step    loss_0  " + "  ".join(f"full_acc_{k}" for k in ks) + f"  expected L (K={len(ks)})"
+    lines = [head]
+    for m in _evenly(evals, CURVE_ROWS):
+        acc = [m[f"full_acc_{k}"] for k in ks]
+        lines.append(f"  {m['step']:>5d}  {m['loss_0']:>7.3f}  " + "  ".join(f"{a:>10.3f}" for a in acc)
+                     + f"  {1 + sum(acc):>14.3f}")
+    if trains:
+        lines.append(f"  full_acc_0 over {len(trains)} train log windows: {_spark([m['full_acc_0'] for m in trains])}"
+                     f"  ({trains[0]['full_acc_0']:.2f} -> {trains[-1]['full_acc_0']:.2f})")
+    return lines
+
+
+def summary_text(work_dir: Path | str, elapsed_s: float | None = None) -> str:
+    wd = WorkDir(work_dir)
+    need = "the demo summary"
+    prep = read_manifest(wd, "prepare", needed_by=need)
+    vocab = read_manifest(wd, "vocab", needed_by=need)
+    train = read_manifest(wd, "train", needed_by=need)
+    ev = read_manifest(wd, "evaluate", needed_by=need)
+    from .evaluate import RESULTS_JSON, PLOT_PNG
+
+    results = json.loads((wd.stage_dir("evaluate") / RESULTS_JSON).read_text())
+    metrics = [json.loads(line) for line in wd.train_metrics().read_text().splitlines() if line.strip()] \
+        if wd.train_metrics().is_file() else []
+
+    c, vc, tc = prep.counts, vocab.counts, train.counts
+    K = results["num_speculative_tokens"]
+    exp = results["expected_accept_length_training"]
+    L, L0 = results["acceptance_length"], results["untrained_acceptance_length"]
+    per = " ".join(_num(a, ".2f") for a in results["acceptance_per_position"] or [])
+    per0 = " ".join(_num(a, ".2f") for a in results["untrained_acceptance_per_position"] or [])
+    tps = results["tokens_per_s"]
+    eng = results["engine"]
+    lines = [
+        "",
+        f"== EAGLE-3 pipeline summary ({wd.root}) ==",
+        f"data      {c['train_samples']} train / {c['eval_samples']} held-out conversations; "
+        f"{c['train_tokens']:,} / {c['eval_tokens']:,} tokens ({c['train_assistant_tokens']:,} / "
+        f"{c['eval_assistant_tokens']:,} assistant tokens carry the loss)",
+        f"vocab     draft vocab {vc.get('draft_vocab_size')} ids; coverage of assistant tokens: train "
+        f"{_pct(vc.get('coverage_train'))}, held-out {_pct(vc.get('coverage_eval'))}",
+        f"training  {tc.get('steps')} steps; best held-out expected accept length "
+        f"{_num(tc.get('best_expected_accept_length'), '.3f')} (all {exp.get('ttt_steps', '?')} TTT steps) at step "
+        f"{tc.get('best_step')}",
+        *training_table(metrics, K),
+        f"served    {eng['name']} {eng['version']} ({eng['platform']}), K = {K}, greedy, "
+        f"{results['prompts']['count']} held-out prompts",
+        f"  acceptance length   trained {_num(L, '.2f')}  |  untrained {_num(L0, '.2f')}  |  training-time "
+        f"expected {_num(exp.get('value'), '.2f')}",
+        f"  per draft position  trained {per}  |  untrained {per0}",
+        f"  tokens/s            plain {_num(tps['plain'], '.1f')}  |  with drafter {_num(tps['speculative'], '.1f')}"
+        f"  |  speedup {_num(results['speedup'], '.2f')}x",
+        f"  break-even          L* = {_num(results['break_even_acceptance_length'], '.2f')} "
+        f"(a speculative step costs that many plain steps); measured L "
+        f"{'>' if results.get('beats_break_even') else '<='} L*",
+        f"  teacher check       {_pct(results['teacher']['greedy_equals_dataset_answer'])} of the target's greedy "
+        f"answers repeat the dataset's word for word (the drafter learns the target, not the dataset)",
+    ]
+    verdict = "MET" if L is not None and L >= GOAL_ACCEPTANCE else "NOT met"
+    lines.append(f"goal      acceptance length >= {GOAL_ACCEPTANCE} at K = {K}: {verdict}; trained "
+                 f"{'beats' if (L or 0) > (L0 or 0) else 'does NOT beat'} untrained")
+    if elapsed_s is not None:
+        lines.append(f"wall time {int(elapsed_s) // 60}m{int(elapsed_s) % 60:02d}s for stages 00 (tiny target) to 06")
+    lines += [f"files     {wd.stage_dir('evaluate') / RESULTS_JSON}, {wd.stage_dir('evaluate') / PLOT_PNG}, "
+              f"drafter {ev.extra.get('drafter_dir')}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Print the demo's summary of a finished pipeline run.")
+    p.add_argument("--config", help="YAML in configs/ (its work_dir is summarised)")
+    p.add_argument("--work-dir", help="work directory (overrides the config's)")
+    p.add_argument("--elapsed-s", type=float, help="wall time of the run, printed as is")
+    a = p.parse_args(argv)
+    work = a.work_dir or (load_yaml(a.config).get("work_dir") if a.config else None)
+    if not work:
+        p.error("pass --config or --work-dir")
+    try:
+        text = summary_text(work, a.elapsed_s)
+    except PipelineError as e:
+        sys.stderr.write(f"demo summary: {e}\n")
+        return 2
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
