@@ -112,6 +112,9 @@ def summary_text(work_dir: Path | str, elapsed_s: float | None = None) -> str:
         f"  teacher check       {_pct(results['teacher']['greedy_equals_dataset_answer'])} of the target's greedy "
         f"answers repeat the dataset's word for word (the drafter learns the target, not the dataset)",
     ]
+    for problem in results.get("timing_problems") or []:
+        lines.append(f"  WARNING             timings unreliable: {problem} (other load on the machine?); "
+                     f"tokens/s, speedup and L* need a rerun of 06 with --force on an idle machine")
     verdict = "MET" if L is not None and L >= GOAL_ACCEPTANCE else "NOT met"
     lines.append(f"goal      acceptance length >= {GOAL_ACCEPTANCE} at K = {K}: {verdict}; trained "
                  f"{'beats' if (L or 0) > (L0 or 0) else 'does NOT beat'} untrained")

@@ -427,6 +427,28 @@ def read_train_metrics(wd: WorkDir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+# Timing sanity limits: the passes of one run serve identical work, and a trained and an
+# untrained drafter of one shape do identical work per speculative step; a larger spread
+# means something else used the machine during the measurement.
+MAX_PASS_SPREAD = 1.3
+MAX_STEP_COST_RATIO = 1.5
+
+
+def timing_problems(runs: dict[str, dict]) -> list[str]:
+    """Reasons to distrust this measurement's timings (acceptance is unaffected)."""
+    out = []
+    for name, r in runs.items():
+        walls = r.get("pass_wall_s") or []
+        if len(walls) > 1 and max(walls) > MAX_PASS_SPREAD * min(walls):
+            out.append(f"the {name} run's timed passes took {' / '.join(f'{w:.1f}' for w in walls)} s for the same "
+                       f"work")
+    a, b = (runs.get("trained") or {}).get("step_s"), (runs.get("untrained") or {}).get("step_s")
+    if a and b and max(a, b) > MAX_STEP_COST_RATIO * min(a, b):
+        out.append(f"a speculative step took {1000 * a:.1f} ms with the trained drafter and {1000 * b:.1f} ms with "
+                   f"the untrained one, which does the same work")
+    return out
+
+
 def summarise(runs: dict[str, dict], K: int, expectation: dict, prompts: dict, settings: dict,
               engine: dict, teacher: dict) -> dict[str, Any]:
     plain, trained = runs["plain"], runs["trained"]
@@ -458,6 +480,7 @@ def summarise(runs: dict[str, dict], K: int, expectation: dict, prompts: dict, s
                         "untrained_speculative_step": untrained.get("step_s") if untrained else None},
         "break_even_acceptance_length": break_even,
         "beats_break_even": (L > break_even) if L is not None and break_even is not None else None,
+        "timing_problems": timing_problems(runs),
         "outputs_match_plain": trained.get("outputs_match_plain"),
         "teacher": teacher,
         "runs": runs,
@@ -495,6 +518,9 @@ def report_lines(r: dict) -> list[str]:
         f"{_fmt(_ms(r['step_cost_s']['plain_decode_step']), '.1f')} ms): "
         + {True: "the drafter beats it", False: "the drafter does NOT beat it", None: "n/a"}[r["beats_break_even"]],
     ]
+    for problem in r.get("timing_problems") or []:
+        lines.append(f"UNRELIABLE TIMINGS: {problem}; other load on the machine? Rerun `python {STAGE_SCRIPT} "
+                     f"--force` on an idle machine (acceptance figures are unaffected).")
     if r.get("outputs_match_plain") is not None and r["outputs_match_plain"] < 1.0:
         lines.append(f"note: {100 * r['outputs_match_plain']:.0f}% of speculative outputs equal plain greedy ones "
                      f"(greedy verification is exact up to {r['settings']['dtype']} rounding of batched verify)")
@@ -706,7 +732,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
                    outputs=[stage_dir / RESULTS_JSON, stage_dir / PLOT_PNG],
                    extra={"drafter_dir": str(drafter_dir), "target_model": cfg.target_model})
     for line in report_lines(results):
-        log.info("%s", line)
+        (log.warning if line.startswith("UNRELIABLE") else log.info)("%s", line)
     log.info("stage 06: results -> %s, plot -> %s", stage_dir / RESULTS_JSON, stage_dir / PLOT_PNG)
     return results
 

@@ -239,3 +239,17 @@ def test_script_reports_bad_input_in_one_line(tmp_path, tiny_llama):
     w = subprocess.run([sys.executable, "-m", "eagle3.evaluate"], capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
     assert w.returncode != 0 and "06_evaluate_drafter.py" in w.stderr
+
+
+def test_timings_disturbed_by_other_load_are_flagged():
+    from eagle3.evaluate import timing_problems
+
+    calm = {"plain": {"pass_wall_s": [6.5, 6.6], "step_s": 0.0055},
+            "trained": {"pass_wall_s": [5.4, 5.5], "step_s": 0.0113},
+            "untrained": {"pass_wall_s": [12.0, 12.3], "step_s": 0.0116}}
+    assert timing_problems(calm) == []
+    noisy = {**calm, "trained": {"pass_wall_s": [75.6, 64.7], "step_s": 0.139}}
+    problems = timing_problems(noisy)
+    assert len(problems) == 1 and "139.0 ms with the trained drafter and 11.6 ms" in problems[0]
+    bursty = {**calm, "plain": {"pass_wall_s": [6.5, 20.0], "step_s": 0.0055}}
+    assert "plain run's timed passes took 6.5 / 20.0 s" in timing_problems(bursty)[0]
