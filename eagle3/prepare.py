@@ -131,15 +131,32 @@ def _input_fingerprints(cfg: PrepareConfig, tok) -> dict:
     return inputs
 
 
-def _save_split(path: Path, samples: list[PreparedSample]) -> None:
+def split_features():
     import datasets
 
-    features = datasets.Features({
+    return datasets.Features({
         "sample_id": datasets.Value("string"),
         "input_ids": datasets.Sequence(datasets.Value("int32")),
         "loss_mask": datasets.Sequence(datasets.Value("int8")),
         "num_tokens": datasets.Value("int32"),
     })
+
+
+def load_split(path: Path):
+    """A split written by this stage. `datasets` cannot read back a saved split with
+    zero rows (e.g. --eval-fraction 0), so an empty one is rebuilt in memory."""
+    import datasets
+
+    try:
+        return datasets.load_from_disk(str(path))
+    except IndexError:
+        return datasets.Dataset.from_dict({k: [] for k in split_features()}, features=split_features())
+
+
+def _save_split(path: Path, samples: list[PreparedSample]) -> None:
+    import datasets
+
+    features = split_features()
     ds = datasets.Dataset.from_dict({
         "sample_id": [s.sample_id for s in samples],
         "input_ids": [s.input_ids for s in samples],

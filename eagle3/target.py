@@ -153,3 +153,30 @@ def chat_template_text(tok) -> str:
 
 def chat_template_fingerprint(tok) -> str:
     return hashlib.sha256(chat_template_text(tok).encode()).hexdigest()
+
+
+SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(model: str | Path) -> str:
+    """A cheap fingerprint of a local target's safetensors weights.
+
+    Hashes each file's name, size, and its first and last MiB (the header with every
+    tensor's name, shape and offset, and the bytes of the first and last tensors), so
+    a retrained target with the same config is told apart without reading hundreds
+    of GB. A hub id is identified by its name only.
+    """
+    path = Path(model)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        return f"unhashed:{model}"
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(SAMPLE_BYTES))
+            if size > SAMPLE_BYTES:
+                fh.seek(max(SAMPLE_BYTES, size - SAMPLE_BYTES))
+                h.update(fh.read())
+    return h.hexdigest()

@@ -364,3 +364,26 @@ def test_plan_is_deterministic_and_partitioned():
     parts = [run_mod.box_files(plan, 3, i) for i in range(3)]
     assert sorted((f for p in parts for f in p), key=plan.index) == plan
     assert not set(parts[0]) & set(parts[1])
+
+
+def test_a_retrained_target_does_not_reuse_the_store(tmp_path, tiny_llama):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.extract import ExtractConfig, extract_hidden_states
+    from eagle3.prepare import PrepareConfig, prepare_dataset
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_llama, target)
+    data = tmp_path / "c.jsonl"
+    data.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:6]) + "\n")
+    prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(target), data=[str(data)],
+                                  eval_fraction=0.0, num_workers=1))
+    cfg = dict(work_dir=tmp_path / "w", target_model=str(target), backend="hf", samples_per_file=4)
+    extract_hidden_states(ExtractConfig(**cfg))
+    w = load_file(target / "model.safetensors")
+    w["model.norm.weight"] = w["model.norm.weight"] * 2  # "retrained": same config and tokenizer
+    save_file(w, target / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(PipelineError, match="target_weights"):
+        extract_hidden_states(ExtractConfig(**cfg))

@@ -66,3 +66,19 @@ def test_tiny_deepseek_v3_is_mla_moe(tiny_targets):
     cfg = model.config
     assert cfg.kv_lora_rank == 512 and cfg.qk_rope_head_dim == 64 and cfg.topk_method == "noaux_tc"
     assert cfg.n_routed_experts > 1 and model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 960)
+
+
+def test_weights_fingerprint_tells_a_retrained_target_apart(tmp_path, tiny_llama):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from eagle3.target import weights_fingerprint
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_llama, copy)
+    assert weights_fingerprint(copy) == weights_fingerprint(tiny_llama)
+    w = load_file(copy / "model.safetensors")
+    w["lm_head.weight"] = w["lm_head.weight"] + 1e-3  # same config, same shapes, other values
+    save_file(w, copy / "model.safetensors", metadata={"format": "pt"})
+    assert weights_fingerprint(copy) != weights_fingerprint(tiny_llama)

@@ -42,7 +42,8 @@ from ..config import identity_params
 from ..errors import PipelineError
 from ..manifest import (Manifest, check_same, completed, manifest_fingerprint, read_manifest, sha256_json,
                         write_manifest)
-from ..target import TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint, validate_aux_layers
+from ..target import (TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint, validate_aux_layers,
+                      weights_fingerprint)
 from ..workdir import SPLITS, WorkDir
 from .config import ExtractConfig
 
@@ -97,11 +98,11 @@ class Prepared:
 
 
 def load_split(wd: WorkDir, split: str):
-    import datasets
+    from ..prepare import load_split as load_prepared
 
     path = wd.dataset(split)
     try:
-        return datasets.load_from_disk(str(path)).with_format("numpy")
+        return load_prepared(path).with_format("numpy")
     except FileNotFoundError as e:
         raise PipelineError(f"{path} is missing although stage 01's manifest lists it; rerun "
                             f"`python {wd.script('prepare')} --force`.") from e
@@ -134,7 +135,9 @@ def validate(cfg: ExtractConfig) -> Prepared:
 
     params = identity_params(cfg)
     params["aux_layers"] = aux  # resolved: the default is recorded as the ids it means
-    inputs = {"prepare": manifest_fingerprint(prep), "target_config": sha256_json(info.text_config)}
+    # The weights too: a retrained target with the same config must not reuse a store.
+    inputs = {"prepare": manifest_fingerprint(prep), "target_config": sha256_json(info.text_config),
+              "target_weights": weights_fingerprint(cfg.target_model)}
     identity = {
         "store_format": store.STORE_FORMAT, "aux_layers": aux, "hidden_size": info.hidden_size,
         "num_layers": info.num_layers, "vocab_size": info.vocab_size, "dtype": store.STORE_DTYPE,
