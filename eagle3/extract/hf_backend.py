@@ -13,6 +13,7 @@ weights under `language_model.`) are loaded as their text model alone.
 from __future__ import annotations
 
 import logging
+from ..batching import group_by_padded_tokens
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -87,16 +88,7 @@ def _final_norm(model) -> torch.nn.Module:
 
 def make_batches(lengths: Sequence[int], batch_tokens: int) -> list[list[int]]:
     """Consecutive sample indices per batch, padded size (B * longest) <= batch_tokens."""
-    batches, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and max(longest, n) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    if cur:
-        batches.append(cur)
-    return batches
+    return group_by_padded_tokens(range(len(lengths)), lengths, batch_tokens)
 
 
 class HFBackend:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..batching import group_by_padded_tokens
 from ..store import SplitView, collate
 
 SORT_WINDOW = 64
@@ -34,16 +35,8 @@ def epoch_batches(lengths: list[int], cfg: Batching, epoch: int | None) -> list[
         order = torch.randperm(n, generator=g).tolist()
         order = [i for w in range(0, n, SORT_WINDOW)
                  for i in sorted(order[w:w + SORT_WINDOW], key=lambda i: lengths[i])]
-    batches, cur, cur_max = [], [], 0
-    for i in order:
-        t = min(lengths[i], cfg.max_seq_len)
-        if cur and max(cur_max, t) * (len(cur) + 1) > cfg.batch_tokens:
-            batches.append(cur)
-            cur, cur_max = [], 0
-        cur.append(i)
-        cur_max = max(cur_max, t)
-    if cur:
-        batches.append(cur)
+    cropped = [min(t, cfg.max_seq_len) for t in lengths]
+    batches = group_by_padded_tokens(order, cropped, cfg.batch_tokens)
     if epoch is not None:  # shuffle batch order too, or long batches would cluster per window
         g = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch + 1)
         batches = [batches[i] for i in torch.randperm(len(batches), generator=g).tolist()]
