@@ -85,12 +85,17 @@ def test_round_trip_values_and_layout(tmp_path):
         assert s.aux.dtype == torch.bfloat16 and s.aux.shape == (lengths[i], A * H)
         assert torch.equal(s.aux, aux[i].reshape(lengths[i], A * H).to(torch.bfloat16))
         want_final = _norm(pre[i].to(torch.bfloat16).float()).to(torch.bfloat16)  # pre-norm travels as bf16
-        assert torch.equal(s.final, want_final)
+        # The store normalises a file's tokens in one chunk, this test one sample: other
+        # shapes, so not bitwise equal on every CPU; one bf16 rounding step apart at most.
+        torch.testing.assert_close(s.final.float(), want_final.float(), rtol=8e-3, atol=1e-5)
         # The argmax exists where mask[t] or mask[t+1] is 1; elsewhere it is never a label.
         m = s.loss_mask.bool()
         need = m | torch.cat([m[1:], torch.zeros(1, dtype=torch.bool)])
-        want_argmax = torch.where(need, _argmax(want_final).to(torch.int32), -1)
-        assert torch.equal(s.target_argmax, want_argmax)
+        assert torch.equal(s.target_argmax[~need], torch.full(((~need).sum(),), -1, dtype=torch.int32))
+        # where needed, it picks a top logit (a near-tie may resolve either way on another CPU)
+        logits = s.final.float() @ LM_HEAD.T  # [t, 50]
+        picked = logits[need].gather(-1, s.target_argmax[need].long()[:, None])[:, 0]
+        torch.testing.assert_close(picked, logits[need].amax(-1), rtol=1e-5, atol=1e-5)
 
 
 def test_label_positions_stay_inside_samples():

@@ -40,14 +40,18 @@ def test_chunked_argmax_and_draft_distribution_match_full_logits():
     hidden = torch.randn(2, 37, 16, generator=g)
     w = torch.randn(101, 16, generator=g)
     full = hidden @ w.T  # [2, 37, 101]
-    assert torch.equal(chunked_argmax(hidden, w, chunk_size=8), full.argmax(-1))
+
+    def assert_top(arg):  # chunks are other matmul shapes: equal up to rounding, so a near-tie may flip
+        torch.testing.assert_close(full.gather(-1, arg[..., None])[..., 0], full.amax(-1), rtol=1e-5, atol=1e-5)
+
+    assert_top(chunked_argmax(hidden, w, chunk_size=8))
     draft_ids = torch.tensor(sorted(torch.randperm(101, generator=g)[:30].tolist()))
     want = torch.softmax(full[..., draft_ids], -1)
     for kw in ({}, {"target_argmax": full.argmax(-1)}):
         probs, arg = target_draft_distribution(draft_ids, target_hidden=hidden, lm_head_weight=w,
                                                chunk_size=5, **kw)
         torch.testing.assert_close(probs, want)
-        assert torch.equal(arg, full.argmax(-1))
+        assert_top(arg)
     probs, arg = target_draft_distribution(draft_ids, target_logits=full)
     torch.testing.assert_close(probs, want)
     assert torch.equal(arg, full.argmax(-1))
