@@ -28,10 +28,20 @@ One draft step (`Eagle3Drafter.step`) over a whole sequence computes
 
 Train-time test (TTT) runs K such steps over the same T positions; a `TTTCache`
 carries each step's keys/values so that step k at position t attends to step 0's
-keys at positions <= t plus steps 1..k's keys at position t (see `_ttt_attention`).
-Padding: pass `attention_mask [B, T]` (1 = real token); rows are single sequences,
-right-padded (pass `position_ids` for any other layout). Packing several sequences
-into one row is not supported (it would need a block-diagonal context mask).
+keys at positions <= t plus steps 1..k's keys at position t. Two implementations:
+
+    sdpa       (default) step 0's keys through a fused causal attention kernel that
+               returns its log-sum-exp (the CPU flash kernel; the memory-efficient
+               kernel on CUDA); steps 1..k's k keys per position are merged into
+               that result by log-sum-exp. Autograd keeps O(T) per step.
+    reference  `_ttt_attention`: one [T, T + k] fp32 score block per step, kept by
+               autograd for backward (O(T^2) per step). Tests compare against it.
+
+Padding: pass `attention_mask [B, T]` (1 = real token); right padding needs nothing
+else, other layouts pass `position_ids`. Packing: several samples in one row, each
+with positions restarting at 0, pass `segment_ids [B, T]` (which sample of the row
+each token belongs to); attention never crosses from one sample into another
+(block-diagonal causal).
 """
 from __future__ import annotations
 
@@ -235,19 +245,230 @@ def _ttt_attention(q: Tensor, cache: TTTCache, allowed: Tensor, scale: float) ->
     return out
 
 
+# -- linear-memory TTT attention (the default) ---------------------------------------
+# Runs: (row, start, end) spans of a batch whose tokens attend causally among
+# themselves only. None = every row is one run over all T positions (the common case,
+# one kernel call for the whole batch).
+Runs = list[tuple[int, int, int]] | None
+
+
+def _context_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
+    """Causal attention of q [B, nh, T, D] over k/v [B, n_kv, T, D] with its log-sum-exp.
+
+    -> out [B, nh, T, D], lse [B, nh, T] fp32 (natural log of the scaled scores'
+    exp-sum), and what `_context_bwd` needs besides. The fused kernels keep no
+    [T, T] block: they stream over keys.
+    """
+    if q.device.type == "cpu":
+        # The CPU flash kernel takes grouped kv heads as they are (query head i reads kv head i // G).
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        return out, lse, ()
+    if q.device.type == "cuda":
+        G = q.shape[1] // k.shape[1]
+        ke, ve = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, n_kv, T, D] -> [B, nh, T, D]
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, ke, ve, None, True, 0.0, True, scale=scale)
+        T = q.shape[2]
+        return out, lse[..., :T], (seed, offset, lse.shape[-1])  # the kernel pads lse to a multiple of 32
+    raise PipelineError(f"attention 'sdpa' runs on cpu and cuda, not {q.device.type}; "
+                        f"pass --attention reference on this device.")
+
+
+def _context_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                 extra: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of the context part given the *merged* output and log-sum-exp.
+
+    The kernels rebuild probabilities as exp(score - lse) and use rowsum(dout * out):
+    fed the merged out/lse (over context and diagonal keys) they return exactly the
+    context keys' share of the merged softmax's gradients (as ring attention does).
+    """
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True, scale=scale)
+    seed, offset, lse_len = extra
+    G = q.shape[1] // k.shape[1]
+    ke, ve = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    lse_pad = F.pad(lse, (0, lse_len - lse.shape[-1]))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, ke, ve, None, out, lse_pad, seed, offset, 0.0, [True, True, True, False], True, scale=scale)
+    B, nkv, T, D = k.shape
+    # [B, nh, T, D] -> [B, n_kv, G, T, D] -> sum over the G query heads that shared each kv head
+    return dq, dk.view(B, nkv, G, T, D).sum(2), dv.view(B, nkv, G, T, D).sum(2)
+
+
+def _diag_scores(q: Tensor, kd: Tensor, scale: float) -> Tensor:
+    """Same-position scores q[t] . kd[t]: q [B, nh, T, D], kd [B, n_kv, T, D] -> [B, nh, T], at least fp32."""
+    B, nh, T, D = q.shape
+    nkv = kd.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.einsum("bhgtd,bhtd->bhgt", q.view(B, nkv, nh // nkv, T, D).to(acc), kd.to(acc))  # -> [B, n_kv, G, T]
+    return s.reshape(B, nh, T) * scale
+
+
+def _grouped(x: Tensor, nkv: int) -> Tensor:
+    """[B, nh, T, ...] -> [B, n_kv, G, T, ...] (query head i*G + j uses kv head i)."""
+    return x.view(x.shape[0], nkv, x.shape[1] // nkv, *x.shape[2:])
+
+
+class _MergedTTTAttention(torch.autograd.Function):
+    """Step k's attention: causal context (step 0's keys) + k same-position keys, one softmax.
+
+    forward(q [B, nh, T, D], k0, v0 [B, n_kv, T, D], scale, runs, k1..kk, v1..vk [B, n_kv, T, D])
+    -> [B, nh, T, D]. Saves the inputs (the cache's own tensors, no copies), the
+    merged output and its lse [B, nh, T]: O(T) per step.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, scale, runs, *diag):
+        n = len(diag) // 2
+        kd, vd = diag[:n], diag[n:]
+        B, nh, T, D = q.shape
+        nkv = k0.shape[1]
+        acc_t = torch.promote_types(q.dtype, torch.float32)  # softmax bookkeeping in at least fp32
+        if runs is None:
+            o0, lse0, extra = _context_fwd(q, k0, v0, scale)
+            extras = [extra]
+        else:
+            # Packed rows: one kernel call per sample span; positions in no span (none
+            # with the layouts `_runs` builds) would keep lse -inf and out 0.
+            o0 = q.new_zeros(q.shape)
+            lse0 = q.new_full((B, nh, T), float("-inf"), dtype=acc_t)
+            extras = []
+            for b, a, e in runs:
+                o, lse, extra = _context_fwd(q[b:b + 1, :, a:e], k0[b:b + 1, :, a:e], v0[b:b + 1, :, a:e], scale)
+                o0[b:b + 1, :, a:e] = o
+                lse0[b:b + 1, :, a:e] = lse
+                extras.append(extra)
+        if n == 0:
+            out, lse = o0, lse0.to(acc_t)
+        else:
+            s = torch.stack([_diag_scores(q, k, scale) for k in kd])  # n x [B, nh, T] -> [n, B, nh, T]
+            lse = torch.logsumexp(torch.cat([lse0.to(acc_t)[None], s]), dim=0)  # [n+1, B, nh, T] -> [B, nh, T]
+            acc = torch.exp(lse0.to(acc_t) - lse)[..., None] * o0.to(acc_t)  # context share, [B, nh, T, D]
+            acc = _grouped(acc, nkv)  # -> [B, n_kv, G, T, D]
+            for j in range(n):
+                p = _grouped(torch.exp(s[j] - lse), nkv)  # [B, nh, T] -> [B, n_kv, G, T]
+                acc = acc + p[..., None] * vd[j].to(acc_t)[:, :, None]  # [B, n_kv, 1, T, D] broadcast over G
+            out = acc.reshape(B, nh, T, D).to(q.dtype)
+        ctx.scale, ctx.runs, ctx.n, ctx.extras = scale, runs, n, extras
+        ctx.save_for_backward(q, k0, v0, out, lse, *diag)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        n, scale, runs = ctx.n, ctx.scale, ctx.runs
+        kd, vd = diag[:n], diag[n:]
+        B, nh, T, D = q.shape
+        nkv = k0.shape[1]
+        dout = dout.contiguous().to(q.dtype)
+        acc_t = lse.dtype
+        if runs is None:
+            dq, dk0, dv0 = _context_bwd(dout, q, k0, v0, out, lse, scale, ctx.extras[0])
+        else:
+            dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+            for (b, a, e), extra in zip(runs, ctx.extras):
+                sl = (slice(b, b + 1), slice(None), slice(a, e))
+                g = _context_bwd(dout[sl].contiguous(), q[sl], k0[sl], v0[sl], out[sl].contiguous(),
+                                 lse[sl].contiguous(), scale, extra)
+                dq[sl], dk0[sl], dv0[sl] = g
+        if n == 0:
+            return dq, dk0, dv0, None, None
+        # Diagonal keys: p_j = exp(s_j - lse); ds_j = p_j * (dout . v_j - rowsum(dout * out)).
+        dout_f = _grouped(dout.to(acc_t), nkv)  # [B, n_kv, G, T, D]
+        q_f = _grouped(q.to(acc_t), nkv)
+        delta = (dout_f * _grouped(out.to(acc_t), nkv)).sum(-1)  # [B, n_kv, G, T]
+        lse_g = _grouped(lse, nkv)
+        dkd, dvd = [], []
+        dq_g = _grouped(dq.to(acc_t), nkv)
+        for j in range(n):
+            kj, vj = kd[j].to(acc_t)[:, :, None], vd[j].to(acc_t)[:, :, None]  # [B, n_kv, 1, T, D]
+            s = (q_f * kj).sum(-1) * scale  # [B, n_kv, G, T]
+            p = torch.exp(s - lse_g)
+            ds = p * ((dout_f * vj).sum(-1) - delta)  # [B, n_kv, G, T]
+            dq_g = dq_g + scale * ds[..., None] * kj
+            dkd.append((scale * ds[..., None] * q_f).sum(2).to(kd[j].dtype))  # sum over G -> [B, n_kv, T, D]
+            dvd.append((p[..., None] * dout_f).sum(2).to(vd[j].dtype))
+        dq = dq_g.reshape(B, nh, T, D).to(q.dtype)
+        return (dq, dk0, dv0, None, None, *dkd, *dvd)
+
+
+def _ttt_attention_sdpa(q: Tensor, cache: TTTCache, runs: Runs, scale: float) -> Tensor:
+    """The default: q [B, nh, T, D] -> [B, nh, T, D], saved state O(T) per step."""
+    dtype = q.dtype
+    ks = [k.to(dtype) for k in cache.keys]
+    vs = [v.to(dtype) for v in cache.values]
+    return _MergedTTTAttention.apply(q, ks[0], vs[0], scale, runs, *ks[1:], *vs[1:])
+
+
+def _allowed_mask(B: int, T: int, attention_mask: Tensor | None, segment_ids: Tensor | None,
+                  device: torch.device) -> Tensor:
+    """The reference's context mask [B, T, T]: causal, within one sample, real keys."""
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)  # causal, [T, T] -> [B, T, T]
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])  # block-diagonal, [B, T, T]
+    if attention_mask is not None:
+        # Padding keys are hidden, but a query always keeps its own key so a
+        # padded row's softmax never sees only -inf (no NaN to leak into grads).
+        eye = torch.eye(T, dtype=torch.bool, device=device)
+        allowed = allowed & (attention_mask.bool()[:, None, :] | eye)  # [B, T, T] & [B, 1, T] -> [B, T, T]
+    return allowed
+
+
+def _runs(attention_mask: Tensor | None, segment_ids: Tensor | None, T: int) -> Runs:
+    """Spans attended causally among themselves: a row splits where segment_ids or
+    realness changes, except that right padding joins the run before it (its queries
+    carry no loss and only ever read real keys before them, so any finite value does)."""
+    if segment_ids is None and (attention_mask is None
+                                or bool((attention_mask[:, 1:].int() <= attention_mask[:, :-1].int()).all())):
+        return None  # one causal run per row; right padding needs nothing more
+    seg = segment_ids if segment_ids is not None else torch.zeros(attention_mask.shape, dtype=torch.long)
+    real = attention_mask.bool() if attention_mask is not None else torch.ones(seg.shape, dtype=torch.bool)
+    key = (seg.long() * 2 + (~real).long()).cpu()  # [B, T]: new run wherever this changes
+    runs = []
+    for b, row in enumerate(key.tolist()):
+        start = 0
+        for t in range(1, T + 1):
+            if t == T or row[t] != row[t - 1]:
+                padding_tail = row[start] % 2 == 1 and t == T and start > 0
+                if padding_tail:
+                    prev_b, prev_a, _ = runs[-1]
+                    runs[-1] = (prev_b, prev_a, T)
+                else:
+                    runs.append((b, start, t))
+                start = t
+    return runs
+
+
+ATTENTION_IMPLS = ("sdpa", "reference")
+
+
+@dataclass
+class AttnLayout:
+    """Who may attend to whom in one batch, in the form the chosen implementation reads.
+
+    reference: `allowed [B, T, T]` bool (causal, same sample, real keys);
+    sdpa: `runs`, the spans attended causally among themselves (None = whole rows).
+    """
+
+    allowed: Tensor | None = None
+    runs: Runs = None
+
+
 class Eagle3Attention(nn.Module):
     """Llama attention whose q/k/v read 2H inputs (embedding and hidden side by side)."""
 
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, impl: str = "sdpa") -> None:
         super().__init__()
         self.config = config
+        self.impl = impl
         H, nh, nkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.q_proj = nn.Linear(2 * H, nh * D, bias=False)
         self.k_proj = nn.Linear(2 * H, nkv * D, bias=False)
         self.v_proj = nn.Linear(2 * H, nkv * D, bias=False)
         self.o_proj = nn.Linear(nh * D, H, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache, allowed: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache, layout: AttnLayout) -> Tensor:
         B, T, _ = x.shape
         c = self.config
         nkv, G, D = c.num_key_value_heads, c.num_kv_groups, c.head_dim
@@ -257,9 +478,13 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.keys.append(k)
         cache.values.append(v)
+        if self.impl == "sdpa":
+            out = _ttt_attention_sdpa(q, cache, layout.runs, 1.0 / math.sqrt(D))  # -> [B, nh, T, D]
+            out = out.transpose(1, 2).reshape(B, T, c.num_attention_heads * D)  # -> [B, T, nh*D]
+            return self.o_proj(out)  # [B, T, nh*D] -> [B, T, H]
         # Query head i*G + j uses kv head i (Hugging Face's repeat_kv order).
         q = q.reshape(B, nkv, G, T, D)  # [B, nh, T, D] -> [B, n_kv, G, T, D]
-        out = _ttt_attention(q, cache, allowed, 1.0 / math.sqrt(D))  # -> [B, n_kv, G, T, D]
+        out = _ttt_attention(q, cache, layout.allowed, 1.0 / math.sqrt(D))  # -> [B, n_kv, G, T, D]
         out = out.permute(0, 3, 1, 2, 4).reshape(B, T, c.num_attention_heads * D)  # -> [B, T, nh*D]
         return self.o_proj(out)  # [B, T, nh*D] -> [B, T, H]
 
@@ -279,31 +504,38 @@ class Eagle3MLP(nn.Module):
 class Eagle3DecoderLayer(nn.Module):
     """The `midlayer`: a Llama decoder layer whose attention input is cat(embed, hidden)."""
 
-    def __init__(self, config: DrafterConfig) -> None:
+    def __init__(self, config: DrafterConfig, attention: str = "sdpa") -> None:
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(H, eps)
         self.hidden_norm = RMSNorm(H, eps)
-        self.self_attn = Eagle3Attention(config)
+        self.self_attn = Eagle3Attention(config, attention)
         self.post_attention_layernorm = RMSNorm(H, eps)
         self.mlp = Eagle3MLP(config)
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-                cache: TTTCache, allowed: Tensor) -> Tensor:
+                cache: TTTCache, layout: AttnLayout) -> Tensor:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # 2 x [B, T, H] -> [B, T, 2H]
-        h = hidden + self.self_attn(x, cos, sin, cache, allowed)  # residual is the un-normed hidden input
+        h = hidden + self.self_attn(x, cos, sin, cache, layout)  # residual is the un-normed hidden input
         return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm output, [B, T, H]
 
 
 class Eagle3Drafter(nn.Module):
-    """The EAGLE-3 drafter; `state_dict()` keys are the engines' tensor names (see module doc)."""
+    """The EAGLE-3 drafter; `state_dict()` keys are the engines' tensor names (see module doc).
 
-    def __init__(self, config: DrafterConfig) -> None:
+    `attention` picks the TTT attention implementation (module doc): "sdpa" (default,
+    linear memory) or "reference"; it changes no weight.
+    """
+
+    def __init__(self, config: DrafterConfig, attention: str = "sdpa") -> None:
         super().__init__()
+        if attention not in ATTENTION_IMPLS:
+            raise PipelineError(f"attention = {attention!r}; use one of {list(ATTENTION_IMPLS)}.")
         self.config = config
+        self.attention = attention
         c = config
         self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
-        self.midlayer = Eagle3DecoderLayer(c)
+        self.midlayer = Eagle3DecoderLayer(c, attention)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # Identity mapping until a real one is set: draft id i is target id i.
@@ -354,12 +586,15 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, A*H_t] -> [B, T, H]
 
     def step(self, embeds: Tensor, hidden: Tensor, cache: TTTCache, *,
-             attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
+             attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+             segment_ids: Tensor | None = None) -> Tensor:
         """One draft step over all T positions; returns the pre-norm output [B, T, H].
 
         embeds [B, T, H]: target-embedding vectors of the tokens this step reads;
         hidden [B, T, H]: `project_aux(aux)` for the first step, else the previous
         step's output. The step index k is `cache.num_steps` on entry.
+        segment_ids [B, T]: for packed rows, the sample each token belongs to; pass
+        position_ids restarting at 0 per sample with it.
 
         RoPE position of step k at position t is `position_ids[t] + k`. That is what
         both engines run: the first draft forward places (aux at t, token t+1) at
@@ -380,23 +615,19 @@ class Eagle3Drafter(nn.Module):
             position_ids = torch.arange(T, device=embeds.device).expand(B, T)  # [T] -> [B, T]
         inv_freq = self._inv_freq.to(embeds.device)
         cos, sin = rope_cos_sin(position_ids + k, inv_freq, hidden.dtype)  # [B, T] -> 2 x [B, T, D]
-        allowed = torch.ones(T, T, dtype=torch.bool, device=embeds.device).tril()  # causal, [T, T]
-        if attention_mask is None:
-            allowed = allowed.expand(B, T, T)  # [T, T] -> [B, T, T]
+        if self.attention == "sdpa":
+            layout = AttnLayout(runs=_runs(attention_mask, segment_ids, T))
         else:
-            # Padding keys are hidden, but a query always keeps its own key so a
-            # padded row's softmax never sees only -inf (no NaN to leak into grads).
-            eye = torch.eye(T, dtype=torch.bool, device=embeds.device)
-            allowed = allowed & (attention_mask.bool()[:, None, :] | eye)  # [T, T] & [B, 1, T] -> [B, T, T]
-        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, cache, allowed)
+            layout = AttnLayout(allowed=_allowed_mask(B, T, attention_mask, segment_ids, embeds.device))
+        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, cache, layout)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """Draft-vocab logits from pre-norm outputs: [..., H] -> [..., V_d]."""
         return self.lm_head(self.norm(hidden))
 
     def forward(self, aux: Tensor, embeds: Tensor, *, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Step 0 only (no unroll): returns (logits [B, T, V_d], pre-norm hidden [B, T, H])."""
-        hidden = self.step(embeds, self.project_aux(aux), TTTCache(),
-                           attention_mask=attention_mask, position_ids=position_ids)
+        hidden = self.step(embeds, self.project_aux(aux), TTTCache(), attention_mask=attention_mask,
+                           position_ids=position_ids, segment_ids=segment_ids)
         return self.compute_logits(hidden), hidden

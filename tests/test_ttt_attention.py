@@ -1,0 +1,165 @@
+"""The linear-memory TTT attention ("sdpa") against the reference one: forward and gradients.
+
+Both implementations run the same drafter weights over the same inputs; the
+reference materialises each step's [T, T + k] score block, the default streams
+step 0's keys through the fused CPU kernel and merges steps 1..k by log-sum-exp.
+Two different computations: compared with a tolerance (float64: 1e-9 relative).
+About 5 s on 2 cores.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3.model import DrafterConfig, Eagle3Drafter, TTTCache, _runs
+from eagle3.ttt import TTTConfig, target_draft_distribution, ttt_loss
+
+V_T, V_D, H = 40, 16, 32
+TOL64 = dict(rtol=1e-9, atol=1e-10)
+
+
+def pair(nkv: int, seed: int = 0, dtype=torch.double) -> tuple[Eagle3Drafter, Eagle3Drafter]:
+    cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=nkv, head_dim=8,
+                        intermediate_size=48, target_hidden_size=H, draft_vocab_size=V_D,
+                        target_vocab_size=V_T, max_position_embeddings=64)
+    torch.manual_seed(seed)
+    new = Eagle3Drafter(cfg).to(dtype)
+    with torch.no_grad():  # sharper attention than the init's, so the softmax is not near uniform
+        new.midlayer.self_attn.q_proj.weight.mul_(4)
+    ref = Eagle3Drafter(cfg, attention="reference").to(dtype)
+    ref.load_state_dict(new.state_dict())
+    return new, ref
+
+
+def batch(seed: int, B: int, T: int, dtype=torch.double):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, V_T, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * H, generator=g, dtype=dtype)
+    embed = torch.randn(V_T, H, generator=g, dtype=dtype)
+    logits = 3 * torch.randn(B, T, V_T, generator=g, dtype=dtype)
+    logits[..., :V_D] += 2.0
+    loss_mask = (torch.rand(B, T, generator=g) > 0.2).long()
+    return input_ids, aux, embed, logits, loss_mask
+
+
+def loss_and_grads(m: Eagle3Drafter, b, K: int, **kw):
+    input_ids, aux, embed, logits, loss_mask = b
+    aux = aux.clone().requires_grad_()
+    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    m.zero_grad()
+    out = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, TTTConfig(num_steps=K), **kw)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    grads["aux"] = aux.grad.clone()
+    return out, grads
+
+
+def assert_same(a, b, tol):
+    (oa, ga), (ob, gb) = a, b
+    torch.testing.assert_close(oa.loss, ob.loss, **tol)
+    assert oa.metrics["num_valid"] == ob.metrics["num_valid"] > 0
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("nkv,K", [(4, 1), (4, 7), (2, 3), (1, 7)])
+def test_sdpa_equals_reference_loss_and_gradients(nkv, K):
+    """MHA (4 kv heads), GQA (2) and MQA (1); K = 1 (no merge), 3 and 7."""
+    new, ref = pair(nkv, seed=nkv + K)
+    b = batch(K, B=2, T=13)
+    assert_same(loss_and_grads(new, b, K), loss_and_grads(ref, b, K), TOL64)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_sdpa_equals_reference_with_padding(left):
+    new, ref = pair(2, seed=5)
+    input_ids, aux, embed, logits, loss_mask = batch(6, B=3, T=12)
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    pos = None
+    if left:
+        mask = mask.flip(1)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+    kw = dict(attention_mask=mask, position_ids=pos)
+    a, b = loss_and_grads(new, (input_ids, aux, embed, logits, loss_mask), 7, **kw), \
+        loss_and_grads(ref, (input_ids, aux, embed, logits, loss_mask), 7, **kw)
+    assert_same(a, b, TOL64)
+    assert all(torch.isfinite(g).all() for g in a[1].values())
+
+
+def test_sdpa_outputs_equal_reference_at_every_real_position():
+    """The step outputs themselves (not only the loss), each step, packed row with a padded tail."""
+    new, ref = pair(2, seed=7)
+    T = 15
+    seg = torch.tensor([[0] * 6 + [1] * 4 + [2] * 3 + [3] * 2])
+    mask = torch.ones(1, T, dtype=torch.long)
+    mask[0, 13:] = 0  # the last "sample" is padding
+    pos = torch.cat([torch.arange(n) for n in (6, 4, 3, 2)])[None]
+    g = torch.Generator().manual_seed(8)
+    aux = torch.randn(1, T, 3 * H, generator=g, dtype=torch.double)
+    embs = [torch.randn(1, T, H, generator=g, dtype=torch.double) for _ in range(7)]
+    outs = []
+    for m in (new, ref):
+        cache, h, steps = TTTCache(), m.project_aux(aux), []
+        for e in embs:
+            h = m.step(e, h, cache, attention_mask=mask, position_ids=pos, segment_ids=seg)
+            steps.append(h)
+        outs.append(steps)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a[:, :13], b[:, :13], **TOL64)
+
+
+def test_sdpa_under_bf16_autocast_is_close_to_reference():
+    """bf16 autocast (what GPUs train with): both round differently, so a loose tolerance."""
+    new, ref = pair(2, seed=9, dtype=torch.float32)
+    b = batch(10, B=2, T=24, dtype=torch.float32)
+    res = []
+    for m in (new, ref):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            res.append(loss_and_grads(m, b, 4))
+    (oa, ga), (ob, gb) = res
+    torch.testing.assert_close(oa.loss, ob.loss, rtol=2e-2, atol=0)
+    for name in ga:
+        rel = (ga[name] - gb[name]).norm() / gb[name].norm()
+        assert rel < 5e-2, (name, float(rel))
+
+
+def test_runs_of_padded_packed_and_plain_rows():
+    assert _runs(None, None, 5) is None
+    assert _runs(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]), None, 4) is None  # right padding: whole rows
+    assert _runs(torch.tensor([[0, 0, 1, 1]]), None, 4) == [(0, 0, 2), (0, 2, 4)]  # left padding: its own run
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    # the padded tail joins the sample before it; the second row is one sample
+    assert _runs(mask, seg, 7) == [(0, 0, 3), (0, 3, 7), (1, 0, 7)]
+
+
+def saved_bytes(m: Eagle3Drafter, T: int, K: int) -> int:
+    """Bytes autograd keeps for one K-step unroll over one row of T tokens (distinct storages)."""
+    seen: dict[int, int] = {}
+    params = {p.data_ptr() for p in m.parameters()}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    g = torch.Generator().manual_seed(0)
+    aux = torch.randn(1, T, 3 * H, generator=g)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cache, h = TTTCache(), m.project_aux(aux)
+        for _ in range(K):
+            h = m.step(torch.randn(1, T, H, generator=g), h, cache)
+    return sum(seen.values())
+
+
+def test_saved_state_grows_linearly_with_sdpa_and_quadratically_with_the_reference():
+    new, ref = pair(2, seed=11, dtype=torch.float32)
+    K = 7
+    new_1, new_4 = saved_bytes(new, 256, K), saved_bytes(new, 1024, K)
+    ref_1, ref_4 = saved_bytes(ref, 256, K), saved_bytes(ref, 1024, K)
+    assert new_4 / new_1 == pytest.approx(4.0, rel=0.02)  # 4x the tokens, 4x the bytes
+    assert ref_4 / ref_1 > 10  # the score blocks dominate: close to 16x
+    assert ref_4 > 5 * new_4  # 8.7x here at 4 heads of 8; the gap grows with T and heads
