@@ -13,9 +13,10 @@ import sys
 import typing
 from typing import Any, Callable
 
-from .config import build_config, field_types, unwrap_optional
+from .config import allowed_text, build_config, field_types, unwrap_optional
 from .errors import PipelineError
 from .logs import setup_logging
+from .manifest import stage_run
 
 
 def make_parser(cls, description: str | None) -> argparse.ArgumentParser:
@@ -23,20 +24,28 @@ def make_parser(cls, description: str | None) -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file in configs/ (shared keys + one section per stage)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="use inputs built from upstream artifacts that were rebuilt since, instead of refusing "
+                        "(recorded in this stage's manifest)")
     types_ = field_types(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
         tp, _ = unwrap_optional(types_[f.name])
         default = f.default if f.default is not dataclasses.MISSING else None
         help_ = f.metadata.get("help", "")
+        if allowed_text(f):  # declared once with the field; build_config checks it
+            help_ += f" ({allowed_text(f)})"
         if default is not None and default != "":
             help_ += f" (default: {default})"
+        # Choices are shown, not enforced by argparse: build_config's message names the
+        # flag, the value, the allowed set and the closest match.
+        metavar = "{" + ",".join(map(str, f.metadata["choices"])) + "}" if "choices" in f.metadata else None
         if tp is bool:
             p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typing.get_origin(tp) is list:
             p.add_argument(flag, dest=f.name, default=None, metavar="A,B,...", help=help_)
         else:
-            p.add_argument(flag, dest=f.name, default=None, help=help_)
+            p.add_argument(flag, dest=f.name, default=None, metavar=metavar, help=help_)
     return p
 
 
@@ -53,7 +62,8 @@ def run_stage(cls, section: str, fn: Callable[[Any], Any], description: str | No
         setup_logging(logging.DEBUG if args.verbose else logging.INFO)
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
         cfg = build_config(cls, section, args.config, overrides)
-        fn(cfg)
+        with stage_run(allow_stale=args.allow_stale, config=args.config):
+            fn(cfg)
     except PipelineError as e:
         logging.getLogger("eagle3").error("%s", e)
         sys.exit(2)

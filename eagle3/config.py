@@ -6,13 +6,25 @@ section per stage (`prepare:`, `extract:`, `vocab:`, `train:`, `export:`); a sta
 config takes the shared keys that are its fields, then its section, then flags.
 Relative paths are relative to the directory the command runs in.
 
-Fields carry metadata: `help` for the CLI, and `identity=False` for knobs that do
-not change a stage's output (worker counts, --force), so they stay out of the
-manifest's parameters and changing them does not redo a finished stage.
+Fields carry metadata: `help` for the CLI, `identity=False` for knobs that do not
+change a stage's output (worker counts, --force), so they stay out of the
+manifest's parameters and changing them does not redo a finished stage, and the
+allowed values, declared once with the field (`choices=("vllm", "hf")`, `min=1`,
+`gt=0`, `lt=1`, `max=1`): `build_config` checks them naming the file, key and value,
+`--help` shows them, and a stage's `__post_init__` calls `check_params` so a config
+built in code is held to the same rules.
+
+A YAML file cannot mislead: a key no stage reads, a section no stage owns, or a key
+its section's stage does not have is refused with the closest valid name (a misspelt
+`vocab:` section would otherwise train with the default vocabulary size). The
+sections are the registry `STAGE_CONFIGS`; a new stage is one line there.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import importlib
+import logging
 import types
 import typing
 from pathlib import Path
@@ -20,11 +32,35 @@ from typing import Any
 
 from .errors import PipelineError
 
+log = logging.getLogger(__name__)
+
+# The stage sections of a YAML file and their config classes, as "module:Class" (imported
+# when a YAML file is read: every stage module imports this one). One line per stage.
+STAGE_CONFIGS: dict[str, str] = {
+    "generate": "eagle3.generate.config:GenerateConfig",
+    "prepare": "eagle3.prepare:PrepareConfig",
+    "extract": "eagle3.extract.config:ExtractConfig",
+    "vocab": "eagle3.vocab:VocabConfig",
+    "train": "eagle3.train.config:TrainConfig",
+    "export": "eagle3.export:ExportConfig",
+    "evaluate": "eagle3.evaluate:EvaluateConfig",
+}
+
 
 def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = True,
-          default_factory: Any = dataclasses.MISSING) -> Any:
-    """A dataclass field with CLI help and the identity flag."""
-    kw = {"metadata": {"help": help, "identity": identity}}
+          default_factory: Any = dataclasses.MISSING, choices: tuple | None = None,
+          min: float | None = None, max: float | None = None,
+          gt: float | None = None, lt: float | None = None) -> Any:
+    """A dataclass field with CLI help, the identity flag and its allowed values.
+
+    `choices`: the allowed values; `min`/`max`: inclusive bounds, `gt`/`lt`: exclusive
+    ones. None (for optional fields) is always allowed; list fields are checked per item.
+    """
+    meta = {"help": help, "identity": identity}
+    for k, v in (("choices", choices), ("min", min), ("max", max), ("gt", gt), ("lt", lt)):
+        if v is not None:
+            meta[k] = tuple(v) if k == "choices" else v
+    kw = {"metadata": meta}
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, **kw)
     return dataclasses.field(default=default, **kw)
@@ -101,24 +137,119 @@ def load_yaml(path: Path | str) -> dict:
     return data
 
 
+def closest(name: str, valid) -> str:
+    """` (did you mean `x`?)` for the closest valid name, or '' when none is close."""
+    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean `{match[0]}`?)" if match else ""
+
+
+def allowed_text(f: dataclasses.Field) -> str:
+    """The declared choices or range of a field in words ('' when it declares none)."""
+    m = f.metadata
+    if "choices" in m:
+        return "one of " + ", ".join(str(c) for c in m["choices"])
+    lo = ("[", m["min"]) if "min" in m else ("(", m["gt"]) if "gt" in m else None
+    hi = (m["max"], "]") if "max" in m else (m["lt"], ")") if "lt" in m else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]}, {hi[0]}{hi[1]}"
+    if lo:
+        return (">= " if lo[0] == "[" else "> ") + str(lo[1])
+    if hi:
+        return ("<= " if hi[1] == "]" else "< ") + str(hi[0])
+    return ""
+
+
+def _allowed(f: dataclasses.Field, v: Any) -> bool:
+    m = f.metadata
+    if "choices" in m:
+        return v in m["choices"]
+    return not (("min" in m and v < m["min"]) or ("max" in m and v > m["max"])
+                or ("gt" in m and not v > m["gt"]) or ("lt" in m and not v < m["lt"]))
+
+
+def check_value(f: dataclasses.Field, value: Any, source: str) -> None:
+    """Raise if `value` is outside the field's declared choices or range."""
+    if value is None or not allowed_text(f):
+        return
+    for v in (value if isinstance(value, list) else [value]):
+        if not _allowed(f, v):
+            hint = closest(v, f.metadata["choices"]) if "choices" in f.metadata and isinstance(v, str) else ""
+            what = f"`{f.name}` = {v!r}" if v is value else f"`{f.name}` item {v!r} (of {value!r})"
+            raise PipelineError(f"{source}: {what} is not allowed{hint}; it must be {allowed_text(f)} "
+                                f"(--{f.name.replace('_', '-')}).")
+
+
+def check_params(cfg) -> None:
+    """Check every field of a built config against its declared choices and ranges."""
+    for f in dataclasses.fields(cfg):
+        check_value(f, getattr(cfg, f.name), type(cfg).__name__)
+
+
+def stage_configs() -> dict[str, type | None]:
+    """Section -> config class for every registered stage (None: its module is not in this tree)."""
+    out: dict[str, type | None] = {}
+    for section, where in STAGE_CONFIGS.items():
+        module, _, name = where.partition(":")
+        try:
+            out[section] = getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError as e:
+            if not (e.name and module.startswith(e.name)):
+                raise  # the stage exists but one of its imports is missing: a real error
+            log.debug("stage section `%s`: %s not importable (%s)", section, module, e)
+            out[section] = None
+    return out
+
+
+def check_yaml_keys(data: dict, yaml_path: Path | str) -> None:
+    """Refuse top-level keys no stage reads, unknown sections and unknown keys in any section."""
+    stages = stage_configs()
+    fields = {s: {f.name for f in dataclasses.fields(c)} for s, c in stages.items() if c is not None}
+    shared = set().union(*fields.values())
+    problems = []
+    for key, value in data.items():
+        if key in stages:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                problems.append(f"section `{key}` must be a mapping of keys to values, not {value!r}")
+                continue
+            for k in sorted(set(value) - fields.get(key, set(value))):
+                problems.append(f"unknown key(s) ['{k}'] in section `{key}`{closest(k, fields[key])}")
+        elif key not in shared:
+            if isinstance(value, dict):
+                problems.append(f"unknown section `{key}`{closest(key, stages)}; the stage sections are "
+                                f"{', '.join(stages)}")
+            else:
+                problems.append(f"unknown top-level key `{key}`{closest(key, sorted(shared) + list(stages))}")
+    if problems:
+        raise PipelineError(f"{yaml_path}: " + "; ".join(problems) + ". Top-level keys are the settings stages "
+                            f"share (e.g. work_dir, target_model); each stage's other settings go in its section.")
+
+
 def build_config(cls, section: str, yaml_path: Path | str | None = None, overrides: dict | None = None):
     """Shared YAML keys, then the YAML section, then `overrides` (CLI flags)."""
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
+    where: dict[str, str] = {}  # key -> where its value came from, for messages
     if yaml_path is not None:
         data = load_yaml(yaml_path)
-        stage_keys = {"prepare", "extract", "vocab", "train", "export", "evaluate"}
-        values.update({k: v for k, v in data.items() if k in names and k not in stage_keys})
+        check_yaml_keys(data, yaml_path)
+        top = {k: v for k, v in data.items() if k in names and k not in STAGE_CONFIGS}
+        values.update(top)
+        where.update({k: f"{yaml_path} (top level)" for k in top})
         sec = data.get(section) or {}
         if not isinstance(sec, dict):
             raise PipelineError(f"{yaml_path}: section `{section}` must be a mapping.")
         unknown = sorted(set(sec) - names)
-        if unknown:
+        if unknown:  # a stage not (yet) in STAGE_CONFIGS
             raise PipelineError(
-                f"{yaml_path}: unknown key(s) {unknown} in section `{section}`; "
+                f"{yaml_path}: unknown key(s) {unknown} in section `{section}`{closest(unknown[0], names)}; "
                 f"valid keys are {sorted(names)}.")
         values.update(sec)
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        where.update({k: f"{yaml_path} [{section}]" for k in sec})
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    values.update(flags)
+    where.update({k: "command line" for k in flags})
     source = f"{yaml_path} [{section}]" if yaml_path else f"[{section}]"
     missing = [f.name for f in dataclasses.fields(cls)
                if f.name not in values and f.default is dataclasses.MISSING
@@ -126,4 +257,9 @@ def build_config(cls, section: str, yaml_path: Path | str | None = None, overrid
     if missing:
         flags = ", ".join("--" + m.replace("_", "-") for m in missing)
         raise PipelineError(f"{source}: missing required setting(s) {missing}; set them in the YAML or pass {flags}.")
-    return cls(**{k: coerce(cls, k, v, source) for k, v in values.items()})
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    coerced = {}
+    for k, v in values.items():
+        coerced[k] = coerce(cls, k, v, where.get(k, source))
+        check_value(by_name[k], coerced[k], where.get(k, source))
+    return cls(**coerced)

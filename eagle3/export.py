@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .atomic import atomic_path, write_json
-from .config import identity_params, param
+from .config import check_params, identity_params, param
 from .drafter_io import (CONFIG_NAME, WEIGHTS_NAME, DTYPES, hf_config_from_drafter_config,
                          save_drafter_dir)
 from .engine_rules import (RULES, TargetFacts, captured_layers, d2t_summary, rules_for, translation_problems)
@@ -50,15 +50,13 @@ class ExportConfig:
     out_dir: Path | None = param(None, help="drafter folder to write (default: WORK/05_export)")
     include_embed_tokens: bool = param(False, help="also write the target's embedding as embed_tokens "
                                                    "(the engines use the target's when it is absent)")
-    dtype: str = param("bf16", help=f"weight dtype, one of {sorted(DTYPES)}")
+    dtype: str = param("bf16", choices=tuple(sorted(DTYPES)), help="weight dtype (bf16 is what the engines serve)")
     allow_engine_mismatch: bool = param(False, identity=False, help="export even when an engine rule would "
                                         "capture other layers than training used (the report says which)")
     force: bool = param(False, identity=False, help="redo the export even if it is complete")
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise PipelineError(f"export.dtype = {self.dtype!r}; choose one of {sorted(DTYPES)} (--dtype bf16 "
-                                f"is what the engines serve).")
+        check_params(self)  # the choices and ranges declared with the fields
 
 
 # --------------------------------------------------------------------------- stage 04's checkpoint

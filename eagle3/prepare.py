@@ -10,10 +10,18 @@ writes (see eagle3/workdir.py):
     01_dataset/manifest.json
 
 Run: `python 01_prepare_dataset.py --config configs/tiny-llama.yaml`.
+
+`--data generated` reads stage 00's regenerated chats (WORK/00_generate/) instead:
+each regenerated assistant turn is the exact token ids the target generated, spliced
+into the rendered template (`spliced_sample`), never its decoded text re-tokenized;
+the chat template switches stage 00 used (`chat_template_kwargs`) are used here too.
+The manifest counts how many of those turns re-tokenizing the decoded text would
+have changed (`generated_turns_reencode_differs`).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -26,25 +34,28 @@ from tqdm import tqdm
 
 from .atomic import atomic_path, save_numpy
 from .chats import BadRecord, RawRecord, iter_records, normalize, sample_id
-from .config import identity_params, param
+from .config import check_params, identity_params, param
 from .errors import PipelineError
-from .loss_mask import assistant_suffix, build_sample
-from .manifest import completed, sha256_file, write_manifest
+from .loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
+from .manifest import Manifest, check_same, completed, manifest_fingerprint, read_manifest, sha256_file, write_manifest
 from .target import (chat_template_fingerprint, load_tokenizer, read_target_info,
                      tokenizer_fingerprint)
 from .workdir import SPLITS, WorkDir
 
 log = logging.getLogger(__name__)
 
+GENERATED = "generated"  # `--data generated`: stage 00's output in this work directory
+
 
 @dataclass
 class PrepareConfig:
     work_dir: Path = param(help="work directory; each stage writes one folder in it")
     target_model: str = param(help="target model folder or hub id (its tokenizer and chat template are used)")
-    data: list[str] = param(help="chat files (.json/.jsonl, ShareGPT or OpenAI messages) or datasets ids")
+    data: list[str] = param(help="chat files (.json/.jsonl, ShareGPT or OpenAI messages), datasets ids, or "
+                                 "`generated` for stage 00's regenerated chats (00_generate/)")
     data_split: str = param("train", help="split to read from datasets ids")
-    max_length: int = param(4096, help="truncate samples to this many tokens")
-    eval_fraction: float = param(0.02, help="share of conversations held out for evaluation")
+    max_length: int = param(4096, min=8, help="truncate samples to this many tokens")
+    eval_fraction: float = param(0.02, min=0.0, lt=1.0, help="share of conversations held out for evaluation")
     seed: int = param(0, help="seed of the train/eval split (by conversation)")
     trust_remote_code: bool = param(False, help="allow the tokenizer's custom code (Kimi needs it)")
     strict: bool = param(False, help="stop at the first bad record instead of counting it")
@@ -57,10 +68,7 @@ class PrepareConfig:
             self.data = [self.data]
         if not self.data:
             raise PipelineError("prepare.data is empty; pass --data FILE.jsonl (or a datasets id).")
-        if self.max_length < 8:
-            raise PipelineError(f"max_length = {self.max_length} is too small; use e.g. --max-length 4096.")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise PipelineError(f"eval_fraction = {self.eval_fraction} must be in [0, 1); e.g. --eval-fraction 0.02.")
+        check_params(self)  # the choices and ranges declared with the fields
 
 
 @dataclass
@@ -71,6 +79,8 @@ class PreparedSample:
     truncated: bool
     trimmed_user_turn: bool
     fuzzy_ends: int
+    generated_turns: int = 0  # regenerated assistant turns (stage 00), their ids taken as generated
+    reencode_differs: int = 0  # of those, turns whose decoded text re-tokenizes to other ids
 
 
 def is_eval(sid: str, seed: int, fraction: float) -> bool:
@@ -83,35 +93,57 @@ def is_eval(sid: str, seed: int, fraction: float) -> bool:
 _W: dict = {}
 
 
-def _init_worker(target_model: str, trust_remote_code: bool, max_length: int) -> None:
+def _init_worker(target_model: str, trust_remote_code: bool, max_length: int,
+                 template_kwargs: dict | None = None) -> None:
     from .logs import quiet_tokenizers
 
     quiet_tokenizers()
     tok = load_tokenizer(target_model, trust_remote_code)
-    _W.update(tok=tok, suffix=assistant_suffix(tok), max_length=max_length)
+    _W.update(tok=tok, suffix=assistant_suffix(tok, template_kwargs), max_length=max_length,
+              kw=template_kwargs)
+
+
+def _generated_sample(rec: dict) -> tuple[str, np.ndarray, np.ndarray, int, int]:
+    """A stage-00 line: (sample id, ids, mask, regenerated turns, turns that re-tokenize differently)."""
+    if "bad" in rec or "dropped" in rec:
+        raise BadRecord(rec.get("bad") or rec["dropped"], rec.get("detail", "counted by stage 00"))
+    answers = [Answer(g["ids"], g["finish_reason"] != "length") for g in rec["generated"]]
+    ids, mask = spliced_sample(_W["tok"], rec["messages"], answers, _W["suffix"], _W["kw"])
+    try:
+        differs = sum(reencode_differs(_W["tok"], rec["messages"], answers, _W["suffix"], _W["kw"]))
+    except BadRecord:  # the decoded text cannot even be placed by plain rendering
+        differs = len(answers)
+    return rec["sample_id"], ids, mask, len(answers), differs
 
 
 def _process(raw: RawRecord) -> PreparedSample | BadRecord:
     try:
-        messages, trimmed = normalize(raw.record)
-        ids, mask, fuzzy = build_sample(_W["tok"], messages, _W["suffix"])
+        gen_turns = differs = fuzzy = 0
+        trimmed = False
+        if isinstance(raw.record, dict) and "sample_id" in raw.record and (
+                "generated" in raw.record or "bad" in raw.record or "dropped" in raw.record):
+            sid, ids, mask, gen_turns, differs = _generated_sample(raw.record)
+        else:
+            sid = sample_id(raw)
+            messages, trimmed = normalize(raw.record)
+            ids, mask, fuzzy = build_sample(_W["tok"], messages, _W["suffix"])
         truncated = len(ids) > _W["max_length"]
         ids, mask = ids[: _W["max_length"]], mask[: _W["max_length"]]
         if not mask.any():
             raise BadRecord("no_assistant_tokens_within_max_length",
                             f"first assistant token is past max_length={_W['max_length']}")
-        return PreparedSample(sample_id(raw), ids, mask, truncated, trimmed, fuzzy)
+        return PreparedSample(sid, ids, mask, truncated, trimmed, fuzzy, gen_turns, differs)
     except BadRecord as e:
         return e
 
 
-def _tokenize_all(cfg: PrepareConfig, records: list[RawRecord]):
+def _tokenize_all(cfg: PrepareConfig, records: list[RawRecord], template_kwargs: dict | None = None):
     # A spawned worker costs ~5 s to start (imports, tokenizer load), and the main
     # process keeps one core busy feeding it: on 2 cores one process is faster
     # (bench/bench_prepare.py), so the default leaves a core to the main process
     # and only goes parallel for large sets.
     workers = cfg.num_workers or max(1, min(16, (os.cpu_count() or 1) - 1, len(records) // 5000))
-    init = (cfg.target_model, cfg.trust_remote_code, cfg.max_length)
+    init = (cfg.target_model, cfg.trust_remote_code, cfg.max_length, template_kwargs)
     bar = dict(total=len(records), unit="conv", desc="tokenize", smoothing=0.1)
     if workers <= 1:
         _init_worker(*init)
@@ -123,8 +155,44 @@ def _tokenize_all(cfg: PrepareConfig, records: list[RawRecord]):
 
 
 # -- the stage -------------------------------------------------------------------
-def _input_fingerprints(cfg: PrepareConfig, tok) -> dict:
+def uses_generated(cfg: PrepareConfig) -> bool:
+    if GENERATED in cfg.data and len(cfg.data) > 1:
+        raise PipelineError(f"prepare.data = {cfg.data}: `{GENERATED}` (stage 00's output) cannot be mixed with "
+                            f"other sources; pass those to 00_generate_responses.py --data instead.")
+    return cfg.data == [GENERATED]
+
+
+def generated_manifest(cfg: PrepareConfig, tok) -> Manifest:
+    """Stage 00's manifest, checked: complete, and from this target's tokenizer."""
+    wd = WorkDir(cfg.work_dir)
+    m = read_manifest(wd, "generate", needed_by=f"{wd.script('prepare')} --data {GENERATED}")
+    if not m.extra.get("complete"):
+        miss = m.extra.get("missing", {})
+        raise PipelineError(
+            f"{m.path}: stage 00 is incomplete ({miss.get('count')} chunk(s) missing, shard indices "
+            f"{miss.get('shard_indices')}); run the missing boxes, copy their chunks into "
+            f"{wd.generate_chunks()}, and rerun `python {wd.script('generate')}` once without shard flags.")
+    check_same("tokenizer fingerprint", m.extra.get("tokenizer_fingerprint"), tokenizer_fingerprint(tok),
+               ours_from=f"{m.path} (stage 00, target {m.params.get('target_model')})",
+               theirs_from=f"tokenizer of {cfg.target_model}",
+               fix="stage 01 must use the target that generated the answers (--target-model)")
+    return m
+
+
+def generated_records(wd: WorkDir, m: Manifest):
+    """Stage 00's lines in input order, as records `_process` recognises."""
+    for k in range(m.extra["num_chunks"]):
+        path = wd.generate_chunk(k)
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                yield RawRecord(str(path), n, json.loads(line))
+
+
+def _input_fingerprints(cfg: PrepareConfig, tok, gen: Manifest | None = None) -> dict:
     inputs = {"tokenizer": tokenizer_fingerprint(tok)}
+    if gen is not None:
+        inputs["generate"] = manifest_fingerprint(gen)
+        return inputs
     for src in cfg.data:
         p = Path(src)
         inputs[f"data:{src}"] = sha256_file(p) if p.is_file() else f"datasets:{src}:{cfg.data_split}"
@@ -179,7 +247,9 @@ def prepare_dataset(cfg: PrepareConfig):
     wd = WorkDir(cfg.work_dir)
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
-    params, inputs = identity_params(cfg), _input_fingerprints(cfg, tok)
+    gen = generated_manifest(cfg, tok) if uses_generated(cfg) else None
+    template_kwargs = gen.extra.get("chat_template_kwargs") if gen else None
+    params, inputs = identity_params(cfg), _input_fingerprints(cfg, tok, gen)
     done = completed(wd, "prepare", params, inputs)
     if done and not cfg.force:
         log.info("stage 01 already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
@@ -193,13 +263,17 @@ def prepare_dataset(cfg: PrepareConfig):
     for src in cfg.data:
         if Path(src).suffix in (".json", ".jsonl") and not Path(src).is_file():
             raise PipelineError(f"data file {src} does not exist; check --data.")
-    records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
-    log.info("read %d records from %s", len(records), ", ".join(cfg.data))
+    if gen is not None:
+        records = list(generated_records(wd, gen))
+        log.info("read %d regenerated records from %s", len(records), wd.generate_chunks())
+    else:
+        records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
+        log.info("read %d records from %s", len(records), ", ".join(cfg.data))
 
     bad: Counter[str] = Counter()
     split: dict[str, list[PreparedSample]] = {s: [] for s in SPLITS}
-    truncated = trimmed = fuzzy = 0
-    for raw, out in zip(records, _tokenize_all(cfg, records)):
+    truncated = trimmed = fuzzy = gen_turns = differs = 0
+    for raw, out in zip(records, _tokenize_all(cfg, records, template_kwargs)):
         if isinstance(out, BadRecord):
             if cfg.strict:
                 raise PipelineError(
@@ -212,6 +286,8 @@ def prepare_dataset(cfg: PrepareConfig):
         truncated += out.truncated
         trimmed += out.trimmed_user_turn
         fuzzy += out.fuzzy_ends
+        gen_turns += out.generated_turns
+        differs += out.reencode_differs
         split["eval" if is_eval(out.sample_id, cfg.seed, cfg.eval_fraction) else "train"].append(out)
     if not split["train"]:
         raise PipelineError(
@@ -221,6 +297,8 @@ def prepare_dataset(cfg: PrepareConfig):
     counts: dict = {"records": len(records), "bad_records": dict(sorted(bad.items())),
                     "truncated": truncated, "trailing_user_turns_trimmed": trimmed,
                     "assistant_turns_without_template_suffix": fuzzy}
+    if gen is not None:
+        counts.update(generated_turns=gen_turns, generated_turns_reencode_differs=differs)
     outputs = []
     for name, samples in split.items():
         freq = token_frequencies(samples, info.vocab_size)
@@ -236,13 +314,19 @@ def prepare_dataset(cfg: PrepareConfig):
         "chat_template_fingerprint": chat_template_fingerprint(tok),
         "vocab_size": info.vocab_size,
         "tokenizer_size": len(tok),
-        "assistant_suffix": assistant_suffix(tok),
+        "assistant_suffix": assistant_suffix(tok, template_kwargs),
+        "chat_template_kwargs": template_kwargs or {},
+        "data_from": "00_generate" if gen is not None else "chat files",
     })
     bad_txt = ", ".join(f"{k}={v}" for k, v in sorted(bad.items())) or "none"
     log.info("stage 01: %d train / %d eval samples, %d / %d tokens (%d / %d assistant); truncated %d; "
              "bad records skipped: %s -> %s", counts["train_samples"], counts["eval_samples"],
              counts["train_tokens"], counts["eval_tokens"], counts["train_assistant_tokens"],
              counts["eval_assistant_tokens"], truncated, bad_txt, wd.stage_dir("prepare"))
+    if gen is not None:
+        log.info("stage 01: %d regenerated assistant turns taken as the target's own ids; re-tokenizing their "
+                 "decoded text would have changed %d of them (%.1f%%)", gen_turns, differs,
+                 100.0 * differs / max(gen_turns, 1))
     if fuzzy:
         log.warning("%d assistant turns did not end with the template's probed suffix %s; they are masked "
                     "to the end of their rendering", fuzzy, m.extra["assistant_suffix"])

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import save_numpy, save_torch
-from .config import identity_params, param
+from .config import check_params, identity_params, param
 from .errors import PipelineError
 from .manifest import completed, manifest_fingerprint, read_manifest, write_manifest
 from .target import load_tokenizer, tokenizer_fingerprint
@@ -31,12 +31,11 @@ class VocabConfig:
     work_dir: Path = param(help="work directory (stage 01 must have run in it)")
     target_model: str | None = param(None, help="target model; when given, its tokenizer must be stage 01's")
     trust_remote_code: bool = param(False, help="allow the tokenizer's custom code")
-    draft_vocab_size: int = param(32000, help="number of target tokens the drafter predicts")
+    draft_vocab_size: int = param(32000, min=1, help="number of target tokens the drafter predicts")
     force: bool = param(False, identity=False, help="redo the stage even if it is complete")
 
     def __post_init__(self):
-        if self.draft_vocab_size < 1:
-            raise PipelineError(f"draft_vocab_size = {self.draft_vocab_size} must be positive (e.g. 32000).")
+        check_params(self)  # the choices and ranges declared with the fields
 
 
 # -- pure core -------------------------------------------------------------------

@@ -1,14 +1,18 @@
 """Stage configs from YAML + flags, and the CLI's handling of bad input."""
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from eagle3.cli import parse_config
-from eagle3.config import build_config, identity_params
+from eagle3.cli import make_parser, parse_config
+from eagle3.config import allowed_text, build_config, check_yaml_keys, identity_params, load_yaml, stage_configs
 from eagle3.errors import PipelineError
+from eagle3.evaluate import EvaluateConfig
+from eagle3.extract.config import ExtractConfig
 from eagle3.prepare import PrepareConfig
+from eagle3.train.config import TrainConfig
 from eagle3.vocab import VocabConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,3 +47,84 @@ def test_script_reports_bad_input_in_one_line_with_exit_2(tmp_path):
                         "--draft-vocab-size", "10"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2
     assert "01_dataset/manifest.json, which does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- configs that cannot mislead --------------------------------------------------------
+
+def test_misspelt_top_level_key_and_section_are_refused_with_the_closest_name(tmp_path):
+    y = tmp_path / "c.yaml"
+    # A misspelt `vocab:` section used to be ignored: stage 03 then built the default 32000.
+    y.write_text("work_dir: w\ntarget_model: t\nvocabb:\n  draft_vocab_size: 64\n")
+    with pytest.raises(PipelineError, match=r"unknown section `vocabb` \(did you mean `vocab`\?\)"):
+        build_config(VocabConfig, "vocab", y)
+    y.write_text("work_dir: w\ntarget_modle: t\nvocab:\n  draft_vocab_size: 64\n")
+    with pytest.raises(PipelineError, match=r"unknown top-level key `target_modle` \(did you mean `target_model`\?\)"):
+        build_config(VocabConfig, "vocab", y)
+    # a typo in another stage's section is caught by any stage, before its work
+    y.write_text("work_dir: w\ntarget_model: t\nvocab:\n  draft_vocab_size: 64\ntrain:\n  ttt_step: 3\n")
+    with pytest.raises(PipelineError, match=r"\['ttt_step'\] in section `train` \(did you mean `ttt_steps`\?\)"):
+        build_config(VocabConfig, "vocab", y)
+    y.write_text("work_dir: w\ntarget_model: t\nvocab: 64\n")
+    with pytest.raises(PipelineError, match=r"section `vocab` must be a mapping"):
+        build_config(VocabConfig, "vocab", y)
+    # a key that some stage reads is fine at the top level (here: prepare's max_length)
+    y.write_text("work_dir: w\ntarget_model: t\nmax_length: 64\nvocab:\n  draft_vocab_size: 64\n")
+    assert build_config(VocabConfig, "vocab", y).draft_vocab_size == 64
+
+
+def test_every_registered_stage_and_every_shipped_config_is_valid():
+    classes = stage_configs()
+    assert list(classes) == ["generate", "prepare", "extract", "vocab", "train", "export", "evaluate"]
+    assert classes["prepare"] is PrepareConfig and classes["vocab"] is VocabConfig
+    assert all(c is not None for s, c in classes.items() if s != "generate")  # generate: being added
+    for p in sorted((ROOT / "configs").glob("*.yaml")):
+        check_yaml_keys(load_yaml(p), p)  # raises on any unknown key
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--backend", "vlm", r"command line: `backend` = 'vlm' is not allowed \(did you mean `vllm`\?\); "
+                         r"it must be one of vllm, hf \(--backend\)"),
+    ("--gpu-memory-utilization", "1.5", r"`gpu_memory_utilization` = 1.5 is not allowed; it must be in \(0, 1\]"),
+    ("--gpu-memory-utilization", "0", r"it must be in \(0, 1\]"),
+    ("--samples-per-file", "0", r"`samples_per_file` = 0 is not allowed; it must be >= 1 \(--samples-per-file\)"),
+])
+def test_choices_and_ranges_are_checked_naming_where_the_value_came_from(flag, value, message):
+    with pytest.raises(PipelineError, match=message):
+        parse_config(ExtractConfig, "extract", ["--work-dir", "w", "--target-model", "t", flag, value])
+
+
+def test_choices_and_ranges_in_a_yaml_name_the_file_and_section(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("work_dir: w\ntarget_model: t\nprepare:\n  data: a.jsonl\n  eval_fraction: 1.0\n")
+    with pytest.raises(PipelineError, match=rf"{y} \[prepare\]: `eval_fraction` = 1.0 is not allowed; "
+                                            r"it must be in \[0.0, 1.0\)"):
+        build_config(PrepareConfig, "prepare", y)
+    y.write_text("work_dir: w\ntarget_model: t\ntrain:\n  precision: fp16\n")
+    with pytest.raises(PipelineError, match=r"\[train\]: `precision` = 'fp16' is not allowed \(did you mean "
+                                            r"`bf16`\?\); it must be one of auto, bf16, fp32"):
+        build_config(TrainConfig, "train", y)
+    # the edges themselves are allowed; None stays allowed for optional fields
+    y.write_text("work_dir: w\ntarget_model: t\nprepare:\n  data: a.jsonl\n  eval_fraction: 0.0\n  max_length: 8\n")
+    assert build_config(PrepareConfig, "prepare", y).max_length == 8
+    assert build_config(EvaluateConfig, "evaluate", None, {"work_dir": "w", "target_model": "t",
+                                                           "num_prompts": "none"}).num_prompts is None
+
+
+def test_configs_built_in_code_obey_the_same_declarations():
+    with pytest.raises(PipelineError, match=r"TrainConfig: `vocab_mode` = 'remapp' is not allowed \(did you mean "
+                                            r"`remap`\?\); it must be one of keep, remap \(--vocab-mode\)"):
+        TrainConfig(work_dir=Path("w"), target_model="t", vocab_mode="remapp")
+    with pytest.raises(PipelineError, match=r"`draft_vocab_size` = 0 is not allowed; it must be >= 1"):
+        VocabConfig(work_dir=Path("w"), draft_vocab_size=0)
+    with pytest.raises(PipelineError, match=r"`learning_rate` = 0.0 is not allowed; it must be > 0"):
+        TrainConfig(work_dir=Path("w"), target_model="t", learning_rate=0.0)
+    with pytest.raises(PipelineError, match=r"shard_index"):  # the cross-field rule stays in __post_init__
+        ExtractConfig(work_dir=Path("w"), target_model="t", num_shards=2, shard_index=2)
+
+
+def test_help_shows_the_declared_choices_and_ranges():
+    text = make_parser(ExtractConfig, None).format_help()
+    flat = " ".join(text.split())  # argparse wraps lines
+    assert "--backend {vllm,hf}" in flat and "(one of vllm, hf) (default: vllm)" in flat
+    assert "(in (0, 1]) (default: 0.85)" in flat and "(>= 1) (default: 256)" in flat
+    assert allowed_text(next(f for f in fields(PrepareConfig) if f.name == "eval_fraction")) == "in [0.0, 1.0)"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import param
+from ..config import check_params, param
 from ..errors import PipelineError
 
 BACKENDS = ("vllm", "hf")
@@ -21,24 +21,25 @@ class ExtractConfig:
     work_dir: Path = param(help="work directory (stage 01 output in it; the store goes to 02_hidden_states/)")
     target_model: str = param(help="target model folder or hub id (the one served, same tokenizer as stage 01)")
     trust_remote_code: bool = param(False, help="allow the target's custom code (Kimi's tokenizer needs it)")
-    backend: str = param("vllm", help="vllm (GPU box, tensor/data parallel) or hf (transformers; CPU "
+    backend: str = param("vllm", choices=BACKENDS, help="vllm (GPU box, tensor/data parallel) or hf (transformers; CPU "
                                       "reference and small targets)")
     aux_layers: list[int] | None = param(None, help="aux layer ids, convention 1 (default [2, N//2, N-3])")
-    dtype: str = param("bfloat16", help="dtype the target runs in (the store is always bf16)")
-    samples_per_file: int = param(256, help="samples per store file: the unit of resume and of multi-box "
+    dtype: str = param("bfloat16", choices=DTYPES, help="dtype the target runs in (the store is always bf16)")
+    samples_per_file: int = param(256, min=1, help="samples per store file: the unit of resume and of multi-box "
                                             "splitting")
     # --- how the work is done (not part of the store's identity) ---
-    num_shards: int = param(1, identity=False, help="number of boxes splitting the work")
-    shard_index: int = param(0, identity=False, help="this box's index in [0, num_shards)")
-    tensor_parallel_size: int = param(1, identity=False, help="vllm: GPUs per engine (8 for Kimi-K2.5)")
-    data_parallel_size: int = param(1, identity=False, help="engines on this box (for targets that fit "
+    num_shards: int = param(1, min=1, identity=False, help="number of boxes splitting the work")
+    shard_index: int = param(0, min=0, identity=False, help="this box's index in [0, num_shards)")
+    tensor_parallel_size: int = param(1, min=1, identity=False, help="vllm: GPUs per engine (8 for Kimi-K2.5)")
+    data_parallel_size: int = param(1, min=1, identity=False, help="engines on this box (for targets that fit "
                                                             "tensor_parallel_size GPUs), one process each")
-    batch_tokens: int = param(16384, identity=False, help="tokens per forward batch (vllm: "
+    batch_tokens: int = param(16384, min=1, identity=False, help="tokens per forward batch (vllm: "
                                                           "max_num_batched_tokens, at least max_model_len)")
     max_model_len: int | None = param(None, identity=False, help="vllm: context length (default: longest "
                                                                  "sample + 1)")
-    gpu_memory_utilization: float = param(0.85, identity=False, help="vllm: share of GPU memory (on the CPU "
-                                                                     "build: of RAM) the engine reserves")
+    gpu_memory_utilization: float = param(0.85, gt=0, max=1, identity=False,
+                                          help="vllm: share of GPU memory (on the CPU build: of RAM) the engine "
+                                               "reserves")
     kv_cache_gib: float | None = param(None, identity=False, help="vllm: fixed KV cache size in GiB "
                                                                   "(default: vLLM sizes it; 1 on CPU)")
     enforce_eager: bool = param(False, identity=False, help="vllm: no compilation/CUDA graphs "
@@ -49,17 +50,7 @@ class ExtractConfig:
                                                     "folder) and start over")
 
     def __post_init__(self):
-        if self.backend not in BACKENDS:
-            raise PipelineError(f"extract.backend = {self.backend!r}; choose one of {BACKENDS} (--backend).")
-        if self.dtype not in DTYPES:
-            raise PipelineError(f"extract.dtype = {self.dtype!r}; choose one of {DTYPES} (--dtype).")
-        if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
+        check_params(self)  # the choices and ranges declared with the fields
+        if not self.shard_index < self.num_shards:
             raise PipelineError(f"--shard-index {self.shard_index} with --num-shards {self.num_shards}: "
                                 f"need 0 <= shard_index < num_shards.")
-        for name in ("samples_per_file", "tensor_parallel_size", "data_parallel_size", "batch_tokens"):
-            if getattr(self, name) < 1:
-                raise PipelineError(f"extract.{name} = {getattr(self, name)} must be >= 1 "
-                                    f"(--{name.replace('_', '-')}).")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise PipelineError(f"extract.gpu_memory_utilization = {self.gpu_memory_utilization} must be "
-                                f"in (0, 1].")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import param
+from ..config import check_params, param
 from ..errors import PipelineError
 
 VOCAB_MODES = ("keep", "remap")
@@ -22,20 +22,20 @@ class TrainConfig:
     head_dim: int | None = param(None, help="drafter head dim (default: hidden / heads)")
     intermediate_size: int | None = param(None, help="drafter MLP width (default: the target's dense width)")
     # train-time test
-    ttt_steps: int = param(7, help="draft steps unrolled per position (EAGLE-3 uses 7)")
+    ttt_steps: int = param(7, min=1, help="draft steps unrolled per position (EAGLE-3 uses 7)")
     step_decay: float = param(0.8, help="loss weight of step k is step_decay**k")
     # optimization
-    learning_rate: float = param(1e-4, help="peak AdamW learning rate")
+    learning_rate: float = param(1e-4, gt=0, help="peak AdamW learning rate")
     weight_decay: float = param(0.0, help="AdamW weight decay")
     warmup_steps: int = param(50, help="linear warmup steps, then cosine decay to min_lr_ratio * lr")
     min_lr_ratio: float = param(0.1, help="final learning rate as a share of the peak")
-    epochs: int = param(1, help="passes over the train split (ignored when max_steps is set)")
+    epochs: int = param(1, min=1, help="passes over the train split (ignored when max_steps is set)")
     max_steps: int | None = param(None, help="optimizer steps in total (default: from epochs)")
-    batch_tokens: int = param(8192, help="padded tokens per micro-batch per process")
-    max_seq_len: int = param(2048, help="samples are cropped to this many tokens")
-    grad_accum: int = param(1, help="micro-batches per optimizer step")
+    batch_tokens: int = param(8192, min=1, help="padded tokens per micro-batch per process")
+    max_seq_len: int = param(2048, min=1, help="samples are cropped to this many tokens")
+    grad_accum: int = param(1, min=1, help="micro-batches per optimizer step")
     grad_clip: float = param(0.5, help="clip the gradient norm to this")
-    precision: str = param("auto", help="auto (bf16 autocast on GPU, fp32 on CPU), bf16 or fp32")
+    precision: str = param("auto", choices=PRECISIONS, help="auto = bf16 autocast on GPU, fp32 on CPU")
     seed: int = param(0, help="seed of initialisation and data order")
     # evaluation, logging, checkpoints
     log_every: int = param(10, identity=False, help="steps between log lines")
@@ -45,8 +45,8 @@ class TrainConfig:
     keep_checkpoints: int = param(2, identity=False, help="step checkpoints kept besides best.pt")
     # fine-tuning an existing drafter
     init_from: str | None = param(None, help="start from this drafter folder (SGLang/EAGLE format)")
-    vocab_mode: str = param("keep", help="with --init-from: keep the drafter's own d2t, or remap its lm_head "
-                                         "rows into stage 03's mapping")
+    vocab_mode: str = param("keep", choices=VOCAB_MODES, help="with --init-from: keep the drafter's own d2t, or "
+                                                              "remap its lm_head rows into stage 03's mapping")
     allow_bad_start: bool = param(False, identity=False,
                                   help="continue although the starting held-out loss is worse than uniform")
     # runtime
@@ -56,17 +56,9 @@ class TrainConfig:
     force: bool = param(False, identity=False, help="discard existing checkpoints and train from scratch")
 
     def __post_init__(self):
-        if self.vocab_mode not in VOCAB_MODES:
-            raise PipelineError(f"vocab_mode = {self.vocab_mode!r}; use one of {list(VOCAB_MODES)}.")
-        if self.precision not in PRECISIONS:
-            raise PipelineError(f"precision = {self.precision!r}; use one of {list(PRECISIONS)}.")
+        check_params(self)  # the choices and ranges declared with the fields
         if self.vocab_mode == "remap" and not self.init_from:
             raise PipelineError("vocab_mode = 'remap' only applies with --init-from DRAFTER_DIR.")
-        for name in ("batch_tokens", "max_seq_len", "grad_accum", "ttt_steps", "epochs"):
-            if getattr(self, name) < 1:
-                raise PipelineError(f"{name} = {getattr(self, name)} must be >= 1.")
         if self.batch_tokens < self.max_seq_len:
             raise PipelineError(f"batch_tokens = {self.batch_tokens} is below max_seq_len = {self.max_seq_len}; "
                                 f"a batch must hold one full sample: raise --batch-tokens or lower --max-seq-len.")
-        if not self.learning_rate > 0:
-            raise PipelineError(f"learning_rate = {self.learning_rate} must be > 0 (e.g. 1e-4).")
