@@ -2,6 +2,7 @@
 
 Layout (one folder per stage, each finished by a manifest written last):
 
+    WORK/00_generate/       chunks/chunk-NNNNN.jsonl (+ .json): chats with the target's own answers
     WORK/01_dataset/        train/ eval/ (datasets Arrow), token_freq_{split}.npy
     WORK/02_hidden_states/  the hidden-state store (see eagle3/store.py)
     WORK/03_vocab/          d2t.pt d2t.npy t2d.pt t2d.npy
@@ -22,6 +23,7 @@ MANIFEST_NAME = "manifest.json"
 # stage key -> (folder name, script that produces it); the script names feed the
 # "run X first" hints in error messages.
 STAGES: dict[str, tuple[str, str]] = {
+    "generate": ("00_generate", "00_generate_responses.py"),
     "prepare": ("01_dataset", "01_prepare_dataset.py"),
     "extract": ("02_hidden_states", "02_extract_hidden_states.py"),
     "vocab": ("03_vocab", "03_build_vocab_mapping.py"),
@@ -48,6 +50,21 @@ class WorkDir:
     @staticmethod
     def script(stage: str) -> str:
         return STAGES[stage][1]
+
+    # -- stage 00: generate ---------------------------------------------------
+    def generate_identity(self) -> Path:
+        return self.stage_dir("generate") / "generate.json"
+
+    def generate_chunks(self) -> Path:
+        return self.stage_dir("generate") / "chunks"
+
+    def generate_chunk(self, chunk: int) -> Path:
+        """The regenerated conversations of one chunk (JSONL, one line per input record)."""
+        return self.generate_chunks() / f"chunk-{chunk:05d}.jsonl"
+
+    def generate_chunk_meta(self, chunk: int) -> Path:
+        """Written after the chunk's JSONL: its identity, counts and checksum (the completion mark)."""
+        return self.generate_chunks() / f"chunk-{chunk:05d}.json"
 
     # -- stage 01: prepare ---------------------------------------------------
     def dataset(self, split: str) -> Path:

@@ -1,0 +1,91 @@
+"""The vLLM engine of stage 00: the only module of eagle3/generate/ that imports vllm.
+
+One offline `LLM` serves the target as it will be served: its own weights and
+tokenizer, tensor parallel. Prompts go in as token ids (stage 00 renders the chat
+template itself, so the context is exactly what stage 01 will tokenize) and the
+generated ids come back untouched (no detokenize round trip). Prefix caching stays on:
+turn j+1's prompt starts with turn j's, so a multi-turn round reuses the earlier KV.
+
+On the CPU build, `gpu_memory_utilization` is the share of RAM, the KV cache gets a
+fixed size (`kv_cache_gib`, default 1 GiB) and engine processes are spawned, so
+callers need an `if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Sequence
+
+from ..errors import PipelineError
+from .conversation import Generation, Request
+
+log = logging.getLogger(__name__)
+
+
+def _on_cpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def engine_kwargs(target_model: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
+                  max_model_len: int | None = None, max_num_seqs: int = 256,
+                  gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
+                  enforce_eager: bool | None = None, trust_remote_code: bool = False, seed: int = 0) -> dict:
+    """Arguments of `vllm.LLM`, shared by the stage and its benchmark's bare engine."""
+    cpu = _on_cpu()
+    kw = dict(model=target_model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+              max_num_seqs=max_num_seqs, trust_remote_code=trust_remote_code, seed=seed,
+              gpu_memory_utilization=gpu_memory_utilization or (0.3 if cpu else 0.9),
+              enforce_eager=cpu if enforce_eager is None else enforce_eager,
+              enable_prefix_caching=True, disable_log_stats=True)
+    if max_model_len is not None:
+        kw["max_model_len"] = max_model_len
+    if kv_cache_gib is None and cpu:
+        kv_cache_gib = 1.0  # a fixed size also skips the CPU build's profiling warm-up
+    if kv_cache_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+    return kw
+
+
+class VllmEngine:
+    """`generate(requests) -> generations`, in request order, with one sampling setting."""
+
+    def __init__(self, target_model: str, *, temperature: float, top_p: float, stop_ids: Sequence[int],
+                 **engine_kw):
+        # vLLM's engine processes log per weight and per step; keep the bar readable unless -v.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
+        from vllm import LLM
+
+        self.temperature, self.top_p, self.stop_ids = temperature, top_p, sorted(set(stop_ids))
+        kw = engine_kwargs(target_model, **engine_kw)
+        log.info("starting vLLM for %s (tp=%d, dtype=%s)", target_model, kw["tensor_parallel_size"], kw["dtype"])
+        try:
+            self.llm = LLM(**kw)
+        except Exception as e:  # noqa: BLE001 - vLLM raises many types; the fix is the same
+            raise PipelineError(
+                f"vLLM could not start {target_model} ({type(e).__name__}: {e}); check the model, "
+                f"--tensor-parallel-size, --max-model-len and --gpu-memory-utilization.") from e
+        self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+
+    def sampling_params(self, r: Request):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, max_tokens=r.max_tokens,
+                              seed=r.seed, stop_token_ids=self.stop_ids, detokenize=False)
+
+    def generate(self, requests: Sequence[Request]) -> list[Generation]:
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
+        outs = self.llm.generate(prompts, [self.sampling_params(r) for r in requests], use_tqdm=False)
+        return [Generation(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+            self.llm = None
