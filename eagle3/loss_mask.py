@@ -116,7 +116,7 @@ def spliced_sample(tok, messages: list[dict], answers: list[Answer], suffix: lis
     own: special tokens bound both sides, so this is how the full rendering tokenizes it.
 
     With `upto=j`, returns the prompt of assistant turn j: everything before its content,
-    which is exactly what stage 00 fed the target for that turn (mask all 0).
+    which is exactly what stage 00 fed the target for that turn.
     """
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if upto is None and len(answers) != len(turns):

@@ -110,3 +110,115 @@ def test_template_that_rewrites_earlier_turns_is_reported_not_mis_masked():
     with pytest.raises(BadRecord) as e:
         build_sample(tok, TURNS, assistant_suffix(tok))
     assert e.value.reason == "template_not_prefix_stable"
+
+
+# -- regenerated answers (stage 00): the generated ids spliced into the template ------------------
+
+from eagle3.loss_mask import Answer, reencode_differs, spliced_sample  # noqa: E402
+
+# Kimi-K2.5 style thinking: the generation prompt opens <think> (or gives an empty
+# <think></think> with `thinking: false`), the model writes its reasoning, </think>, the
+# answer and <|im_end|>.
+KIMI_THINKING = dict(
+    special=["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<think>",
+             "</think>"],
+    bos=None, eot="<|im_end|>", after_eot="",
+    template=(
+        "{% if messages[0]['role'] != 'system' %}"
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+        "{% endif %}{% for message in messages %}"
+        "{% if message['role'] == 'system' %}<|im_system|>system<|im_middle|>"
+        "{% elif message['role'] == 'user' %}<|im_user|>user<|im_middle|>"
+        "{% else %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+        "{{ message['content'] }}<|im_end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
+        "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}"
+        "{% endif %}"),
+)
+
+
+def _answers_as_reencoded(tok, messages, suffix):
+    return [Answer(tok.encode(m["content"], add_special_tokens=False) + suffix[:1], True)
+            for m in messages if m["role"] == "assistant"]
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_spliced_equals_plain_rendering_when_ids_are_the_reencoded_text(name):
+    tok = make_tokenizer(TEMPLATES[name])
+    suffix = assistant_suffix(tok)
+    messages = [SYSTEM] + TURNS
+    ids, mask, _ = build_sample(tok, messages, suffix)
+    answers = _answers_as_reencoded(tok, messages, suffix)
+    s_ids, s_mask = spliced_sample(tok, messages, answers, suffix)
+    assert s_ids.tolist() == ids.tolist()
+    assert s_mask.tolist() == mask.tolist()
+    assert reencode_differs(tok, messages, answers, suffix) == [False, False]
+    # the prompt of turn 1 is exactly the sequence up to that turn's first masked token
+    prompt, pmask = spliced_sample(tok, messages, answers, suffix, upto=1)
+    second = spans(mask)[1][0]
+    assert prompt.tolist() == ids[:second].tolist() and pmask.tolist() == mask[:second].tolist()
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_spliced_keeps_generated_ids_that_reencoding_would_change(name):
+    tok = make_tokenizer(TEMPLATES[name])
+    suffix = assistant_suffix(tok)
+    messages = [dict(m) for m in TURNS]
+    # The target spelled "It is 4." one character per token: the same text, other ids.
+    odd = [i for ch in "It is 4." for i in tok.encode(ch, add_special_tokens=False)] + suffix[:1]
+    assert odd[:-1] != tok.encode("It is 4.", add_special_tokens=False)
+    answers = [Answer(odd, True), _answers_as_reencoded(tok, messages, suffix)[1]]
+    ids, mask = spliced_sample(tok, messages, answers, suffix)
+    (a0, b0), (a1, b1) = spans(mask)
+    assert ids[a0:b0].tolist() == odd  # the generated ids, untouched, end-of-turn included
+    assert ids[a1:b1].tolist() == answers[1].ids
+    assert reencode_differs(tok, messages, answers, suffix) == [True, False]
+    # everything outside the two answers is the template's own rendering
+    ref, ref_mask, _ = build_sample(tok, messages, suffix)
+    (r0, e0), _ = spans(ref_mask)
+    assert ids[:a0].tolist() == ref[:r0].tolist()
+    assert ids[b0:].tolist() == ref[e0:].tolist()
+
+
+def test_cut_answer_is_masked_and_closed_by_the_template_outside_the_mask():
+    tok = make_tokenizer(TEMPLATES["chatml"])
+    suffix = assistant_suffix(tok)  # <|im_end|> \n
+    messages = [dict(m) for m in TURNS[:2]]
+    cut = tok.encode("It is", add_special_tokens=False)  # stopped by max_new_tokens: no end-of-turn
+    ids, mask = spliced_sample(tok, messages, [Answer(cut, False)], suffix)
+    (a, b), = spans(mask)
+    assert ids[a:b].tolist() == cut
+    assert ids[b:].tolist() == suffix and not mask[b:].any()
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_thinking_template_mask_covers_the_reasoning_answer_and_end_of_turn(thinking):
+    tok = make_tokenizer(KIMI_THINKING)
+    kw = {"thinking": thinking}
+    suffix = assistant_suffix(tok, kw)
+    end, close = tok.convert_tokens_to_ids(["<|im_end|>", "</think>"])
+    assert suffix == [end]
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    gens = []
+    for reasoning, answer in (("Two plus two.", "It is 4."), ("A cat joke.", "Why did the cat sit?")):
+        gens.append((enc(reasoning) + [close] if thinking else []) + enc(answer) + [end])
+    messages = [dict(m) for m in TURNS]
+    for k, g in enumerate(gens):  # what stage 00 stores: the decoded text, markup kept
+        messages[2 * k + 1]["content"] = tok.decode(g[:-1], skip_special_tokens=False)
+    ids, mask = spliced_sample(tok, messages, [Answer(g, True) for g in gens], suffix, kw)
+    # token by token: the mask is 1 exactly on the generated ids, reasoning included
+    opener = enc("<|im_assistant|>assistant<|im_middle|>") + (enc("<think>") if thinking else enc("<think></think>"))
+    expected, pos = np.zeros(len(ids), dtype=np.int8), 0
+    for g in gens:
+        start = next(i for i in range(pos, len(ids)) if ids[i - len(opener):i].tolist() == opener)
+        assert ids[start:start + len(g)].tolist() == g
+        expected[start:start + len(g)] = 1
+        pos = start + len(g)
+    assert mask.tolist() == expected.tolist()
+    assert ids[-1] == end and mask[-1] == 1
+    if thinking:
+        assert (ids[mask == 1] == close).sum() == 2  # both turns' </think> are learned
+        # plain rendering cannot place a turn whose prompt opened <think>: stage 01's text path
+        # would reject these conversations, the spliced path keeps them
+        with pytest.raises(BadRecord):
+            build_sample(tok, messages, suffix, kw)
