@@ -55,6 +55,8 @@ class Generation:
 class Engine(Protocol):
     max_model_len: int
 
+    def set_sampling(self, temperature: float, top_p: float, stop_ids: Sequence[int]) -> None: ...
+
     def generate(self, requests: Sequence[Request]) -> list[Generation]: ...
 
 

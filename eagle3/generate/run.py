@@ -186,8 +186,7 @@ def run_chunk(p: Plan, k: int, engine: Engine, cfg: GenerateConfig,
 def make_engine(cfg: GenerateConfig, p: Plan) -> Engine:
     from .vllm_runner import VllmEngine
 
-    return VllmEngine(cfg.target_model, temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=p.turns.stop_ids,
-                      tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
+    return VllmEngine(cfg.target_model, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
                       max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                       gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_gib=cfg.kv_cache_gib,
                       enforce_eager=cfg.enforce_eager, trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
@@ -227,6 +226,7 @@ def run_chunks(cfg: GenerateConfig, p: Plan, chunks: list[int], engine: Engine,
                on_round: Callable[[int, int], None]) -> None:
     """Generate `chunks` with one engine. Turns a conversation never reached (it stopped
     early) are reported as done at the end of its chunk, so the bar's total is met."""
+    engine.set_sampling(cfg.temperature, cfg.top_p, sorted(p.turns.stop_ids))
     for k in chunks:
         seen = [0]
 

@@ -49,15 +49,14 @@ def engine_kwargs(target_model: str, *, tensor_parallel_size: int = 1, dtype: st
 
 
 class VllmEngine:
-    """`generate(requests) -> generations`, in request order, with one sampling setting."""
+    """`generate(requests) -> generations`, in request order, with the sampling of `set_sampling`."""
 
-    def __init__(self, target_model: str, *, temperature: float, top_p: float, stop_ids: Sequence[int],
-                 **engine_kw):
+    def __init__(self, target_model: str, **engine_kw):
         # vLLM's engine processes log per weight and per step; keep the bar readable unless -v.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
         from vllm import LLM
 
-        self.temperature, self.top_p, self.stop_ids = temperature, top_p, sorted(set(stop_ids))
+        self.set_sampling(0.0, 1.0, [])
         kw = engine_kwargs(target_model, **engine_kw)
         log.info("starting vLLM for %s (tp=%d, dtype=%s)", target_model, kw["tensor_parallel_size"], kw["dtype"])
         try:
@@ -67,6 +66,13 @@ class VllmEngine:
                 f"vLLM could not start {target_model} ({type(e).__name__}: {e}); check the model, "
                 f"--tensor-parallel-size, --max-model-len and --gpu-memory-utilization.") from e
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
+
+    def set_sampling(self, temperature: float, top_p: float, stop_ids: Sequence[int]) -> None:
+        self.temperature, self.top_p, self.stop_ids = temperature, top_p, sorted(set(stop_ids))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes (a fresh engine's state; tests share one engine across runs)."""
+        self.llm.reset_prefix_cache()
 
     def sampling_params(self, r: Request):
         from vllm import SamplingParams
