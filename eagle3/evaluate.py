@@ -1,23 +1,36 @@
-"""Stage 06: measure the exported drafter in a real engine, against plain decoding.
+"""Stage 06: measure the exported drafter in a real engine, as users benchmark it.
 
 Training accuracy is a proxy; what a deployment gets is the acceptance length in the
 server and whether it beats the break-even of that deployment. This stage serves the
-target in vLLM (its CUDA build on a GPU box, its CPU build on a laptop) three times
-over the same held-out prompts, greedy:
+target in vLLM (its CUDA build on a GPU box, its CPU build on a laptop), one engine
+process per configuration:
 
-    plain       the target alone: the reference tokens/s and outputs
-    trained     the target + the drafter (default: stage 05's export), K speculative tokens
+    plain       the target alone: greedy outputs of all prompts (the reference the
+                speculative outputs must equal) and single-stream timings
+    trained     the target + the drafter (default: stage 05's export), K speculative tokens:
+                acceptance over all prompts at each temperature, single-stream timings
     untrained   the target + a drafter of the same config and mapping with fresh random
-                weights: the floor (it accepts ~nothing) a trained drafter must beat
+                weights: the floor (it accepts ~nothing); acceptance only
+
+Two measurements, each in the regime that makes it cheap and right:
+- acceptance does not depend on how many requests run together, so every prompt is
+  served at once (up to --max-num-seqs sequences), once per sampling temperature
+  (--temperature, default greedy and 0.7; per-request seeds, so a rerun gives the same
+  figures); per-request acceptance histograms give the 95% interval over prompts and
+  the figures per category (--category-field);
+- speed is measured where speculative decoding is meant to help, single-stream: a
+  subset of --timing-prompts prompts (round-robin over categories) served one request
+  at a time, greedy, for tokens/s, the speedup and the break-even.
 
 Reads
-    WORK/01_dataset/eval/ + manifest.json   held-out conversations; each assistant turn's
-                                            context is a prompt (token ids, no re-tokenizing)
+    WORK/01_dataset/eval/ + manifest.json   held-out conversations (the default prompts; each
+                                            assistant turn's context, token ids as stage 01 made them)
+    --prompts FILE | DATASET_ID             instead: a prompt set (eagle3/evaluate_prompts.py)
     WORK/05_export/manifest.json            the drafter folder (unless --drafter-dir)
     WORK/04_train/manifest.json, metrics.jsonl   (optional) training-time figures
 Writes WORK/06_evaluate/
-    results.json            every measured figure (see `summarise`)
-    evaluate.png            acceptance per draft position; training curves of full_acc_k
+    results.json            every measured figure (eagle3/evaluate_figures.py, `summarise`)
+    evaluate.png            acceptance per draft position and per category; training curves
     untrained_drafter/      the baseline drafter folder
     runs/NAME.{request,result}.json, logs/NAME.log   one engine run each
     manifest.json
@@ -26,9 +39,9 @@ Run: `python 06_evaluate_drafter.py --config configs/tiny-llama.yaml [--num-spec
 
 Each engine runs in its own Python process (`python -m eagle3.evaluate --serve REQ OUT`):
 vLLM keeps its metrics in a process-global Prometheus registry and does not free an
-engine fully on `del`, so one process per engine is what keeps the three runs apart.
+engine fully on `del`, so one process per engine is what keeps the runs apart.
 
-Break-even (all from this run's own timings, decode phase only, per request):
+Break-even (from this run's own single-stream timings, decode phase only, per request):
     c_t = decode seconds / decode tokens          of the plain run (one token per step)
     c_s = decode seconds / verification steps     of the speculative run
     L*  = c_s / c_t
@@ -41,7 +54,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -50,15 +62,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from .config import identity_params, param
+from .config import check_params, identity_params, param
 from .errors import PipelineError
+from .evaluate_figures import (acceptance_figures, counter_diff, outputs_match, report_lines,
+                               summarise, timing_figures, timing_problems, write_plot)
+from .evaluate_prompts import Prompt, assistant_turns, categories, file_prompts, held_out_prompts, timing_subset
 from .manifest import (Manifest, completed, manifest_fingerprint, read_manifest, sha256_file, sha256_json,
                        write_manifest)
 from .workdir import WorkDir
 
 log = logging.getLogger(__name__)
+
+__all__ = ["EvaluateConfig", "evaluate_drafter", "Prompt", "assistant_turns", "held_out_prompts", "file_prompts",
+           "report_lines", "summarise", "timing_problems", "training_expectation", "write_untrained_drafter",
+           "RESULTS_JSON", "PLOT_PNG"]
 
 # File names inside WORK/06_evaluate/ (the stage folder itself comes from WorkDir).
 RESULTS_JSON = "results.json"
@@ -70,26 +87,43 @@ RUN_NAMES = ("plain", "trained", "untrained")
 REPO = Path(__file__).resolve().parent.parent
 STAGE_SCRIPT = WorkDir.script("evaluate")
 DTYPES = ("bfloat16", "float16", "float32")
+WARMUP_TOKENS = 8  # a warmup request only needs to reach the decode path
 
 
 @dataclass
 class EvaluateConfig:
-    work_dir: Path = param(help="work directory (stages 01 and 05 must have run in it)")
+    work_dir: Path = param(help="work directory (stage 05 must have run in it, and stage 01 unless --prompts)")
     target_model: str = param(help="target model folder or hub id to serve (the one stage 02 extracted from)")
     drafter_dir: Path | None = param(None, help="drafter folder to measure (default: stage 05's export)")
     trust_remote_code: bool = param(False, help="allow the target's custom code")
-    num_speculative_tokens: int = param(3, help="K: tokens the drafter proposes per step")
-    num_prompts: int | None = param(32, help="held-out prompts to serve (None: every assistant turn of the "
-                                              "eval split)")
-    max_new_tokens: int = param(64, help="cap on generated tokens per prompt (generation also stops at EOS)")
-    max_num_seqs: int = param(1, help="concurrent requests; 1 measures single-stream decoding, the regime "
-                                      "speculative decoding is for")
+    num_speculative_tokens: int = param(3, min=1, help="K: tokens the drafter proposes per step")
+    # -- what is asked ------------------------------------------------------------------------
+    prompts: str | None = param(None, help="prompt set: a local .json/.jsonl file (OpenAI `messages`, ShareGPT "
+                                           "`conversations`, or a text column, see --prompt-field) or a datasets "
+                                           "id (see --prompts-split); default: every assistant turn of stage 01's "
+                                           "eval split")
+    prompts_split: str = param("test", help="split of a datasets id given with --prompts")
+    prompt_field: str = param("prompt", help="text column of --prompts records that have no `messages` (e.g. "
+                                             "`question` for GSM8K; a list of turns uses the first)")
+    category_field: str | None = param(None, help="column of --prompts records that groups them (e.g. `category` "
+                                                  "for MT-Bench); acceptance is reported per group")
+    num_prompts: int | None = param(None, min=1, help="serve only the first N prompts (None: all); acceptance is "
+                                               "measured over all of them at once")
+    temperature: list[float] = param(default_factory=lambda: [0.0, 0.7], min=0.0,
+                                     help="sampling temperature(s) acceptance is measured at, comma-separated; "
+                                          "0 is greedy; the first one gives the headline figures")
+    max_new_tokens: int = param(64, min=1, help="cap on generated tokens per prompt (generation also stops at EOS)")
+    timing_prompts: int = param(8, min=0, help="prompts timed single-stream (one request at a time, greedy) for "
+                                        "tokens/s, speedup and break-even; 0 skips timing")
+    max_num_seqs: int = param(64, min=1, help="concurrent sequences in the acceptance passes (acceptance does not "
+                                       "depend on it; timing is always single-stream)")
     baseline_untrained: bool = param(True, help="also serve an untrained drafter of the same shape (the floor)")
-    dtype: str = param("bfloat16", help=f"dtype the engine serves in, one of {list(DTYPES)}")
-    seed: int = param(0, help="engine seed and the untrained drafter's initialisation")
+    dtype: str = param("bfloat16", choices=DTYPES, help="dtype the engine serves in")
+    seed: int = param(0, help="engine seed, per-request sampling seeds (seed + prompt index) and the "
+                              "untrained drafter's initialisation")
     # -- how the engines run (not part of what is measured) --------------------------------
-    tensor_parallel_size: int = param(1, identity=False, help="GPUs per engine (8 for Kimi-K2.5)")
-    gpu_memory_utilization: float | None = param(None, identity=False,
+    tensor_parallel_size: int = param(1, min=1, identity=False, help="GPUs per engine (8 for Kimi-K2.5)")
+    gpu_memory_utilization: float | None = param(None, gt=0.0, max=1.0, identity=False,
                                                  help="share of GPU memory (on the CPU build: of RAM) the "
                                                       "engine reserves (default: 0.3 on CPU, 0.85 on GPU)")
     enforce_eager: bool | None = param(None, identity=False, help="no compilation / CUDA graphs (default: "
@@ -97,85 +131,26 @@ class EvaluateConfig:
                                                                   "what production uses)")
     max_model_len: int | None = param(None, identity=False, help="engine context (default: longest prompt + "
                                                                  "max_new_tokens + K + 1)")
-    warmup_prompts: int = param(2, identity=False, help="prompts served before timing (first-call costs)")
-    timed_passes: int = param(1, identity=False, help="serve the prompts this many times and keep the fastest "
+    warmup_prompts: int = param(1, min=0, identity=False, help="short single-stream requests served before timing "
+                                                        "(first-call costs)")
+    timed_passes: int = param(1, min=1, identity=False, help="time the subset this many times and keep the fastest "
                                                       "pass's timings (other load on the machine only slows "
                                                       "a pass down)")
     engine_in_process: bool = param(True, identity=False, help="run vLLM's engine core in the worker "
                                                                "process (VLLM_ENABLE_V1_MULTIPROCESSING=0; "
                                                                "faster start on CPU)")
-    timeout_s: int = param(1800, identity=False, help="seconds one engine run may take")
+    timeout_s: int = param(1800, min=1, identity=False, help="seconds one engine run may take")
     force: bool = param(False, identity=False, help="redo the stage even if it is complete")
 
     def __post_init__(self):
-        if self.num_speculative_tokens < 1:
-            raise PipelineError(f"num_speculative_tokens = {self.num_speculative_tokens}; use K >= 1 "
-                                f"(--num-speculative-tokens 3).")
-        if self.num_prompts is not None and self.num_prompts < 1:
-            raise PipelineError(f"num_prompts = {self.num_prompts} must be >= 1 (or None for all).")
-        for name in ("max_new_tokens", "max_num_seqs", "tensor_parallel_size", "timeout_s", "timed_passes"):
-            if getattr(self, name) < 1:
-                raise PipelineError(f"evaluate.{name} = {getattr(self, name)} must be >= 1 "
-                                    f"(--{name.replace('_', '-')}).")
-        if self.warmup_prompts < 0:
-            raise PipelineError(f"evaluate.warmup_prompts = {self.warmup_prompts} must be >= 0.")
-        if self.dtype not in DTYPES:
-            raise PipelineError(f"evaluate.dtype = {self.dtype!r}; choose one of {list(DTYPES)} (--dtype).")
-        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
-            raise PipelineError(f"evaluate.gpu_memory_utilization = {self.gpu_memory_utilization} must be in "
-                                f"(0, 1].")
-
-
-# --------------------------------------------------------------------------- prompts
-
-@dataclass
-class Prompt:
-    sample_id: str
-    turn: int  # 0 = the conversation's first assistant turn
-    prompt_ids: list[int]  # everything before the assistant turn's content
-    reference_ids: list[int]  # the dataset's answer (content + end-of-turn), for the teacher check
-
-
-def assistant_turns(loss_mask: np.ndarray) -> list[tuple[int, int]]:
-    """[start, end) of each run of 1s in a loss mask: one per assistant turn."""
-    m = np.asarray(loss_mask, dtype=np.int8)
-    edges = np.diff(np.concatenate([[0], m, [0]]))
-    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
-
-
-def held_out_prompts(wd: WorkDir, num_prompts: int | None, max_prompt_len: int) -> tuple[list[Prompt], dict]:
-    """Prompts from stage 01's eval split: each assistant turn's context, as token ids.
-
-    Order: every conversation's first turn, then every second turn, ..., so a small
-    `num_prompts` still spreads over conversations. Turns whose context exceeds
-    `max_prompt_len` are skipped (and counted).
-    """
-    import datasets
-
-    path = wd.dataset("eval")
-    ds = datasets.load_from_disk(str(path))
-    by_turn: dict[int, list[Prompt]] = {}
-    too_long = 0
-    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"]):
-        ids = [int(t) for t in ids]
-        for turn, (start, end) in enumerate(assistant_turns(mask)):
-            if start == 0:
-                continue  # no context to condition on
-            if start > max_prompt_len:
-                too_long += 1
-                continue
-            by_turn.setdefault(turn, []).append(Prompt(sid, turn, ids[:start], ids[start:end]))
-    ordered = [p for turn in sorted(by_turn) for p in by_turn[turn]]
-    if not ordered:
-        raise PipelineError(
-            f"{path} holds no assistant turn to prompt with ({len(ds)} conversations, {too_long} turns longer "
-            f"than {max_prompt_len} tokens); rerun `python {WorkDir.script('prepare')}` with a larger "
-            f"--eval-fraction, or raise --max-model-len.")
-    chosen = ordered if num_prompts is None else ordered[:num_prompts]
-    info = {"source": str(path), "conversations": len(ds), "available": len(ordered), "count": len(chosen),
-            "skipped_too_long": too_long,
-            "prompt_tokens_mean": float(np.mean([len(p.prompt_ids) for p in chosen]))}
-    return chosen, info
+        check_params(self)  # the choices and ranges declared with the fields
+        self.temperature = [float(t) for t in self.temperature]
+        if not self.temperature or len(set(self.temperature)) != len(self.temperature):
+            raise PipelineError(f"evaluate.temperature = {self.temperature}: give one or more distinct values >= 0 "
+                                f"(--temperature 0,0.7; 0 is greedy).")
+        if self.category_field and not self.prompts:
+            raise PipelineError(f"--category-field {self.category_field} needs a prompt set (--prompts FILE or "
+                                f"DATASET_ID); stage 01's eval split has no categories.")
 
 
 # --------------------------------------------------------------------------- the untrained baseline
@@ -227,61 +202,107 @@ def _metric_totals(llm) -> dict[str, Any]:
     return out
 
 
+def _histogram(output, K: int) -> list[int]:
+    """One request's accepted-drafts histogram (vLLM's per-request spec-decode metrics)."""
+    m = getattr(output.outputs[0], "spec_decode_metrics", None)
+    return list(m.histogram) if m is not None else [0] * (K + 1)
+
+
+def _timestamps(output) -> list[float | None]:
+    m = output.metrics  # engine-core timestamps (monotonic), set because log stats are on
+    return [getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)] if m is not None else [None, None]
+
+
 def serve_and_measure(req: dict) -> dict:
-    """Serve `req["prompts"]` greedily in one vLLM engine; return outputs, timings, counters.
+    """One engine: acceptance passes over all prompts (one per temperature, many sequences at
+    once), then greedy single-stream timing passes over `req["timing_indices"]`.
 
     Runs in a worker process (see `_run_engine`); the only place vLLM is imported.
     """
+    import dataclasses
+
     import vllm
     from vllm import LLM, SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
     K = req["num_speculative_tokens"]
-    spec = None
+    kwargs: dict[str, Any] = {}
+    per_request = False
     if req["drafter"]:
-        spec = {"method": "eagle3", "model": req["drafter"], "num_speculative_tokens": K}
+        kwargs["speculative_config"] = {"method": "eagle3", "model": req["drafter"], "num_speculative_tokens": K}
+        # Per-request acceptance histograms (vLLM >= 0.32): per-category figures and the
+        # interval over prompts from one pass. Older engines: one pass per category.
+        per_request = "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}
+        if per_request:
+            kwargs["per_request_spec_decode_metrics"] = "summary"
     gmu = req["gpu_memory_utilization"] or (0.3 if on_cpu else 0.85)
     eager = req["enforce_eager"] if req["enforce_eager"] is not None else on_cpu
     t0 = time.perf_counter()
+    # No prefix caching: the timing passes serve prompts the acceptance passes already saw,
+    # and a benchmark's prefill must cost what a new prompt costs.
     llm = LLM(model=req["target"], dtype=req["dtype"], max_model_len=req["max_model_len"],
               max_num_seqs=req["max_num_seqs"], enforce_eager=eager, gpu_memory_utilization=gmu,
               tensor_parallel_size=req["tensor_parallel_size"], trust_remote_code=req["trust_remote_code"],
-              disable_log_stats=False, seed=req["seed"], speculative_config=spec)
+              disable_log_stats=False, seed=req["seed"], enable_prefix_caching=False, **kwargs)
     init_s = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=req["max_new_tokens"], seed=req["seed"])
     prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
-    if req["warmup_prompts"]:
-        llm.generate(prompts[:req["warmup_prompts"]], sp, use_tqdm=False)
-    before = _metric_totals(llm)
-    passes = []
-    for i in range(req["timed_passes"]):
+    seed, n_new = req["seed"], req["max_new_tokens"]
+
+    acceptance = []
+    for temp in req["temperatures"]:
+        # A seed per request: its samples do not depend on what else is in the batch.
+        sps = [SamplingParams(temperature=temp, max_tokens=n_new, seed=seed + i) for i in range(len(prompts))]
+        groups = req["groups"] if (req["drafter"] and not per_request) else [list(range(len(prompts)))]
+        outs: list[Any] = [None] * len(prompts)
+        group_counters = []
         t1 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=i == 0)
+        before = _metric_totals(llm)
+        for g in groups:
+            b = _metric_totals(llm)
+            for i, o in zip(g, llm.generate([prompts[i] for i in g], [sps[i] for i in g], use_tqdm=True)):
+                outs[i] = o
+            group_counters.append(counter_diff(_metric_totals(llm), b))
         wall_s = time.perf_counter() - t1
-        timings = []
-        for o in outs:
-            m = o.metrics  # engine-core timestamps (monotonic), set because log stats are on
-            timings.append([getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)]
-                           if m is not None else [None, None])
-        passes.append({"wall_s": wall_s, "token_ts": timings,
-                       "tokens": [list(o.outputs[0].token_ids) for o in outs],
-                       "finish_reasons": [o.outputs[0].finish_reason for o in outs]})
-    after = _metric_totals(llm)
-    counters = {}
-    for name, v in after.items():
-        b = before.get(name)
-        counters[name] = [x - y for x, y in zip(v, b)] if isinstance(v, list) and b else (
-            v - b if b is not None else v)
+        acceptance.append({
+            "temperature": temp, "wall_s": wall_s, "counters": counter_diff(_metric_totals(llm), before),
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+            "histograms": [_histogram(o, K) for o in outs] if per_request else None,
+            "group_counters": group_counters if (req["drafter"] and not per_request) else None})
+        log.info("acceptance pass at temperature %g: %d prompts in %.1f s", temp, len(prompts), wall_s)
+
+    timing = []
+    idx = req["timing_indices"]
+    if idx:
+        greedy = SamplingParams(temperature=0.0, max_tokens=n_new, seed=seed)
+        warm = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, n_new), seed=seed)
+        for i in idx[:req["warmup_prompts"]]:
+            llm.generate([prompts[i]], warm, use_tqdm=False)
+        for n in range(req["timed_passes"]):
+            before = _metric_totals(llm)
+            walls, outs = [], []
+            t1 = time.perf_counter()
+            for i in idx:  # one request at a time: single-stream decoding
+                t2 = time.perf_counter()
+                outs.append(llm.generate([prompts[i]], greedy, use_tqdm=False)[0])
+                walls.append(time.perf_counter() - t2)
+            timing.append({"wall_s": time.perf_counter() - t1, "request_wall_s": walls,
+                           "token_ts": [_timestamps(o) for o in outs],
+                           "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                           "counters": counter_diff(_metric_totals(llm), before),
+                           "histograms": [_histogram(o, K) for o in outs] if per_request else None})
+            log.info("timing pass %d: %d prompts single-stream in %.1f s", n + 1, len(idx), timing[-1]["wall_s"])
     platform = "cpu"
     if not on_cpu:
         try:  # the GPU model, e.g. "NVIDIA H200", so results from different boxes are told apart
             platform = current_platform.get_device_name()
         except Exception:  # noqa: BLE001 - only a label
             platform = str(current_platform.device_name)
-    return {"vllm_version": vllm.__version__, "platform": platform,
-            "enforce_eager": eager, "gpu_memory_utilization": gmu, "init_s": init_s, "counters": counters,
-            "passes": passes}
+    return {"vllm_version": vllm.__version__, "platform": platform, "enforce_eager": eager,
+            "gpu_memory_utilization": gmu, "init_s": init_s, "per_request_metrics": per_request,
+            "acceptance": acceptance, "timing": timing}
 
 
 def _serve_main(argv: list[str]) -> int:
@@ -328,7 +349,8 @@ def _run_engine(name: str, req: dict, stage_dir: Path, cfg: EvaluateConfig) -> d
             p = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired as e:
             raise PipelineError(f"the {name} engine run took longer than --timeout-s {cfg.timeout_s} s (log: "
-                                f"{log_path}); raise --timeout-s or lower --num-prompts / --max-new-tokens.") from e
+                                f"{log_path}); raise --timeout-s or lower --num-prompts / --max-new-tokens / "
+                                f"--timing-prompts.") from e
     if p.returncode != 0 or not out_path.is_file():
         tail = "\n    ".join(log_path.read_text(errors="replace").splitlines()[-25:])
         hint = ("the drafter folder is not one vLLM serves (check it with `python -m eagle3.diagnose inspect "
@@ -338,64 +360,13 @@ def _run_engine(name: str, req: dict, stage_dir: Path, cfg: EvaluateConfig) -> d
             f"Usual causes: vLLM is not installed for this machine (scripts/setup_cpu.sh on CPU, `pip install "
             f"vllm` on a GPU box), too little memory (--gpu-memory-utilization), or {hint}.")
     result = json.loads(out_path.read_text())
-    first = result["passes"][0]
-    log.info("%s run: %d prompts, %d tokens in %s s (engine start %.1f s, run total %.0f s)", name,
-             len(first["tokens"]), sum(len(t) for t in first["tokens"]),
-             " / ".join(f"{p['wall_s']:.1f}" for p in result["passes"]), result["init_s"], time.perf_counter() - t0)
+    log.info("%s run: engine start %.1f s; acceptance passes %s s; timing passes %s s; run total %.0f s", name,
+             result["init_s"], " / ".join(f"{a['wall_s']:.1f}" for a in result["acceptance"]) or "-",
+             " / ".join(f"{t['wall_s']:.1f}" for t in result["timing"]) or "-", time.perf_counter() - t0)
     return result
 
 
-# --------------------------------------------------------------------------- figures
-
-def pass_timing(p: dict) -> dict[str, Any]:
-    """Tokens/s and decode time of one timed pass over the prompts."""
-    tokens = sum(len(t) for t in p["tokens"])
-    decode_tokens = sum(max(0, len(t) - 1) for t in p["tokens"])  # the first token comes from prefill
-    ts = p["token_ts"]
-    complete = all(a is not None and b is not None for a, b in ts)
-    decode_s = sum(b - a for a, b in ts) if complete else None
-    return {"tokens": tokens, "wall_s": p["wall_s"], "decode_tokens": decode_tokens, "decode_s": decode_s,
-            "tokens_per_s": tokens / p["wall_s"] if p["wall_s"] > 0 else None,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None}
-
-
-def run_figures(result: dict, K: int, plain_tokens: list[list[int]] | None = None) -> dict[str, Any]:
-    """Tokens/s, decode step cost and (for speculative runs) acceptance of one engine run.
-
-    Timings come from the fastest timed pass; the counters cover all passes, which
-    serve the same prompts greedily and so accept the same tokens each time.
-    """
-    passes = result["passes"]
-    best = min(passes, key=lambda p: p["wall_s"])
-    out: dict[str, Any] = {"requests": len(best["tokens"]), **pass_timing(best), "init_s": result["init_s"],
-                           "pass_wall_s": [p["wall_s"] for p in passes]}
-    first = passes[0]
-    out["finish_reasons"] = {k: sum(str(r) == k for r in first["finish_reasons"])
-                             for k in sorted({str(r) for r in first["finish_reasons"]})}
-    decode_s, decode_tokens = out["decode_s"], out["decode_tokens"]
-    c = result["counters"]
-    drafts_all = int(c.get("vllm:spec_decode_num_drafts", 0))
-    drafts = drafts_all // len(passes)  # per pass: each pass drafts the same (greedy, same prompts)
-    if drafts_all:
-        accepted = int(c.get("vllm:spec_decode_num_accepted_tokens", 0))
-        per_pos = [int(x) for x in (c.get("vllm:spec_decode_num_accepted_tokens_per_pos") or [0] * K)]
-        out.update({
-            "drafts": drafts_all, "draft_tokens": int(c.get("vllm:spec_decode_num_draft_tokens", 0)),
-            "accepted_tokens": accepted, "accepted_per_position": per_pos,
-            # vLLM's own definition: the bonus token plus the accepted draft tokens per step.
-            "acceptance_length": 1.0 + accepted / drafts_all,
-            # Chain drafting: position k is accepted only if 0..k-1 were, so this is the
-            # served counterpart of training's full_acc_k.
-            "acceptance_per_position": [a / drafts_all for a in per_pos],
-            "step_s": decode_s / drafts if decode_s else None,
-        })
-    else:
-        out["step_s"] = decode_s / decode_tokens if decode_s and decode_tokens else None
-    if plain_tokens is not None:
-        same = [t == p for t, p in zip(first["tokens"], plain_tokens)]
-        out["outputs_match_plain"] = sum(same) / len(same) if same else None
-    return out
-
+# --------------------------------------------------------------------------- training-time figures
 
 def training_expectation(wd: WorkDir, K: int, export_report: dict | None) -> dict[str, Any]:
     """Training-time expected accept length for K tokens: 1 + sum_{k<K} full_acc_k (convention 5),
@@ -427,167 +398,6 @@ def read_train_metrics(wd: WorkDir) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-# Timing sanity limits: the passes of one run serve identical work, and a trained and an
-# untrained drafter of one shape do identical work per speculative step; a larger spread
-# means something else used the machine during the measurement.
-MAX_PASS_SPREAD = 1.3
-MAX_STEP_COST_RATIO = 1.5
-
-
-def timing_problems(runs: dict[str, dict]) -> list[str]:
-    """Reasons to distrust this measurement's timings (acceptance is unaffected)."""
-    out = []
-    for name, r in runs.items():
-        walls = r.get("pass_wall_s") or []
-        if len(walls) > 1 and max(walls) > MAX_PASS_SPREAD * min(walls):
-            out.append(f"the {name} run's timed passes took {' / '.join(f'{w:.1f}' for w in walls)} s for the same "
-                       f"work")
-    a, b = (runs.get("trained") or {}).get("step_s"), (runs.get("untrained") or {}).get("step_s")
-    if a and b and max(a, b) > MAX_STEP_COST_RATIO * min(a, b):
-        out.append(f"a speculative step took {1000 * a:.1f} ms with the trained drafter and {1000 * b:.1f} ms with "
-                   f"the untrained one, which does the same work")
-    return out
-
-
-def summarise(runs: dict[str, dict], K: int, expectation: dict, prompts: dict, settings: dict,
-              engine: dict, teacher: dict) -> dict[str, Any]:
-    plain, trained = runs["plain"], runs["trained"]
-    untrained = runs.get("untrained")
-    c_t, c_s = plain.get("step_s"), trained.get("step_s")
-    break_even = c_s / c_t if c_t and c_s else None
-    speedup = (trained["tokens_per_s"] / plain["tokens_per_s"]
-               if plain.get("tokens_per_s") and trained.get("tokens_per_s") else None)
-    decode_speedup = (trained["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
-                      if plain.get("decode_tokens_per_s") and trained.get("decode_tokens_per_s") else None)
-    L = trained.get("acceptance_length")
-    return {
-        "engine": engine,
-        "settings": settings,
-        "prompts": prompts,
-        "num_speculative_tokens": K,
-        "acceptance_length": L,
-        "acceptance_per_position": trained.get("acceptance_per_position"),
-        "untrained_acceptance_length": untrained.get("acceptance_length") if untrained else None,
-        "untrained_acceptance_per_position": untrained.get("acceptance_per_position") if untrained else None,
-        "expected_accept_length_training": expectation,
-        "tokens_per_s": {"plain": plain.get("tokens_per_s"), "speculative": trained.get("tokens_per_s"),
-                         "untrained": untrained.get("tokens_per_s") if untrained else None},
-        "decode_tokens_per_s": {"plain": plain.get("decode_tokens_per_s"),
-                                "speculative": trained.get("decode_tokens_per_s")},
-        "speedup": speedup,
-        "decode_speedup": decode_speedup,
-        "step_cost_s": {"plain_decode_step": c_t, "speculative_step": c_s,
-                        "untrained_speculative_step": untrained.get("step_s") if untrained else None},
-        "break_even_acceptance_length": break_even,
-        "beats_break_even": (L > break_even) if L is not None and break_even is not None else None,
-        "timing_problems": timing_problems(runs),
-        "outputs_match_plain": trained.get("outputs_match_plain"),
-        "teacher": teacher,
-        "runs": runs,
-        "formulas": {
-            "acceptance_length": "1 + accepted_tokens / drafts (vLLM's spec_decode counters)",
-            "acceptance_per_position": "accepted_per_position[k] / drafts (served counterpart of full_acc_k)",
-            "break_even_acceptance_length": "c_s / c_t; c_t = plain decode seconds per token, c_s = speculative "
-                                            "decode seconds per verification step (prefill excluded)",
-            "expected_accept_length_training": "1 + sum_{k<K} full_acc_k of stage 04's held-out eval",
-            "speedup": "speculative tokens/s / plain tokens/s, end to end (prefill included)",
-        },
-    }
-
-
-def _fmt(v, spec: str = ".2f") -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-
-
-def report_lines(r: dict) -> list[str]:
-    K = r["num_speculative_tokens"]
-    exp = r["expected_accept_length_training"]
-    per = " ".join(_fmt(a, ".3f") for a in (r["acceptance_per_position"] or []))
-    exp_per = " ".join(_fmt(a, ".3f") for a in exp.get("full_acc", []))
-    tps = r["tokens_per_s"]
-    lines = [
-        f"acceptance length (K={K}): {_fmt(r['acceptance_length'], '.3f')} measured in {r['engine']['name']} "
-        f"{r['engine']['version']} ({r['engine']['platform']}), "
-        f"training-time expected {_fmt(exp.get('value'), '.3f')} (1 + sum of full_acc_k, k<{exp.get('k')})",
-        f"acceptance per position: measured {per} | training full_acc {exp_per or 'n/a'}",
-        f"untrained drafter: acceptance length {_fmt(r['untrained_acceptance_length'], '.3f')}",
-        f"tokens/s: plain {_fmt(tps['plain'], '.1f')}, with drafter {_fmt(tps['speculative'], '.1f')} -> speedup "
-        f"{_fmt(r['speedup'], '.2f')}x (decode only {_fmt(r['decode_speedup'], '.2f')}x)",
-        f"break-even acceptance length {_fmt(r['break_even_acceptance_length'], '.2f')} (speculative step "
-        f"{_fmt(_ms(r['step_cost_s']['speculative_step']), '.1f')} ms / plain step "
-        f"{_fmt(_ms(r['step_cost_s']['plain_decode_step']), '.1f')} ms): "
-        + {True: "the drafter beats it", False: "the drafter does NOT beat it", None: "n/a"}[r["beats_break_even"]],
-    ]
-    for problem in r.get("timing_problems") or []:
-        lines.append(f"UNRELIABLE TIMINGS: {problem}; other load on the machine? Rerun `python {STAGE_SCRIPT} "
-                     f"--force` on an idle machine (acceptance figures are unaffected).")
-    if r.get("outputs_match_plain") is not None and r["outputs_match_plain"] < 1.0:
-        lines.append(f"note: {100 * r['outputs_match_plain']:.0f}% of speculative outputs equal plain greedy ones "
-                     f"(greedy verification is exact up to {r['settings']['dtype']} rounding of batched verify)")
-    return lines
-
-
-def _ms(v):
-    return None if v is None else 1000 * v
-
-
-# --------------------------------------------------------------------------- plot
-
-def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
-    """Left: acceptance per draft position (trained, untrained, training-time full_acc_k).
-    Right: full_acc_k over stage 04's steps (held-out evals as markers, train windows as lines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a server
-    import matplotlib.pyplot as plt
-
-    from .atomic import atomic_path
-
-    K = r["num_speculative_tokens"]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    x = np.arange(K)
-    w = 0.38
-    trained = r["acceptance_per_position"] or [0.0] * K
-    untrained = r["untrained_acceptance_per_position"]
-    a.bar(x - w / 2, trained, w, label=f"trained (L={_fmt(r['acceptance_length'])})", color="tab:blue")
-    if untrained is not None:
-        a.bar(x + w / 2, untrained, w, label=f"untrained (L={_fmt(r['untrained_acceptance_length'])})",
-              color="tab:gray")
-    exp = r["expected_accept_length_training"].get("full_acc")
-    if exp:
-        a.plot(np.arange(len(exp)), exp, "o--", color="black", label="training full_acc_k (held-out)")
-    a.set_xticks(x, [str(k) for k in x])
-    a.set_xlabel("draft position k")
-    a.set_ylabel("share of drafts accepted through k")
-    a.set_ylim(0, 1)
-    a.set_title(f"served acceptance, K={K}")
-    a.legend(fontsize=8)
-
-    evals = [m for m in curve if m.get("split") == "eval"]
-    trains = [m for m in curve if m.get("split") == "train"]
-    n_steps = max((sum(1 for k in m if k.startswith("full_acc_")) for m in curve), default=0)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for k in range(n_steps):
-        c = colors[k % len(colors)]
-        if trains:
-            b.plot([m["step"] for m in trains], [m[f"full_acc_{k}"] for m in trains], "-", color=c, alpha=0.35)
-        if evals:
-            b.plot([m["step"] for m in evals], [m[f"full_acc_{k}"] for m in evals], "o-", color=c, ms=3,
-                   label=f"full_acc_{k}")
-    b.set_xlabel("stage 04 step")
-    b.set_ylabel("full_acc_k (held-out: markers)")
-    b.set_ylim(0, 1)
-    b.set_title("training curves")
-    if n_steps:
-        b.legend(fontsize=7, ncol=2)
-    else:
-        b.text(0.5, 0.5, "no stage 04 metrics", ha="center", va="center", transform=b.transAxes)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    plt.close(fig)
-
-
 # --------------------------------------------------------------------------- the stage
 
 def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest | None, dict | None]:
@@ -613,7 +423,9 @@ def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest |
     return drafter_dir, export_m, json.loads(rp.read_text()) if rp.is_file() else None
 
 
-def _check_target(cfg: EvaluateConfig, prep: Manifest, drafter_cfg: dict, drafter_dir: Path):
+def _check_target(cfg: EvaluateConfig, prep: Manifest | None, drafter_cfg: dict, drafter_dir: Path):
+    """The target's info and tokenizer, checked against the drafter and (for stage 01's
+    prompts, which are token ids) against stage 01's tokenizer."""
     from .target import load_tokenizer, read_target_info, tokenizer_fingerprint
 
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
@@ -627,11 +439,27 @@ def _check_target(cfg: EvaluateConfig, prep: Manifest, drafter_cfg: dict, drafte
                             f"{info.hidden_size} ({cfg.target_model}); pass the drafter's own target.")
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
     fp = tokenizer_fingerprint(tok)
-    if fp != prep.extra.get("tokenizer_fingerprint"):
+    if prep is not None and fp != prep.extra.get("tokenizer_fingerprint"):
         raise PipelineError(f"the tokenizer of {cfg.target_model} is not the one stage 01 tokenized with "
                             f"({prep.path}); the prompts are token ids, so serve the same target or rerun "
                             f"`python {WorkDir.script('prepare')} --force` with it.")
-    return info
+    return info, tok
+
+
+def _prompt_source_fingerprint(cfg: EvaluateConfig) -> dict | None:
+    if cfg.prompts is None:
+        return None
+    p = Path(cfg.prompts)
+    if p.is_file():
+        return {"file": sha256_file(p)}
+    return {"dataset": cfg.prompts, "split": cfg.prompts_split}  # a datasets id: its name is all we have
+
+
+def _load_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, max_prompt: int) -> tuple[list[Prompt], dict]:
+    if cfg.prompts is None:
+        return held_out_prompts(wd, cfg.num_prompts, max_prompt)
+    return file_prompts(cfg.prompts, cfg.prompts_split, tok, cfg.prompt_field, cfg.category_field,
+                        cfg.num_prompts, max_prompt)
 
 
 def evaluate_drafter(cfg: EvaluateConfig) -> dict:
@@ -640,7 +468,9 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
 
     wd = WorkDir(cfg.work_dir)
     stage_dir = wd.stage_dir("evaluate")
-    prep = read_manifest(wd, "prepare", needed_by=STAGE_SCRIPT)
+    # Stage 01's prompts are its token ids; a prompt set is tokenized here, so needs no stage 01.
+    prep = (read_manifest(wd, "prepare", needed_by=STAGE_SCRIPT)
+            if cfg.prompts is None or wd.manifest("prepare").is_file() else None)
     drafter_dir, export_m, export_report = _resolve_drafter(wd, cfg)
     from .drafter_io import CONFIG_NAME
 
@@ -649,14 +479,17 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
         raise PipelineError(f"{drafter_dir} has no {CONFIG_NAME}; pass a drafter folder with --drafter-dir or run "
                             f"`python {WorkDir.script('export')}` first.")
     drafter_cfg = json.loads(cfg_file.read_text())
-    info = _check_target(cfg, prep, drafter_cfg, drafter_dir)
+    info, tok = _check_target(cfg, prep if cfg.prompts is None else None, drafter_cfg, drafter_dir)
     K = cfg.num_speculative_tokens
 
     params = identity_params(cfg)
     params["drafter_dir"] = str(drafter_dir)
-    inputs = {"prepare": manifest_fingerprint(prep),
-              "drafter": {n: sha256_file(drafter_dir / n) for n in sorted(p.name for p in drafter_dir.iterdir())
+    inputs = {"drafter": {n: sha256_file(drafter_dir / n) for n in sorted(p.name for p in drafter_dir.iterdir())
                           if n.endswith((".json", ".safetensors"))}}
+    if cfg.prompts is None:
+        inputs["prepare"] = manifest_fingerprint(prep)
+    else:
+        inputs["prompts"] = _prompt_source_fingerprint(cfg)
     if export_m is not None:
         inputs["export"] = manifest_fingerprint(export_m)
     inputs["target_config"] = sha256_json(info.text_config)
@@ -682,19 +515,29 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     if max_prompt < 1:
         raise PipelineError(f"max_model_len {limit} leaves no room for prompts after --max-new-tokens "
                             f"{cfg.max_new_tokens}; raise --max-model-len or lower --max-new-tokens.")
-    prompts, prompt_info = held_out_prompts(wd, cfg.num_prompts, max_prompt)
+    prompts, prompt_info = _load_prompts(cfg, wd, tok, max_prompt)
+    cats = [p.category for p in prompts]
+    names = categories(prompts)
+    timed = timing_subset(prompts, cfg.timing_prompts)
     longest = max(len(p.prompt_ids) for p in prompts)
     max_model_len = cfg.max_model_len or min(limit, longest + cfg.max_new_tokens + K + 1)
-    log.info("stage 06: %d held-out prompts (of %d; mean %.0f tokens) x %d new tokens at most, K = %d, "
-             "drafter %s", prompt_info["count"], prompt_info["available"], prompt_info["prompt_tokens_mean"],
-             cfg.max_new_tokens, K, drafter_dir)
+    log.info("stage 06: %d prompts from %s (of %d; mean %.0f tokens%s) x %d new tokens at most, K = %d, "
+             "temperatures %s, %d timed single-stream, drafter %s", prompt_info["count"], prompt_info["source"],
+             prompt_info["available"], prompt_info["prompt_tokens_mean"],
+             f"; {len(names)} categories" if names else "", cfg.max_new_tokens, K, cfg.temperature, len(timed),
+             drafter_dir)
 
     stage_dir.mkdir(parents=True, exist_ok=True)
     wd.manifest("evaluate").unlink(missing_ok=True)  # the manifest marks completion: drop a stale one first
-    plan: list[tuple[str, str | None]] = [("plain", None), ("trained", str(drafter_dir))]
+    greedy = 0.0 in cfg.temperature
+    # (name, drafter, temperatures of its acceptance passes, timed?)
+    plan: list[tuple[str, str | None, list[float], bool]] = [
+        ("plain", None, [0.0] if greedy else [], bool(timed)),
+        ("trained", str(drafter_dir), cfg.temperature, bool(timed))]
     if cfg.baseline_untrained:
         untrained_dir = write_untrained_drafter(drafter_dir, stage_dir / UNTRAINED_DIR, cfg.seed)
-        plan.append(("untrained", str(untrained_dir)))
+        plan.append(("untrained", str(untrained_dir), cfg.temperature, False))
+    plan = [p for p in plan if p[2] or p[3]]  # plain has nothing to do without greedy or timing
 
     from tqdm import tqdm
 
@@ -704,27 +547,45 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
                 "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
                 "trust_remote_code": cfg.trust_remote_code, "warmup_prompts": cfg.warmup_prompts,
                 "timed_passes": cfg.timed_passes,
+                "groups": [[i for i, c in enumerate(cats) if c == n] for n in names] or [list(range(len(prompts)))],
                 "prompts": [p.prompt_ids for p in prompts]}
     raw: dict[str, dict] = {}
-    for name, drafter in tqdm(plan, desc="engine runs", unit="run"):
-        raw[name] = _run_engine(name, {**base_req, "drafter": drafter}, stage_dir, cfg)
+    for name, drafter, temps, timed_run in tqdm(plan, desc="engine runs", unit="run"):
+        raw[name] = _run_engine(name, {**base_req, "drafter": drafter, "temperatures": temps,
+                                       "timing_indices": timed if timed_run else []}, stage_dir, cfg)
 
-    plain_tokens = raw["plain"]["passes"][0]["tokens"]
-    runs = {name: run_figures(res, K, None if name == "plain" else plain_tokens) for name, res in raw.items()}
+    runs: dict[str, dict] = {}
+    plain_greedy = raw["plain"]["acceptance"][0]["tokens"] if "plain" in raw and greedy else None
+    for name, res in raw.items():
+        speculative = name != "plain"
+        acc = ([acceptance_figures(p, K, cats) for p in res["acceptance"]] if speculative else
+               [{"temperature": p["temperature"], "tokens": sum(len(t) for t in p["tokens"]), "wall_s": p["wall_s"]}
+                for p in res["acceptance"]])
+        runs[name] = {"init_s": res["init_s"], "per_request_metrics": res.get("per_request_metrics"),
+                      "acceptance": acc, "timing": timing_figures(res["timing"], K, speculative)}
+        if speculative and plain_greedy is not None:
+            mine = res["acceptance"][cfg.temperature.index(0.0)]["tokens"]
+            runs[name]["outputs_match_plain"] = outputs_match(mine, plain_greedy)
     # Teacher check: how often the target's greedy answer is the dataset's answer. A target
     # that rarely reproduces its training chats is a noisy teacher for the drafter.
-    match = [p.reference_ids == t[:len(p.reference_ids)] for p, t in zip(prompts, plain_tokens)]
-    teacher = {"greedy_equals_dataset_answer": sum(match) / len(match)}
-    engine = {"name": "vllm", "version": raw["plain"]["vllm_version"], "platform": raw["plain"]["platform"],
-              "enforce_eager": raw["plain"]["enforce_eager"]}
-    settings = {**{k: v for k, v in base_req.items() if k != "prompts"},
+    refs = [(p.reference_ids, t) for p, t in zip(prompts, plain_greedy or []) if p.reference_ids]
+    teacher = {"greedy_equals_dataset_answer":
+               sum(r == t[:len(r)] for r, t in refs) / len(refs) if refs else None}
+    first = next(iter(raw.values()))
+    engine = {"name": "vllm", "version": first["vllm_version"], "platform": first["platform"],
+              "enforce_eager": first["enforce_eager"]}
+    settings = {**{k: v for k, v in base_req.items() if k not in ("prompts", "groups")},
+                "temperatures": cfg.temperature, "timing_prompts": cfg.timing_prompts, "timing_indices": timed,
                 "drafter": str(drafter_dir), "baseline_untrained": cfg.baseline_untrained}
-    results = summarise(runs, K, expectation, prompt_info, settings, engine, teacher)
+    results = summarise(runs, K, cfg.temperature, expectation, prompt_info, settings, engine, teacher)
 
     write_json(stage_dir / RESULTS_JSON, results)
     write_plot(stage_dir / PLOT_PNG, results, read_train_metrics(wd) if own else [])
-    counts = {"prompts": prompt_info["count"], "acceptance_length": results["acceptance_length"],
+    counts = {"prompts": prompt_info["count"], "timing_prompts": len(timed),
+              "acceptance_length": results["acceptance_length"],
               "untrained_acceptance_length": results["untrained_acceptance_length"],
+              "acceptance_length_by_temperature": {f"{row['temperature']:g}": row["trained"]["acceptance_length"]
+                                                   for row in results["acceptance"]},
               "speedup": results["speedup"], "break_even_acceptance_length": results["break_even_acceptance_length"],
               "tokens_per_s_plain": results["tokens_per_s"]["plain"],
               "tokens_per_s_speculative": results["tokens_per_s"]["speculative"]}

@@ -4,6 +4,7 @@ expectation, and the errors. (tests/test_pipeline_e2e.py serves real engines.)""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,10 @@ from eagle3.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter
                                save_drafter_dir)
 from eagle3.errors import PipelineError
 from eagle3.evaluate import (EvaluateConfig, assistant_turns, evaluate_drafter, held_out_prompts, report_lines,
-                             run_figures, summarise, training_expectation, write_untrained_drafter)
+                             summarise, training_expectation, write_untrained_drafter)
+from eagle3.evaluate_figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
+                                     timing_problems)
+from eagle3.evaluate_prompts import Prompt, categories, file_prompts, timing_subset
 from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.workdir import WorkDir
 
@@ -56,69 +60,194 @@ def test_held_out_prompts_end_where_the_assistant_turn_starts(prepared_llama, ti
         held_out_prompts(wd, None, max_prompt_len=1)
 
 
+# -- prompt sets ---------------------------------------------------------------------------
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_prompt_file_renders_with_the_chat_template_and_keeps_categories(tmp_path, tiny_llama):
+    from transformers import AutoTokenizer
+
+    from eagle3.loss_mask import render
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    f = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "What is 6 times 7?", "category": "math"},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Spell cat."},
+                      {"role": "assistant", "content": "C, A, T."}], "category": "spell"},  # reference dropped
+        {"conversations": [{"from": "human", "value": "Count from 1 to 3."}], "category": "count"},
+        {"prompt": ["Name a color.", "Now another one."], "category": "math"},  # MT-Bench turns: the first
+    ])
+    prompts, info = file_prompts(str(f), "test", tok, "prompt", "category", None, max_prompt_len=10_000)
+    assert [p.category for p in prompts] == ["math", "spell", "count", "math"]
+    assert prompts[0].prompt_ids == render(tok, [{"role": "user", "content": "What is 6 times 7?"}],
+                                           add_generation_prompt=True)
+    assert prompts[1].prompt_ids == render(tok, [{"role": "system", "content": "Be brief."},
+                                                 {"role": "user", "content": "Spell cat."}], add_generation_prompt=True)
+    assert prompts[3].prompt_ids == render(tok, [{"role": "user", "content": "Name a color."}],
+                                           add_generation_prompt=True)
+    header = tok.encode("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False)
+    assert all(p.prompt_ids[-len(header):] == header and p.reference_ids is None for p in prompts)
+    assert info["count"] == info["available"] == 4 and info["category_field"] == "category"
+    assert categories(prompts) == ["math", "spell", "count"]
+    # A JSON list holds the same records; --num-prompts takes the first ones.
+    g = tmp_path / "p.json"
+    g.write_text(json.dumps([json.loads(line) for line in f.read_text().splitlines()]))
+    few, info = file_prompts(str(g), "test", tok, "prompt", None, 2, max_prompt_len=10_000)
+    assert [p.prompt_ids for p in few] == [p.prompt_ids for p in prompts[:2]] and few[0].category is None
+    short = len(prompts[0].prompt_ids)
+    _, info = file_prompts(str(f), "test", tok, "prompt", None, None, max_prompt_len=short)
+    longer = sum(len(p.prompt_ids) > short for p in prompts)
+    assert longer >= 1 and info["skipped_too_long"] == longer and info["count"] == 4 - longer
+
+
+def test_prompt_file_errors_name_the_record_and_the_flag(tmp_path, tiny_llama):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    f = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hi", "category": "a"}, {"question": "Why?"}])
+    with pytest.raises(PipelineError, match=r"p.jsonl:2: .*no_prompt.*--prompt-field"):
+        file_prompts(str(f), "test", tok, "prompt", None, None, 10_000)
+    prompts, _ = file_prompts(str(write_jsonl(tmp_path / "q.jsonl", [{"question": "Why?"}])), "test", tok,
+                              "question", None, None, 10_000)
+    assert len(prompts) == 1
+    with pytest.raises(PipelineError, match=r"p.jsonl:2: no `category` value \(--category-field\)"):
+        file_prompts(str(write_jsonl(f, [{"prompt": "Hi", "category": "a"}, {"prompt": "Yo"}])), "test", tok,
+                     "prompt", "category", None, 10_000)
+    with pytest.raises(PipelineError, match="does not exist"):
+        file_prompts(str(tmp_path / "missing.jsonl"), "test", tok, "prompt", None, None, 10_000)
+    only_answers = write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "assistant", "content": "x"}]}])
+    with pytest.raises(PipelineError, match="no_user_turn"):
+        file_prompts(str(only_answers), "test", tok, "prompt", None, None, 10_000)
+
+
+def test_timing_subset_round_robins_over_categories():
+    def P(cat):
+        return Prompt("s", 0, [1], None, cat)
+
+    prompts = [P("a"), P("a"), P("a"), P("b"), P("b"), P("c")]
+    assert timing_subset(prompts, 4) == [0, 1, 3, 5]  # a, b, c, then a again
+    assert timing_subset(prompts, 2) == [0, 3]
+    assert timing_subset(prompts, 0) == []
+    assert timing_subset(prompts, 99) == list(range(6))
+    assert timing_subset([P(None)] * 5, 3) == [0, 1, 2]
+
+
 # -- figures -------------------------------------------------------------------------------
 
-def engine_result(tokens: list[list[int]], step_s: float, wall_s: float, drafts: int = 0,
-                  accepted_per_pos: list[int] | None = None, passes: int = 1, slow_first: bool = False) -> dict:
-    """An engine run as `serve_and_measure` returns it; decode steps are `step_s` apart."""
-    out = []
-    for i in range(passes):
-        slow = 3.0 if (slow_first and i == 0) else 1.0
-        n_steps = [max(0, len(t) - 1) for t in tokens] if not drafts else None
-        ts, t = [], 100.0
-        for j, toks in enumerate(tokens):
-            steps = n_steps[j] if n_steps is not None else drafts // len(tokens)
-            ts.append([t, t + steps * step_s * slow])
-            t += 10
-        out.append({"wall_s": wall_s * slow, "token_ts": ts, "tokens": tokens,
-                    "finish_reasons": ["stop"] * len(tokens)})
-    counters = {}
-    if drafts:
-        per = accepted_per_pos or [0] * K
-        counters = {"vllm:spec_decode_num_drafts": drafts * passes,
-                    "vllm:spec_decode_num_draft_tokens": K * drafts * passes,
-                    "vllm:spec_decode_num_accepted_tokens": sum(per) * passes,
-                    "vllm:spec_decode_num_accepted_tokens_per_pos": [a * passes for a in per]}
-    return {"vllm_version": "0.32.0", "platform": "cpu", "enforce_eager": True, "init_s": 5.0,
-            "counters": counters, "passes": out}
+def counters(drafts: int, per_pos: list[int]) -> dict:
+    return {"vllm:spec_decode_num_drafts": drafts, "vllm:spec_decode_num_draft_tokens": K * drafts,
+            "vllm:spec_decode_num_accepted_tokens": sum(per_pos),
+            "vllm:spec_decode_num_accepted_tokens_per_pos": per_pos}
 
 
-def test_acceptance_and_break_even_from_engine_counters_and_timings():
+def test_histogram_counts_follow_chain_drafting():
+    # 2 steps accepted nothing, 1 accepted one draft, 1 accepted all three.
+    assert histogram_counts([2, 1, 0, 1], K) == (4, 4, [2, 1, 1])
+    assert histogram_counts([0, 0, 1, 3], K) == (4, 11, [4, 4, 3])
+    assert histogram_counts([], K) == (0, 0, [0, 0, 0])
+
+
+def test_acceptance_over_prompts_with_interval_and_per_category():
+    hists = [[2, 1, 0, 1], [0, 0, 1, 3], [4, 0, 0, 0]]  # accepted 4, 11, 0 over 4 steps each
+    p = {"temperature": 0.7, "wall_s": 2.0, "tokens": [[1] * 9, [1] * 16, [1] * 5],
+         "counters": counters(12, [6, 5, 4]), "histograms": hists, "group_counters": None}
+    f = acceptance_figures(p, K, ["math", "code", "math"])
+    assert f["acceptance_length"] == pytest.approx(1 + 15 / 12)
+    assert f["acceptance_per_position"] == pytest.approx([6 / 12, 5 / 12, 4 / 12])
+    assert f["histograms_match_counters"] and f["tokens"] == 30 and f["temperature"] == 0.7
+    # Delta method by hand: R = 15/12, residuals a_i - R d_i = -1, 6, -5.
+    assert f["ci95"] == pytest.approx(1.96 * math.sqrt((1 + 36 + 25) / (3 * 2)) / 4)
+    math_, code = f["by_category"]["math"], f["by_category"]["code"]
+    assert list(f["by_category"]) == ["math", "code"]
+    assert math_["acceptance_length"] == pytest.approx(1 + 4 / 8) and math_["prompts"] == 2
+    assert math_["acceptance_per_position"] == pytest.approx([2 / 8, 1 / 8, 1 / 8])
+    assert code["acceptance_length"] == pytest.approx(1 + 11 / 4) and code["ci95"] is None  # one prompt
+    # An engine without per-request histograms: one pass per category, its counters.
+    q = {**p, "histograms": None, "group_counters": [counters(8, [2, 1, 1]), counters(4, [4, 4, 3])]}
+    g = acceptance_figures(q, K, ["math", "code", "math"])
+    assert g["acceptance_length"] == f["acceptance_length"] and g["ci95"] is None
+    assert {n: b["acceptance_length"] for n, b in g["by_category"].items()} == \
+        {n: b["acceptance_length"] for n, b in f["by_category"].items()}
+
+
+def test_ratio_interval_shrinks_with_more_prompts_and_matches_a_bootstrap():
+    rng = np.random.default_rng(0)
+    steps = rng.integers(10, 30, size=400)
+    accepted = rng.binomial(steps * 3, 0.5)
+    ci = ratio_interval(accepted.tolist(), steps.tolist())
+    boot = []
+    for _ in range(2000):
+        i = rng.integers(0, 400, size=400)
+        boot.append(accepted[i].sum() / steps[i].sum())
+    assert ci == pytest.approx(1.96 * np.std(boot), rel=0.15)  # two different estimates of one spread
+    assert ratio_interval(accepted[:100].tolist(), steps[:100].tolist()) > ci
+    assert ratio_interval([3], [4]) is None
+
+
+def timing_run(tokens: list[list[int]], step_s: float, request_wall_s: list[float], steps: list[int] | None = None,
+               drafts: int = 0, per_pos: list[int] | None = None, slow: float = 1.0) -> dict:
+    """A single-stream timing pass as `serve_and_measure` returns it; decode steps `step_s` apart."""
+    steps = steps or [len(t) - 1 for t in tokens]
+    ts, t = [], 100.0
+    for n in steps:
+        ts.append([t, t + n * step_s * slow])
+        t += 10
+    return {"wall_s": sum(request_wall_s) * slow, "request_wall_s": [w * slow for w in request_wall_s],
+            "token_ts": ts, "tokens": tokens, "counters": counters(drafts, per_pos) if drafts else {},
+            "histograms": None}
+
+
+def test_single_stream_timing_break_even_and_summary():
     tokens = [list(range(21)), list(range(100, 121))]  # 2 requests x 21 tokens: 40 decode tokens
-    plain = run_figures(engine_result(tokens, step_s=0.010, wall_s=0.5), K)
+    plain = timing_figures([timing_run(tokens, 0.010, [0.25, 0.25])], K, speculative=False)
     assert plain["decode_tokens"] == 40 and plain["step_s"] == pytest.approx(0.010)
-    assert plain["tokens_per_s"] == pytest.approx(42 / 0.5) and "acceptance_length" not in plain
-    # 16 verification steps for the same 40 decode tokens; 24 accepted: 14 at position 0, 7 at 1, 3 at 2.
-    trained = run_figures(engine_result(tokens, step_s=0.025, wall_s=0.45, drafts=16, accepted_per_pos=[14, 7, 3]),
-                          K, plain_tokens=tokens)
-    assert trained["acceptance_length"] == pytest.approx(1 + 24 / 16)
-    assert trained["acceptance_per_position"] == pytest.approx([14 / 16, 7 / 16, 3 / 16])
-    assert trained["step_s"] == pytest.approx(0.025) and trained["outputs_match_plain"] == 1.0
-    untrained = run_figures(engine_result(tokens, step_s=0.025, wall_s=1.1, drafts=40), K,
-                            plain_tokens=[tokens[0], tokens[1][:-1] + [7]])
-    assert untrained["acceptance_length"] == 1.0 and untrained["outputs_match_plain"] == 0.5
+    assert plain["tokens_per_s"] == pytest.approx(42 / 0.5) and plain["request_step_s"] == pytest.approx([0.01] * 2)
+    # 16 verification steps (8 per request) for the same 40 decode tokens; 24 accepted.
+    trained = timing_figures([timing_run(tokens, 0.025, [0.2, 0.25], steps=[8, 8], drafts=16, per_pos=[14, 7, 3])],
+                             K, speculative=True)
+    assert trained["step_s"] == pytest.approx(0.025) and trained["acceptance_length"] == pytest.approx(2.5)
+    assert trained["request_step_s"] is None  # no per-request histograms: steps per request unknown
 
-    r = summarise({"plain": plain, "trained": trained, "untrained": untrained}, K,
-                  {"value": 2.4, "k": 3, "full_acc": [0.9, 0.4, 0.1]}, {"count": 2}, {"dtype": "bfloat16"},
+    hists = [[0, 2, 1, 1], [0, 2, 1, 1], [1, 2, 1, 0]]  # all prompts: 12 steps, 15 accepted
+    acc = acceptance_figures({"temperature": 0.0, "wall_s": 1.0, "tokens": [[1] * 10] * 3,
+                              "counters": counters(12, [11, 4, 0]), "histograms": hists}, K, [None] * 3)
+    sampled = acceptance_figures({"temperature": 0.7, "wall_s": 1.0, "tokens": [[1] * 10] * 3,
+                                  "counters": counters(12, [6, 0, 0]), "histograms": None}, K, [None] * 3)
+    floor = acceptance_figures({"temperature": 0.0, "wall_s": 1.5, "tokens": [[1] * 10] * 3,
+                                "counters": counters(30, [0, 0, 0]), "histograms": None}, K, [None] * 3)
+    runs = {"plain": {"acceptance": [{"temperature": 0.0, "tokens": 30, "wall_s": 0.6}], "timing": plain},
+            "trained": {"acceptance": [acc, sampled], "timing": trained, "outputs_match_plain": 1.0},
+            "untrained": {"acceptance": [floor, floor], "timing": None}}
+    r = summarise(runs, K, [0.0, 0.7], {"value": 2.4, "k": 3, "full_acc": [0.9, 0.4, 0.1]},
+                  {"count": 3, "category_field": None}, {"dtype": "bfloat16", "max_num_seqs": 64},
                   {"name": "vllm", "version": "0.32.0", "platform": "cpu"}, {"greedy_equals_dataset_answer": 0.5})
-    # A speculative step costs 2.5 plain steps: L = 2.5 exactly ties.
-    assert r["break_even_acceptance_length"] == pytest.approx(2.5)
-    assert r["beats_break_even"] is False  # L = 2.5 is not above 2.5
-    assert r["speedup"] == pytest.approx(0.5 / 0.45)
+    assert r["acceptance_length"] == pytest.approx(1 + 15 / 12) and r["acceptance_temperature"] == 0.0
+    assert [row["trained"]["acceptance_length"] for row in r["acceptance"]] == pytest.approx([2.25, 1.5])
     assert r["untrained_acceptance_length"] == 1.0
+    # A speculative step costs 2.5 plain steps: L = 2.25 does not beat it.
+    assert r["break_even_acceptance_length"] == pytest.approx(2.5) and r["beats_break_even"] is False
+    assert r["speedup"] == pytest.approx(0.5 / 0.45)
+    assert r["timing"]["speedup_per_prompt"] == pytest.approx({"min": 1.0, "median": 1.125, "max": 1.25})
+    assert r["timing"]["acceptance_length"] == pytest.approx(2.5) and r["timing"]["prompts"] == 2
+    assert r["batched"]["tokens_per_s"] == pytest.approx({"plain": 50.0, "speculative": 30.0})
     text = "\n".join(report_lines(r))
-    assert "acceptance length (K=3): 2.500" in text and "training-time expected 2.400" in text
+    assert "acceptance length (K=3): 2.250 ±" in text and "training-time expected 2.400" in text
+    assert "T=0.7: trained 1.50 per position 0.50 0.00 0.00 | untrained 1.00" in text
+    assert "single stream, 2 of 3 prompts" in text and "per prompt 1.00-1.25x" in text
     assert "break-even acceptance length 2.50" in text and "does NOT beat it" in text
 
 
-def test_timings_come_from_the_fastest_pass_counters_from_all():
+def test_timings_come_from_the_fastest_pass():
     tokens = [list(range(11))]
-    res = engine_result(tokens, step_s=0.02, wall_s=1.0, drafts=4, accepted_per_pos=[3, 2, 1], passes=2,
-                        slow_first=True)
-    f = run_figures(res, K)
+    slow = timing_run(tokens, 0.02, [1.0], steps=[4], drafts=4, per_pos=[3, 2, 1], slow=3.0)
+    fast = timing_run(tokens, 0.02, [1.0], steps=[4], drafts=4, per_pos=[3, 2, 1])
+    f = timing_figures([slow, fast], K, speculative=True)
     assert f["wall_s"] == 1.0 and f["pass_wall_s"] == [3.0, 1.0]
-    assert f["step_s"] == pytest.approx(0.02)  # per pass: 4 verification steps
-    assert f["acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert f["step_s"] == pytest.approx(0.02) and f["acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert timing_figures([], K, speculative=True) is None
 
 
 def test_training_expectation_reads_the_exported_steps_heldout_eval(tmp_path):
@@ -179,6 +308,13 @@ def test_config_validation():
         EvaluateConfig(work_dir=Path("w"), target_model="t", dtype="int4")
     with pytest.raises(PipelineError, match="timed_passes"):
         EvaluateConfig(work_dir=Path("w"), target_model="t", timed_passes=0)
+    with pytest.raises(PipelineError, match="temperature"):
+        EvaluateConfig(work_dir=Path("w"), target_model="t", temperature=[0.0, -0.5])
+    with pytest.raises(PipelineError, match="distinct"):
+        EvaluateConfig(work_dir=Path("w"), target_model="t", temperature=[0.7, 0.7])
+    with pytest.raises(PipelineError, match="needs a prompt set"):
+        EvaluateConfig(work_dir=Path("w"), target_model="t", category_field="category")
+    assert EvaluateConfig(work_dir=Path("w"), target_model="t").temperature == [0.0, 0.7]
     from eagle3.config import build_config
 
     cfg = build_config(EvaluateConfig, "evaluate", ROOT / "configs" / "tiny-llama.yaml")
@@ -242,14 +378,16 @@ def test_script_reports_bad_input_in_one_line(tmp_path, tiny_llama):
 
 
 def test_timings_disturbed_by_other_load_are_flagged():
-    from eagle3.evaluate import timing_problems
-
-    calm = {"plain": {"pass_wall_s": [6.5, 6.6], "step_s": 0.0055},
+    calm = {"plain": {"pass_wall_s": [6.5, 6.6], "step_s": 0.0055, "request_step_s": [0.0054, 0.0056, 0.0060]},
             "trained": {"pass_wall_s": [5.4, 5.5], "step_s": 0.0113},
             "untrained": {"pass_wall_s": [12.0, 12.3], "step_s": 0.0116}}
     assert timing_problems(calm) == []
     noisy = {**calm, "trained": {"pass_wall_s": [75.6, 64.7], "step_s": 0.139}}
     problems = timing_problems(noisy)
-    assert len(problems) == 1 and "139.0 ms with the trained drafter and 11.6 ms" in problems[0]
+    assert any("139.0 ms with the trained drafter and 11.6 ms" in p for p in problems)
     bursty = {**calm, "plain": {"pass_wall_s": [6.5, 20.0], "step_s": 0.0055}}
     assert "plain run's timed passes took 6.5 / 20.0 s" in timing_problems(bursty)[0]
+    # One request of a single-stream pass slowed down by something else: 3x the median step.
+    hiccup = {"plain": {"pass_wall_s": [6.5], "step_s": 0.0055, "request_step_s": [0.0055, 0.0165, 0.0054]}}
+    assert "one plain request's decode steps took 3.0x the median request's" in timing_problems(hiccup)[0]
+    assert timing_problems({"plain": None, "untrained": None}) == []

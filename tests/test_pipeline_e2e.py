@@ -2,6 +2,10 @@
 stages 01-05 with the shipped config, then stage 06 serving it in vLLM's CPU build with
 the trained drafter and an untrained one. The trained drafter must accept more.
 
+Stage 06 runs as a user benchmarks: a categorized prompt file (written here from the
+demo's topics, prompts the drafter never saw), acceptance at temperatures 0 and 0.7
+over all prompts at once, and a single-stream timing subset.
+
 About 3 minutes on 2 idle cores (target training ~45 s, three engine starts ~25 s each).
 Not skipped when vLLM is missing: CI installs it (scripts/setup_cpu.sh), and a drafter
 that was never served is the failure this test exists to catch.
@@ -21,7 +25,25 @@ CONFIG = ROOT / "configs" / "tiny-llama.yaml"
 # Reduced from the demo (150 target steps, 120 drafter steps, 77 prompts x 64 tokens).
 TARGET_STEPS = 60
 DRAFTER_STEPS = 40
-PROMPTS, NEW_TOKENS = 12, 32
+PER_CATEGORY, NEW_TOKENS, TIMED = 4, 32, 3
+CATEGORIES = ("arithmetic", "capital", "counting")
+
+
+def write_prompt_file(path: Path) -> Path:
+    """Questions of three of the demo's topics, new draws (seeded), both record shapes."""
+    import random
+
+    from eagle3 import synthetic_chats
+
+    rng = random.Random(7)
+    rows = []
+    for cat in CATEGORIES:
+        for i in range(PER_CATEGORY):
+            question, _ = getattr(synthetic_chats, cat)(rng)
+            rows.append({"prompt": question, "topic": cat} if i % 2 else
+                        {"messages": [{"role": "user", "content": question}], "topic": cat})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def stage_config(cls, section: str, work: Path, target: Path, **overrides):
@@ -50,8 +72,9 @@ def demo_run(tmp_path_factory):
     build_vocab_mapping(stage_config(VocabConfig, "vocab", work, target))
     train_drafter(stage_config(TrainConfig, "train", work, target, max_steps=DRAFTER_STEPS, eval_every=20))
     export_drafter(stage_config(ExportConfig, "export", work, target))
-    ev_cfg = stage_config(EvaluateConfig, "evaluate", work, target, num_prompts=PROMPTS,
-                          max_new_tokens=NEW_TOKENS, timed_passes=1)
+    ev_cfg = stage_config(EvaluateConfig, "evaluate", work, target, max_new_tokens=NEW_TOKENS, timed_passes=1,
+                          prompts=str(write_prompt_file(root / "prompts.jsonl")), category_field="topic",
+                          temperature=[0.0, 0.7], timing_prompts=TIMED)
     results = evaluate_drafter(ev_cfg)
     return WorkDir(work), ev_cfg, results
 
@@ -65,13 +88,53 @@ def test_trained_drafter_accepts_more_than_an_untrained_one_in_vllm(demo_run):
     assert r["acceptance_length"] > r["untrained_acceptance_length"] + 0.2, r["acceptance_per_position"]
     per = r["acceptance_per_position"]
     assert len(per) == K and per[0] > 0 and all(a >= b for a, b in zip(per, per[1:]))  # chain: non-increasing
-    assert r["runs"]["trained"]["drafts"] > 0 and r["runs"]["plain"]["tokens"] > 0
     # Greedy speculative decoding reproduces the target's own greedy output (up to bf16 batch rounding).
     assert r["outputs_match_plain"] >= 0.75
     assert r["expected_accept_length_training"]["value"] > 1.0 and r["expected_accept_length_training"]["k"] == K
     for key in ("speedup", "break_even_acceptance_length"):
         assert r[key] is not None and r[key] > 0
     assert r["tokens_per_s"]["plain"] > 0 and r["tokens_per_s"]["speculative"] > 0
+
+
+def test_acceptance_per_temperature_and_category_over_all_prompts(demo_run):
+    wd, cfg, r = demo_run
+    n = PER_CATEGORY * len(CATEGORIES)
+    assert r["prompts"]["count"] == n and r["teacher"]["greedy_equals_dataset_answer"] is None
+    assert [row["temperature"] for row in r["acceptance"]] == [0.0, 0.7] == r["temperatures"]
+    for row in r["acceptance"]:
+        t, u = row["trained"], row["untrained"]
+        assert t["acceptance_length"] > u["acceptance_length"] and u["acceptance_length"] < 1.1
+        assert t["histograms_match_counters"] and t["ci95"] is not None and t["ci95"] > 0
+        assert list(t["by_category"]) == list(CATEGORIES) == r["categories"]["names"]
+        assert all(b["prompts"] == PER_CATEGORY for b in t["by_category"].values())
+        # The categories split the same verification steps the engine counted overall.
+        assert sum(b["drafts"] for b in t["by_category"].values()) == t["drafts"]
+        overall = 1 + sum(b["accepted_tokens"] for b in t["by_category"].values()) / t["drafts"]
+        assert overall == pytest.approx(t["acceptance_length"])
+    assert r["acceptance_length"] == r["acceptance"][0]["trained"]["acceptance_length"]  # greedy is the headline
+    # Sampled decoding sees other tokens than greedy: the two passes are different measurements.
+    runs = wd.stage_dir("evaluate") / "runs"
+    trained = json.loads((runs / "trained.result.json").read_text())
+    assert trained["acceptance"][0]["tokens"] != trained["acceptance"][1]["tokens"]
+
+
+def test_timing_is_single_stream_on_the_subset(demo_run):
+    wd, cfg, r = demo_run
+    runs = wd.stage_dir("evaluate") / "runs"
+    req = json.loads((runs / "trained.request.json").read_text())
+    assert len(req["timing_indices"]) == TIMED and len(req["prompts"]) == PER_CATEGORY * len(CATEGORIES)
+    # Round-robin over the categories: one prompt of each.
+    assert req["timing_indices"] == [0, PER_CATEGORY, 2 * PER_CATEGORY] == r["timing"]["indices"]
+    for name in ("plain", "trained"):
+        res = json.loads((runs / f"{name}.result.json").read_text())
+        (p,) = res["timing"]  # timed_passes = 1
+        assert len(p["tokens"]) == len(p["request_wall_s"]) == TIMED
+        # One request at a time: each one's decode lies inside its own wall-clock window,
+        # so no two overlap.
+        ts = sorted(p["token_ts"])
+        assert all(a[1] <= b[0] for a, b in zip(ts, ts[1:]))
+    assert json.loads((runs / "untrained.result.json").read_text())["timing"] == []  # acceptance only
+    assert r["timing"]["prompts"] == TIMED and r["timing"]["speedup_per_prompt"]["min"] > 0
 
 
 def test_results_plot_and_manifest_are_written(demo_run):

@@ -1,0 +1,207 @@
+"""Stage 06's prompt sets: what the target is asked, as token ids, with an optional category.
+
+Two sources:
+
+- stage 01's eval split (the default): each assistant turn's context, already
+  tokenized by stage 01 (`held_out_prompts`). The dataset's answer comes along, for
+  the teacher check (how often the target's greedy answer is the dataset's).
+- a prompt file or a `datasets` id (`file_prompts`): JSON / JSONL records, each either
+  a conversation in OpenAI (`messages` of `role`/`content`) or ShareGPT
+  (`conversations` of `from`/`value`) shape, or a plain text column (`--prompt-field`,
+  default `prompt`; `question` for GSM8K). A conversation is the prompt up to its last
+  user turn; trailing assistant turns (a reference answer) are dropped. A text column
+  holding a list of turns (MT-Bench's `turns`) uses the first turn: later turns need
+  the target's own earlier answer. Each prompt is rendered with the target's chat
+  template, generation prompt included. `--category-field` names a column whose value
+  groups the prompts (MT-Bench's `category`); acceptance is then reported per group.
+
+Reads nothing but the source; the stage (eagle3/evaluate.py) decides which to use.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .chats import ROLES, BadRecord, _content_text, iter_records
+from .errors import PipelineError
+from .workdir import WorkDir
+
+
+@dataclass
+class Prompt:
+    sample_id: str
+    turn: int  # 0 = the conversation's first assistant turn
+    prompt_ids: list[int]  # everything before the assistant's answer, generation prompt included
+    reference_ids: list[int] | None  # the dataset's answer (content + end-of-turn), for the teacher check
+    category: str | None = None
+
+
+# --------------------------------------------------------------------------- stage 01's eval split
+
+def assistant_turns(loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of 1s in a loss mask: one per assistant turn."""
+    m = np.asarray(loss_mask, dtype=np.int8)
+    edges = np.diff(np.concatenate([[0], m, [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
+
+
+def held_out_prompts(wd: WorkDir, num_prompts: int | None, max_prompt_len: int) -> tuple[list[Prompt], dict]:
+    """Prompts from stage 01's eval split: each assistant turn's context, as token ids.
+
+    Order: every conversation's first turn, then every second turn, ..., so a small
+    `num_prompts` still spreads over conversations. Turns whose context exceeds
+    `max_prompt_len` are skipped (and counted).
+    """
+    import datasets
+
+    path = wd.dataset("eval")
+    ds = datasets.load_from_disk(str(path))
+    by_turn: dict[int, list[Prompt]] = {}
+    too_long = 0
+    for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"]):
+        ids = [int(t) for t in ids]
+        for turn, (start, end) in enumerate(assistant_turns(mask)):
+            if start == 0:
+                continue  # no context to condition on
+            if start > max_prompt_len:
+                too_long += 1
+                continue
+            by_turn.setdefault(turn, []).append(Prompt(sid, turn, ids[:start], ids[start:end]))
+    ordered = [p for turn in sorted(by_turn) for p in by_turn[turn]]
+    if not ordered:
+        raise PipelineError(
+            f"{path} holds no assistant turn to prompt with ({len(ds)} conversations, {too_long} turns longer "
+            f"than {max_prompt_len} tokens); rerun `python {WorkDir.script('prepare')}` with a larger "
+            f"--eval-fraction, or raise --max-model-len.")
+    chosen = ordered if num_prompts is None else ordered[:num_prompts]
+    info = {"source": str(path), "conversations": len(ds), "available": len(ordered), "count": len(chosen),
+            "skipped_too_long": too_long, "category_field": None,
+            "prompt_tokens_mean": float(np.mean([len(p.prompt_ids) for p in chosen]))}
+    return chosen, info
+
+
+# --------------------------------------------------------------------------- a prompt file or a datasets id
+
+def record_messages(record: Any, prompt_field: str) -> list[dict]:
+    """The messages a record asks the target, ending with a user turn.
+
+    Raises BadRecord (with the reason) for a record that holds no prompt.
+    """
+    if isinstance(record, BadRecord):
+        raise record
+    if not isinstance(record, dict):
+        raise BadRecord("not_an_object", f"got {type(record).__name__}")
+    for key, role_key, text_key in (("messages", "role", "content"), ("conversations", "from", "value")):
+        turns = record.get(key)
+        if not isinstance(turns, list):
+            continue
+        messages = []
+        for t in turns:
+            if not isinstance(t, dict):
+                raise BadRecord("not_an_object", f"turn {t!r:.60}")
+            raw_role = t.get(role_key, t.get("role", t.get("from")))
+            role = ROLES.get(str(raw_role).lower())
+            if role is None:
+                raise BadRecord("unknown_role", f"role {raw_role!r}")
+            text = _content_text(t.get(text_key, t.get("content", t.get("value"))))
+            messages.append({"role": role, "content": text})
+        while messages and messages[-1]["role"] == "assistant":
+            messages.pop()  # a reference answer: the target writes its own
+        if not messages or messages[-1]["role"] != "user":
+            raise BadRecord("no_user_turn", f"`{key}` has no user turn to answer")
+        if not messages[-1]["content"].strip():
+            raise BadRecord("empty_content", "the last user turn is empty")
+        return messages
+    value = record.get(prompt_field)
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        value = value[0]  # MT-Bench style turns: later turns need the target's first answer
+    if not isinstance(value, str) or not value.strip():
+        raise BadRecord("no_prompt", f"no `messages`, `conversations` or non-empty `{prompt_field}` "
+                                     f"(keys {sorted(record)[:8]})")
+    return [{"role": "user", "content": value}]
+
+
+def file_prompts(source: str, split: str, tok, prompt_field: str, category_field: str | None,
+                 num_prompts: int | None, max_prompt_len: int) -> tuple[list[Prompt], dict]:
+    """Prompts from a local JSON/JSONL file or a `datasets` id, rendered with `tok`'s chat template.
+
+    A bad record stops the stage naming file and line: a benchmark set is small and
+    every prompt of it is meant to count. Prompts longer than `max_prompt_len` are
+    skipped (and counted).
+    """
+    from .loss_mask import render
+
+    local = Path(source).suffix in (".json", ".jsonl")
+    if local and not Path(source).is_file():
+        raise PipelineError(f"prompt file {source} does not exist; pass a .json/.jsonl file or a datasets id "
+                            f"with --prompts.")
+    if getattr(tok, "chat_template", None) is None:
+        raise PipelineError(f"the target's tokenizer has no chat template, so the prompts of {source} cannot be "
+                            f"rendered as chats; evaluate on stage 01's eval split (drop --prompts).")
+    try:
+        records = list(iter_records(source, split))
+    except (FileNotFoundError, ValueError) as e:
+        raise PipelineError(f"cannot read prompts from {source!r} (split {split!r}): {e}; pass a local "
+                            f".json/.jsonl file or a datasets id and --prompts-split.") from e
+    prompts: list[Prompt] = []
+    too_long = 0
+    for raw in records:
+        try:
+            messages = record_messages(raw.record, prompt_field)
+        except BadRecord as e:
+            raise PipelineError(f"{raw.where}: {e}; each record needs `messages` (OpenAI), `conversations` "
+                                f"(ShareGPT) or a text column named by --prompt-field.") from e
+        category = None
+        if category_field:
+            value = raw.record.get(category_field)
+            if value is None or str(value).strip() == "":
+                raise PipelineError(f"{raw.where}: no `{category_field}` value (--category-field); give every "
+                                    f"record one, or drop --category-field.")
+            category = str(value)
+        ids = render(tok, messages, add_generation_prompt=True)
+        if len(ids) > max_prompt_len:
+            too_long += 1
+            continue
+        prompts.append(Prompt(raw.where, sum(m["role"] == "assistant" for m in messages), ids, None, category))
+    if not prompts:
+        raise PipelineError(f"{source} holds no prompt to serve ({len(records)} records, {too_long} longer than "
+                            f"{max_prompt_len} tokens); raise --max-model-len or pass another --prompts.")
+    available = len(prompts)
+    chosen = prompts if num_prompts is None else prompts[:num_prompts]
+    info = {"source": source, "split": None if local else split, "records": len(records), "available": available,
+            "count": len(chosen), "skipped_too_long": too_long, "category_field": category_field,
+            "prompt_tokens_mean": float(np.mean([len(p.prompt_ids) for p in chosen]))}
+    return chosen, info
+
+
+# --------------------------------------------------------------------------- groups and the timing subset
+
+def categories(prompts: list[Prompt]) -> list[str]:
+    """Distinct categories in first-seen order ([] when the prompts carry none)."""
+    seen: dict[str, None] = {}
+    for p in prompts:
+        if p.category is not None:
+            seen.setdefault(p.category, None)
+    return list(seen)
+
+
+def timing_subset(prompts: list[Prompt], n: int) -> list[int]:
+    """Indices of the `n` prompts timed single-stream: round-robin over categories, each in
+    prompt order, so a small subset still covers every category (first prompts when none)."""
+    if n <= 0:
+        return []
+    by_cat: dict[str | None, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_cat.setdefault(p.category, []).append(i)
+    queues = list(by_cat.values())
+    out: list[int] = []
+    depth = 0
+    while len(out) < min(n, len(prompts)):
+        for q in queues:
+            if depth < len(q) and len(out) < n:
+                out.append(q[depth])
+        depth += 1
+    return sorted(out)
