@@ -7,12 +7,21 @@ judge a drafter with the same rules, so what export refuses is what inspect flag
 
 Aux layer ids (DESIGN.md conventions 1 and 7). Each engine reads them its own way:
 
-    vllm             top-level `eagle_aux_hidden_state_layer_ids`, as-is; without it,
+    vllm             vLLM's V1 model runner (what the CPU build runs; on GPUs with
+                     VLLM_USE_V2_MODEL_RUNNER=0): top-level
+                     `eagle_aux_hidden_state_layer_ids`, as-is; without it,
                      `eagle_config.eagle_aux_hidden_state_layer_ids` AS-IS (no +1!);
                      without both, [2, N//2, N-3] of the target.
                      (vllm 0.32: v1/worker/gpu_model_runner.py
-                     `_get_eagle3_aux_layers_from_config`, v1/worker/gpu/spec_decode/
-                     eagle/eagle3_utils.py `get_eagle3_aux_layers_from_config`)
+                     `_get_eagle3_aux_layers_from_config`)
+    vllm-v2          vLLM's V2 model runner, the default on GPUs in 0.32 (config/vllm.py
+                     `use_v2_model_runner`: on unless VLLM_USE_V2_MODEL_RUNNER=0, Triton
+                     is missing, or a feature it lacks is asked for): top-level ids
+                     as-is; it NEVER reads `eagle_config.eagle_aux_hidden_state_layer_ids`
+                     (only a nested `layer_ids`, which no EAGLE-3 trainer writes), so an
+                     SGLang-only config gets [2, N//2, N-3] of the target.
+                     (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+                     `get_eagle3_aux_layers_from_config`)
     sglang           `eagle_config.eagle_aux_hidden_state_layer_ids` only, each id + 1;
                      without it, [2, N//2, N-3] (models/llama.py and every target class
                      before 2026-05: `set_eagle3_layers_to_capture`)
@@ -21,7 +30,8 @@ Aux layer ids (DESIGN.md conventions 1 and 7). Each engine reads them its own wa
 
 `aux_layer_config(layers)` is the single translation: top-level = the layers,
 nested = layers - 1. The nested ids then select the same layers under all three
-rules exactly when the first layer is 2 (nested first id 1). Layer 1 would need a
+rules exactly when the first layer is 2 (nested first id 1); both vLLM runners read
+the top-level ids. Layer 1 would need a
 nested 0, which the DeepSeek rule does not shift (it would capture the embeddings);
 `translation_problems` says so for the target at hand.
 
@@ -48,11 +58,15 @@ import torch
 
 # --------------------------------------------------------------------------- names
 
-VLLM = "vllm"
+VLLM = "vllm"  # the V1 model runner (the key predates V2 in reports and manifests)
+VLLM_V2 = "vllm-v2"
 SGLANG = "sglang"
 SGLANG_DEEPSEEK = "sglang-deepseek"
 RULES: dict[str, str] = {
-    VLLM: "vLLM: top-level ids as-is; else nested ids as-is; else [2, N//2, N-3]",
+    VLLM: "vLLM V1 runner (CPU build; GPU with VLLM_USE_V2_MODEL_RUNNER=0): top-level ids as-is; else nested "
+          "ids as-is; else [2, N//2, N-3]",
+    VLLM_V2: "vLLM V2 runner (GPU default since 0.32): top-level ids as-is; else [2, N//2, N-3] (nested "
+             "eagle_config ids are never read)",
     SGLANG: "SGLang: nested eagle_config ids + 1; else [2, N//2, N-3]",
     SGLANG_DEEPSEEK: "SGLang DeepSeek/Kimi targets since 2026-05: nested ids + 1 only when the first is 1, "
                      "else as-is; else [2, N//2, N-3]",
@@ -130,6 +144,11 @@ def captured_layers(rule: str, config: Mapping[str, Any], num_target_layers: int
     if rule == VLLM:
         top = config.get("eagle_aux_hidden_state_layer_ids")
         ids = [int(k) for k in top] if top else (nested or None)  # vLLM tests truthiness
+    elif rule == VLLM_V2:
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        ec = config.get("eagle_config")
+        v2_nested = ec.get("layer_ids") if isinstance(ec, Mapping) else None  # not eagle_aux_..._ids
+        ids = [int(k) for k in top] if top else ([int(k) for k in v2_nested] if v2_nested else None)
     elif rule == SGLANG:
         ids = None if nested is None else [k + 1 for k in nested]
     elif rule == SGLANG_DEEPSEEK:
@@ -167,8 +186,8 @@ def target_family(architecture: str | None, model_type: str | None) -> str:
 def rules_for(family: str | None) -> tuple[str, ...]:
     """The engine rules that apply to a target family (all of them when unknown)."""
     if family == "llama":
-        return (VLLM, SGLANG)
-    return (VLLM, SGLANG, SGLANG_DEEPSEEK)
+        return (VLLM, VLLM_V2, SGLANG)
+    return (VLLM, VLLM_V2, SGLANG, SGLANG_DEEPSEEK)
 
 
 def layer_range_problems(layers: list[int], num_target_layers: int | None) -> list[str]:
@@ -560,7 +579,7 @@ class _Check:
                 continue
             # Without a target we cannot tell whether the DeepSeek rule applies at all.
             level = "error" if target is not None or rule != SGLANG_DEEPSEEK else "warning"
-            self.add(level, VLLM if rule == VLLM else SGLANG, CAPTURE_TOPIC,
+            self.add(level, VLLM if rule in (VLLM, VLLM_V2) else SGLANG, CAPTURE_TOPIC,
                      f"{RULES[rule].split(':')[0]} captures {got}, but the drafter was trained on {ref} ({where})"
                      + ("" if target else "; pass --target-config to know whether this rule applies"))
         if layers is None:
@@ -570,6 +589,11 @@ class _Check:
             # With a target, the comparison above already says whether SGLang's fallback matches.
             self.add("warning", "sglang", "layers", "only top-level ids: SGLang reads only eagle_config's and "
                      "falls back to [2, N//2, N-3]; write eagle_config.eagle_aux_hidden_state_layer_ids = ids - 1")
+        elif not cfg.get("eagle_aux_hidden_state_layer_ids") and target is None:
+            # With a target, the comparison above already says what V2's fallback captures.
+            self.add("warning", "vllm", "layers", f"only nested eagle_config ids: vLLM's V2 model runner (the GPU "
+                     f"default since 0.32) never reads them and captures [2, N//2, N-3] of the target, while V1 "
+                     f"takes them as-is; write top-level eagle_aux_hidden_state_layer_ids = {layers}")
 
     def against_target(self) -> None:
         add, target = self.add, self.target

@@ -82,7 +82,7 @@ def error_messages(r: dict) -> list[str]:
 def test_inspect_passes_a_clean_export(clean, target, capsys):
     rc, r = run_inspect(clean, target, capsys)
     assert rc == 0 and r["ok"] and error_messages(r) == []
-    assert r["layers"]["captured"] == {"vllm": [2, 4, 5], "sglang": [2, 4, 5]}
+    assert r["layers"]["captured"] == {"vllm": [2, 4, 5], "vllm-v2": [2, 4, 5], "sglang": [2, 4, 5]}
     assert r["d2t"]["duplicates"] == 0 and r["d2t"]["ascending"]
     assert {t["name"]: (t["vllm"], t["sglang"]) for t in r["tensors"]}["t2d"] == ("skip", "skip")
     # The readable report says the same.
@@ -151,7 +151,7 @@ def test_inspect_an_sglang_format_published_drafter(clean, target, tmp_path, cap
     rc, r = run_inspect(pub, target, capsys)
     assert rc == 1
     assert r["layers"]["trained"] == [2, 4, 5]
-    assert r["layers"]["captured"] == {"vllm": [1, 3, 4], "sglang": [2, 4, 5]}
+    assert r["layers"]["captured"] == {"vllm": [1, 3, 4], "vllm-v2": [2, 4, 5], "sglang": [2, 4, 5]}
     errs = error_messages(r)
     assert all(m.startswith("[vllm]") for m in errs), errs
     assert any("captures [1, 3, 4]" in m for m in errs)
@@ -171,7 +171,7 @@ def test_inspect_layers0_names_load_nothing_in_sglang(clean, target, tmp_path, c
 
 def test_inspect_without_target_and_unreadable_folders(clean, tmp_path, capsys):
     rc, r = run_inspect(clean, None, capsys)
-    assert rc == 0 and set(r["layers"]["captured"]) == {"vllm", "sglang", "sglang-deepseek"}
+    assert rc == 0 and set(r["layers"]["captured"]) == {"vllm", "vllm-v2", "sglang", "sglang-deepseek"}
     (tmp_path / "pickled").mkdir()
     shutil.copy(clean / CONFIG_NAME, tmp_path / "pickled" / CONFIG_NAME)
     torch.save({}, tmp_path / "pickled" / "pytorch_model.bin")

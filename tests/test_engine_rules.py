@@ -31,6 +31,37 @@ def test_vllm_reads_nested_ids_as_is_when_top_level_is_absent():
     assert er.captured_layers(er.VLLM, {}, None) is None
 
 
+def test_vllm_v2_reads_top_level_and_never_the_nested_ids():
+    # vLLM 0.32's V2 model runner (GPU default): the same top-level reading as V1 ...
+    cfg = er.aux_layer_config([2, 30, 58])
+    assert er.captured_layers(er.VLLM_V2, cfg, 61) == [2, 30, 58]
+    # ... but an SGLang-only config falls back to [2, N//2, N-3], not to the nested ids
+    sglang_only = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 9, 20]}}
+    assert er.captured_layers(er.VLLM_V2, sglang_only, 32) == [2, 16, 29]
+    assert er.captured_layers(er.VLLM, sglang_only, 32) == [3, 9, 20]  # V1: as-is
+    assert er.captured_layers(er.VLLM_V2, sglang_only, None) is None  # depends on the target
+    # the only nested key V2 reads is `layer_ids`, as-is
+    assert er.captured_layers(er.VLLM_V2, {"eagle_config": {"layer_ids": [4, 8, 12]}}, 32) == [4, 8, 12]
+
+
+def test_published_kimi_style_config_per_runner():
+    # A SpecForge-style Kimi drafter: nested [1, 29, 57] only, meant as layers [2, 30, 58].
+    kimi = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 29, 57], "use_aux_hidden_state": True}}
+    assert er.captured_layers(er.VLLM, kimi, 61) == [1, 29, 57]  # one layer off
+    assert er.captured_layers(er.VLLM_V2, kimi, 61) == [2, 30, 58]  # right, by the default
+    assert er.captured_layers(er.SGLANG_DEEPSEEK, kimi, 61) == [2, 30, 58]
+    # without a target, inspect warns that the runners disagree
+    cfg, t = _drafter()
+    cfg = {k: v for k, v in cfg.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    msgs = [f.message for f in er.check_drafter(cfg, t) if f.level == "warning" and f.engine == "vllm"]
+    assert any("V2 model runner" in m and "[2, 4, 5]" in m for m in msgs)
+    # with a target, V1 (nested as-is) and V2 (default [2, 4, 5] for 8 layers) are judged apart
+    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                            family="llama")
+    bad = er.errors(er.check_drafter(cfg, t, target))
+    assert len(bad) == 1 and bad[0].message.startswith("vLLM V1 runner") and "captures [1, 3, 4]" in bad[0].message
+
+
 def test_sglang_old_rule_adds_one_to_each_nested_id():
     cfg = er.aux_layer_config([2, 30, 58])
     assert er.captured_layers(er.SGLANG, cfg, 61) == [2, 30, 58]
@@ -92,7 +123,8 @@ def test_target_family():
     assert er.target_family("DeepseekV3ForCausalLM", "deepseek_v3") == "deepseek"
     assert er.target_family("KimiK25ForConditionalGeneration", "deepseek_v3") == "deepseek"
     assert er.target_family("Qwen3ForCausalLM", "qwen3") == "llama"
-    assert er.rules_for("llama") == (er.VLLM, er.SGLANG)
+    assert er.rules_for("llama") == (er.VLLM, er.VLLM_V2, er.SGLANG)
+    assert er.rules_for("deepseek") == (er.VLLM, er.VLLM_V2, er.SGLANG, er.SGLANG_DEEPSEEK)
     assert er.SGLANG_DEEPSEEK in er.rules_for("deepseek") and er.SGLANG_DEEPSEEK in er.rules_for(None)
 
 

@@ -170,7 +170,7 @@ def test_export_stage_writes_drafter_report_and_manifest(tmp_path, tiny_llama):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
 
     r = json.loads((out / REPORT_JSON).read_text())
-    assert r["layers"]["captured"] == {"vllm": [2, 4, 5], "sglang": [2, 4, 5]}
+    assert r["layers"]["captured"] == {"vllm": [2, 4, 5], "vllm-v2": [2, 4, 5], "sglang": [2, 4, 5]}
     assert r["layers"]["problems"] == []
     assert r["vocab"]["eval"] == {"coverage": 0.6, "assistant_tokens": FREQ_EVAL_TOKENS}
     assert r["vocab"]["vs_stage03"]["tokens_shared"] == 246
@@ -216,7 +216,8 @@ def test_export_refuses_layers_the_sglang_deepseek_rule_reads_differently(tmp_pa
     assert "would capture [2, 3, 4] instead of [3, 4, 5]" in str(e.value)
     out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target), allow_engine_mismatch=True))
     r = json.loads((wd.export_dir() / REPORT_JSON).read_text())
-    assert r["layers"]["captured"] == {"vllm": [3, 4, 5], "sglang": [3, 4, 5], "sglang-deepseek": [2, 3, 4]}
+    assert r["layers"]["captured"] == {"vllm": [3, 4, 5], "vllm-v2": [3, 4, 5], "sglang": [3, 4, 5],
+                                        "sglang-deepseek": [2, 3, 4]}
     assert (out / WEIGHTS_NAME).is_file()
     # The same layers on a Llama target are fine for every engine that serves it.
     wd2 = make_work_dir(tmp_path / "w2", m, layers=[3, 4, 5])
