@@ -3,11 +3,12 @@
     python -m eagle3.diagnose inspect DIR [--target-config PATH_OR_DIR] [--json]
     python -m eagle3.diagnose compare-vocab A B [--dataset WORK_DIR] [--json]
     python -m eagle3.diagnose probe-hidden WORK_A WORK_B [--split eval] [--max-samples N] [--json]
+    python -m eagle3.diagnose versions [--json]
 
 `inspect` reads any drafter folder (ours, or a published one such as an SGLang-format
 drafter) and says what vLLM and SGLang will do with it: tensor names and shapes, d2t
-sanity, the layers each engine captures, context length and tie_word_embeddings
-against a target. It exits 1 when anything would fail or silently misbehave in an
+sanity, the layers each engine (and each of vLLM's two model runners) captures,
+context length and tie_word_embeddings against a target. It exits 1 when anything would fail or silently misbehave in an
 engine, 0 otherwise, and 2 when the folder cannot be read.
 
 `compare-vocab` compares two draft vocabularies (a drafter folder, a stage 03 folder
@@ -17,6 +18,10 @@ and with `--dataset` the coverage each gets on a stage 01 dataset's assistant to
 `probe-hidden` compares two targets' hidden-state stores (stage 02 of two work dirs
 over the same samples): cosine similarity per aux layer and per position range, to
 judge whether a drafter trained on one target can serve the other.
+
+`versions` prints the installed vllm, sglang, torch and transformers against the
+minimums the drafters and engine rules here are right for (eagle3/engine_rules.py
+`VERSION_RULES`), with a verdict; it exits 1 when one is too old (or may be).
 
 This module prints its reports (that is its product); everything else logs.
 """
@@ -34,8 +39,9 @@ import numpy as np
 import torch
 
 from .drafter_io import CONFIG_NAME, normalise_names, read_drafter_dir
-from .engine_rules import (RULES, TargetFacts, captured_layers, check_drafter, d2t_summary, errors,
-                           implied_head_dim, intended_layers, rules_for, sglang_name, vllm_name)
+from .engine_rules import (RULES, VERSION_RULES, TargetFacts, VersionRule, captured_layers, check_drafter,
+                           d2t_summary, errors, implied_head_dim, intended_layers, rules_for, sglang_name,
+                           vllm_name)
 from .errors import PipelineError
 from .workdir import WorkDir
 
@@ -351,6 +357,82 @@ def format_probe(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# =========================================================================== versions
+
+def installed_versions(rules: tuple[VersionRule, ...] = VERSION_RULES) -> dict[str, tuple[str, str] | None]:
+    """package -> (version, distribution name) as installed, or None; read from package
+    metadata, so nothing is imported (importing vllm takes seconds)."""
+    from importlib import metadata
+
+    out: dict[str, tuple[str, str] | None] = {}
+    for r in rules:
+        out[r.package] = None
+        for dist in r.distributions:
+            try:
+                out[r.package] = (metadata.version(dist), dist)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return out
+
+
+def check_versions(installed: dict[str, tuple[str, str] | None],
+                   rules: tuple[VersionRule, ...] = VERSION_RULES) -> dict[str, Any]:
+    """Each package's status against its rule: ok, too-old, too-new, unsure, missing, absent
+    (not installed and not needed here); "ok" overall when none is below its minimum,
+    unsure or a required one missing."""
+    from packaging.version import InvalidVersion, Version
+
+    rows = []
+    for r in rules:
+        got = installed.get(r.package)
+        row = {"package": r.package, "installed": got[0] if got else None,
+               "distribution": got[1] if got else None, "minimum": r.minimum, "below": r.below,
+               "why": r.why}
+        if got is None:
+            row["status"] = "missing" if r.required else "absent"
+        else:
+            try:
+                v = Version(got[0]).release  # 2.13.0+cpu and 0.32.0rc1 compare by their release numbers
+            except InvalidVersion:
+                v = None
+            if v is None:
+                row["status"] = "unsure"
+            elif v < Version(r.minimum).release:
+                unsure = r.unsure_from is not None and v >= Version(r.unsure_from).release
+                row["status"] = "unsure" if unsure else "too-old"
+            elif r.below is not None and v >= Version(r.below).release:
+                row["status"] = "too-new"
+            else:
+                row["status"] = "ok"
+        rows.append(row)
+    bad = [x for x in rows if x["status"] in ("too-old", "too-new", "unsure", "missing")]
+    return {"packages": rows, "ok": not bad, "problems": [x["package"] for x in bad]}
+
+
+def format_versions(r: dict[str, Any]) -> str:
+    out = [f"{'package':13s} {'installed':22s} {'needed':18s} status"]
+    notes = {"ok": "ok", "too-old": "TOO OLD", "too-new": "TOO NEW", "missing": "MISSING (required)",
+             "absent": "not installed (only needed to serve with it)",
+             "unsure": "CHECK: may predate the fixes below"}
+    for x in r["packages"]:
+        have = x["installed"] or "-"
+        if x["distribution"] and x["distribution"] != x["package"]:
+            have += f" ({x['distribution']})"
+        need = f">= {x['minimum']}" + (f", < {x['below']}" if x["below"] else "")
+        out.append(f"{x['package']:13s} {have:22s} {need:18s} {notes[x['status']]}")
+    out.append("")
+    for x in r["packages"]:
+        if x["status"] != "ok":
+            out.append(f"{x['package']} >= {x['minimum']}: {x['why']}")
+    if r["ok"]:
+        out.append("OK: every installed engine meets the minimums for serving and training these drafters")
+    else:
+        out.append(f"FAIL: {', '.join(r['problems'])} outside the supported versions; install the versions "
+                   f"above (README, \"Engine versions\")")
+    return "\n".join(out)
+
+
 # =========================================================================== CLI
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--max-samples", type=int, default=200)
     pp.add_argument("--ranges", default=",".join(map(str, DEFAULT_RANGES)),
                     help="position range starts, comma-separated (default %(default)s)")
-    for sp in (pi, pc, pp):
+    pv = sub.add_parser("versions", help="installed vllm, sglang, torch, transformers against the minimums")
+    for sp in (pi, pc, pp, pv):
         sp.add_argument("--json", action="store_true", help="print the report as JSON")
         sp.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
@@ -385,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "compare-vocab":
             r = compare_vocab(a.a, a.b, a.dataset)
             text, rc = format_compare(r), 0
+        elif a.cmd == "versions":
+            r = check_versions(installed_versions())
+            text, rc = format_versions(r), (0 if r["ok"] else 1)
         else:
             ranges = tuple(sorted({int(x) for x in a.ranges.split(",") if x.strip()} | {0}))
             r = probe_hidden(a.a, a.b, a.split, a.max_samples, ranges)

