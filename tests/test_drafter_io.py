@@ -211,3 +211,68 @@ def test_missing_files_and_multi_layer_are_refused(tmp_path):
     _write_variant(tmp_path / "two", {**hf, "num_hidden_layers": 2}, m.state_dict())
     with pytest.raises(PipelineError, match="num_hidden_layers = 2"):
         load_drafter_dir(tmp_path / "two")
+
+
+# -- fine-tuning from published drafters (--init-from) -----------------------------------------
+# Folders shaped like the published Kimi-K2/K2.5 and DeepSeek drafters (SpecForge's format),
+# at tiny widths: only the nested eagle_config ids (SGLang's reading: + 1), the target's
+# embedding saved beside the drafter's weights, and in some `model.`-prefixed names.
+
+def _published(tmp_path, name, *, embed: bool, prefix: str = "", layers_0: bool = False):
+    m = make_drafter(seed=3)
+    hf = hf_config_from_drafter_config(m.config, LAYERS)
+    del hf["eagle_aux_hidden_state_layer_ids"]  # nested [1, 3, 4] only, as SpecForge writes
+    t = {}
+    for k, v in m.state_dict().items():
+        if k == "lm_head.weight" or k in ("d2t", "t2d"):
+            t[k] = v
+        else:
+            t[prefix + (k.replace("midlayer.", "layers.0.") if layers_0 else k)] = v
+    if embed:
+        t[prefix + "embed_tokens.weight"] = torch.randn(100, 64)  # the target's vocab x hidden
+    _write_variant(tmp_path / name, hf, t)
+    return m, tmp_path / name
+
+
+def _init_from(path, m):
+    from eagle3.train.finetune import load_initial_drafter
+
+    ids = (m.d2t + torch.arange(16)).numpy()
+    return load_initial_drafter(path, aux_layers=LAYERS, num_target_layers=8, target_hidden=64, target_vocab=100,
+                                our_ids=ids, mode="keep", target_rows=lambda ids: torch.zeros(len(ids), 64),
+                                expected_from="test store")
+
+
+@pytest.mark.parametrize("embed, prefix, layers_0", [
+    (True, "", False),           # SpecForge Kimi-K2.5 style: unprefixed, with embed_tokens
+    (False, "", False),          # the same without embed_tokens
+    (True, "model.", False),     # model.-prefixed names, model.embed_tokens.weight
+    (True, "model.", True),      # model.layers.0.* (vLLM's internal names), DeepSeek drafters
+])
+def test_init_from_published_drafter_shapes(tmp_path, caplog, embed, prefix, layers_0):
+    m, path = _published(tmp_path, "pub", embed=embed, prefix=prefix, layers_0=layers_0)
+    with caplog.at_level(logging.WARNING, logger="eagle3.train.finetune"):
+        cfg, state, report = _init_from(path, m)
+    assert "embed_tokens.weight" not in state
+    dropped = [r.message for r in caplog.records if r.name == "eagle3.train.finetune" and "embed_tokens" in r.message]
+    if embed:
+        assert len(dropped) == 1 and "target's own frozen embedding" in dropped[0] and "(100, 64)" in dropped[0]
+        assert report.to_json()["tensors_dropped"] == ["embed_tokens.weight"]
+    else:
+        assert dropped == [] and "tensors_dropped" not in report.to_json()
+    # the nested ids were read as SGLang reads them: [1, 3, 4] + 1 = the store's layers
+    assert report.layers == LAYERS and "SGLang" in report.layers_from
+    # what stage 04 does next: the drafter takes exactly these tensors (it refused embed_tokens before)
+    d = Eagle3Drafter(DrafterConfig.from_dict(cfg))
+    d.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+    for k, v in m.state_dict().items():
+        assert torch.equal(d.state_dict()[k], v), k
+
+
+def test_init_from_published_drafter_with_other_nested_layers_is_refused(tmp_path):
+    m, path = _published(tmp_path, "pub", embed=True)
+    cfg = json.loads((path / CONFIG_NAME).read_text())
+    cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 4]  # trained on layers [2, 3, 5]
+    (path / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(PipelineError, match=r"trained on layers \[2, 3, 5\].*--aux-layers 2,3,5"):
+        _init_from(path, m)

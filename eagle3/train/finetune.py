@@ -15,6 +15,12 @@ K2 drafter against a K2.5 mapping). So a fine-tune either
 
 Either way the comparison (positions differing, tokens shared, only in each) is
 logged and returned for the manifest. Aux layer ids and sizes are checked first.
+
+Published drafters (SpecForge's Kimi-K2/K2.5 and DeepSeek ones) often carry the
+target's token embedding as `embed_tokens.weight` (or `model.embed_tokens.weight`).
+This pipeline's drafter has none: it reads the target's frozen embedding, as both
+engines do when serving it, so the tensor is dropped with a warning (and listed in
+the report) instead of failing the load.
 """
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ import torch
 
 from ..diagnose import VocabMapping, compare_mappings
 from ..drafter_io import drafter_config_from_hf_config, load_drafter_dir
-from ..engine_rules import intended_layers
+from ..engine_rules import EMBED_NAME, intended_layers
 from ..errors import PipelineError
 from ..target import default_aux_layers
 
@@ -88,7 +94,13 @@ def load_initial_drafter(
     expected_from: str,
 ) -> tuple[dict, dict[str, torch.Tensor], InitReport]:
     """(DrafterConfig dict, state_dict, report) of the drafter at `path`, ready for our run."""
-    hf, tensors = load_drafter_dir(path)
+    hf, tensors = load_drafter_dir(path)  # names normalised: model.embed_tokens.weight -> embed_tokens.weight
+    dropped = []
+    if EMBED_NAME in tensors:
+        emb = tensors.pop(EMBED_NAME)
+        dropped.append(EMBED_NAME)
+        log.warning("%s holds %s %s: dropped; the drafter is trained (and served) with the target's own frozen "
+                    "embedding, as both engines do", path, EMBED_NAME, tuple(emb.shape))
     cfg = drafter_config_from_hf_config(hf, tensors, source=f"{path}/config.json")
     layers, layers_from = intended_layers(hf)
     if layers is None:
@@ -117,7 +129,8 @@ def load_initial_drafter(
     log.info("init-from %s: its d2t vs stage 03's: %d of %d positions differ, %d tokens shared, %d only in the "
              "drafter's, %d only in ours", path, cmp["positions_differing"], cmp["positions_compared"],
              cmp["tokens_shared"], cmp["only_in_a"], cmp["only_in_b"])
-    report = InitReport(str(path), mode, list(layers), layers_from, cmp)
+    report = InitReport(str(path), mode, list(layers), layers_from, cmp,
+                        extra={"tensors_dropped": dropped} if dropped else {})
 
     if mode == "keep":
         ids = their_ids
