@@ -17,11 +17,19 @@ Index arithmetic (b = row, t = drafter position, k = step, p = t + 1 + k):
     target argmax  target_argmax[b, p]
     carries loss   t + 2 + k < T, loss_mask[b, t + 2 + k] (the predicted token is an
                    assistant token), t2d[target_argmax[b, p]] (the draft vocab can say
-                   it), and attention_mask at t and t + 2 + k when one is given
+                   it), and attention_mask at t and t + 2 + k when one is given;
+                   in packed rows also segment_ids[b, t] == segment_ids[b, t + 2 + k]
+                   (the predicted token belongs to the same sample)
 
 Rows t with t + 1 + k >= T have no input token; they get a zero embedding and
 carry no loss. No valid output ever depends on them: step k at t reads step 0 at
-s <= t and steps 1..k at t only.
+s <= t and steps 1..k at t only. In a packed row the last 1 + k positions of each
+sample read the next sample's tokens; they carry no loss either, and attention
+never crosses samples, so no valid output depends on them.
+
+`TTTConfig.checkpoint_steps` recomputes each step's activations in backward
+(torch.utils.checkpoint) instead of keeping them: less memory, about one more
+forward of compute.
 """
 from __future__ import annotations
 
@@ -30,6 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from torch.utils.checkpoint import checkpoint
 
 from .errors import PipelineError
 from .model import Eagle3Drafter, TTTCache
@@ -41,6 +51,7 @@ class TTTConfig:
 
     num_steps: int = 7  # K: EAGLE-3 trains 7 draft steps
     step_decay: float = 0.8  # loss weight of step k is step_decay ** k
+    checkpoint_steps: bool = False  # recompute each step's activations in backward instead of keeping them
 
     def __post_init__(self) -> None:
         if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
@@ -160,6 +171,7 @@ def ttt_loss(
     *,
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
+    segment_ids: Tensor | None = None,
 ) -> TTTOutput:
     """Unroll the drafter K steps over one batch; loss = sum_k decay^k * loss_k.
 
@@ -169,6 +181,8 @@ def ttt_loss(
     target's prediction of token p + 1 (`target_draft_distribution`).
     loss_mask [B, T]: 1 where token j is an assistant token; the prediction of
     token j is trained only if loss_mask[j]. attention_mask [B, T]: 1 = real token.
+    segment_ids [B, T] (packed rows): the sample each token belongs to; pass
+    position_ids restarting at 0 per sample with it.
     See the module docstring for the index arithmetic.
 
     Metrics: a step-k output at t *matches* when it carries loss (valid_k) and the
@@ -209,12 +223,28 @@ def ttt_loss(
     chain_counts: list[Tensor] = []
     n_valid0 = None
     chain = None
+    def run_step(embeds: Tensor, hidden: Tensor, *kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        # Functional in the cache (a fresh TTTCache over the given tensors), so that a
+        # checkpointed step recomputed in backward appends nothing to the real one.
+        n = len(kv) // 2
+        c_in = TTTCache(keys=list(kv[:n]), values=list(kv[n:]))
+        out = drafter.step(embeds, hidden, c_in, attention_mask=attention_mask, position_ids=position_ids,
+                           segment_ids=segment_ids)  # 2 x [B, T, H] -> [B, T, H]
+        return out, c_in.keys[-1], c_in.values[-1]
+
     for k in range(config.num_steps):
         embeds = _shift_left(embeds_all, 1 + k)  # [B, T, H]: row t holds token t+1+k
-        out = drafter.step(embeds, hidden, cache,
-                           attention_mask=attention_mask, position_ids=position_ids)  # 2 x [B, T, H] -> [B, T, H]
+        kv = (*cache.keys, *cache.values)
+        if config.checkpoint_steps and torch.is_grad_enabled():
+            out, key, value = checkpoint(run_step, embeds, hidden, *kv, use_reentrant=False)
+        else:
+            out, key, value = run_step(embeds, hidden, *kv)
+        cache.keys.append(key)
+        cache.values.append(value)
         # valid[t]: label row p = t+1+k exists and is in the draft vocab, token t+2+k is learnable.
         valid = _shift_left(in_draft, 1 + k) & _shift_left(learn, 2 + k) & real  # [B, T]
+        if segment_ids is not None:  # and token t+2+k is of the same packed sample as t
+            valid &= _shift_left(segment_ids, 2 + k) == segment_ids
         b_idx, t_idx = valid.nonzero(as_tuple=True)  # N valid positions
         p_idx = t_idx + 1 + k  # label row for each valid position
         logits = _at_least_fp32(drafter.compute_logits(out[b_idx, t_idx]))  # [N, H] -> [N, V_d]
@@ -265,6 +295,7 @@ class TTTModel(nn.Module):
 
     def forward(self, aux: Tensor, input_ids: Tensor, embed_weight: Tensor, target_probs: Tensor,
                 target_argmax: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None) -> TTTOutput:
+                position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> TTTOutput:
         return ttt_loss(self.drafter, aux, input_ids, embed_weight, target_probs, target_argmax, loss_mask,
-                        self.config, attention_mask=attention_mask, position_ids=position_ids)
+                        self.config, attention_mask=attention_mask, position_ids=position_ids,
+                        segment_ids=segment_ids)

@@ -9,6 +9,7 @@ from ..errors import PipelineError
 
 VOCAB_MODES = ("keep", "remap")
 PRECISIONS = ("auto", "bf16", "fp32")
+ATTENTIONS = ("sdpa", "reference")
 
 
 @dataclass
@@ -19,7 +20,8 @@ class TrainConfig:
     # drafter shape; None = take the target's value
     num_attention_heads: int | None = param(None, help="drafter attention heads (default: the target's)")
     num_key_value_heads: int | None = param(None, help="drafter kv heads (default: the target's, or heads)")
-    head_dim: int | None = param(None, help="drafter head dim (default: hidden / heads)")
+    head_dim: int | None = param(None, help="drafter head dim (default: hidden / heads; 128 for DeepSeek/Kimi "
+                                            "targets, a size FlashInfer serves)")
     intermediate_size: int | None = param(None, help="drafter MLP width (default: the target's dense width)")
     # train-time test
     ttt_steps: int = param(7, min=1, help="draft steps unrolled per position (EAGLE-3 uses 7)")
@@ -31,10 +33,19 @@ class TrainConfig:
     min_lr_ratio: float = param(0.1, help="final learning rate as a share of the peak")
     epochs: int = param(1, min=1, help="passes over the train split (ignored when max_steps is set)")
     max_steps: int | None = param(None, help="optimizer steps in total (default: from epochs)")
-    batch_tokens: int = param(8192, min=1, help="padded tokens per micro-batch per process")
+    batch_tokens: int = param(8192, min=1, help="tokens per micro-batch per process (padded ones too without "
+                                                "packing)")
     max_seq_len: int = param(2048, min=1, help="samples are cropped to this many tokens")
     grad_accum: int = param(1, min=1, help="micro-batches per optimizer step")
     grad_clip: float = param(0.5, help="clip the gradient norm to this")
+    packing: bool = param(True, help="pack several samples per row (block-diagonal attention, no padding); "
+                                     "false: right-padded batches")
+    attention: str = param("sdpa", choices=ATTENTIONS,
+                           help="TTT attention: sdpa (fused kernel, memory linear in the row length) or "
+                                "reference (materialises each step's score block)")
+    checkpoint_steps: bool = param(False, identity=False,
+                                   help="recompute each TTT step's activations in backward (less memory, "
+                                        "about one more forward of compute)")
     precision: str = param("auto", choices=PRECISIONS, help="auto = bf16 autocast on GPU, fp32 on CPU")
     seed: int = param(0, help="seed of initialisation and data order")
     # evaluation, logging, checkpoints

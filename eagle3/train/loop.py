@@ -76,14 +76,30 @@ def pick_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
+MLA_HEAD_DIM, MLA_KV_HEADS = 128, 8  # default drafter attention shape for DeepSeek-V3/Kimi (MLA) targets
+
+
 def drafter_config_for_target(info: TargetInfo, cfg: TrainConfig, draft_vocab: int) -> DrafterConfig:
-    """The drafter's shape: the target's attention/MLP sizes unless overridden."""
+    """The drafter's shape: the target's attention/MLP sizes unless overridden.
+
+    MLA targets (DeepSeek-V3, Kimi) have no plain attention shape to copy; unless the
+    user sets one, the drafter gets head_dim 128 and 8 kv heads (see MLA_HEAD_DIM).
+    """
     t = info.text_config
     H = info.hidden_size
     mla = "kv_lora_rank" in t  # DeepSeek-V3/Kimi: head sizes in the config describe MLA, not a plain layer
-    heads = cfg.num_attention_heads or int(t["num_attention_heads"])
-    kv = cfg.num_key_value_heads or (heads if mla else int(t.get("num_key_value_heads") or heads))
-    head_dim = cfg.head_dim or (int(t["head_dim"]) if t.get("head_dim") and not mla else H // heads)
+    user_shape = cfg.num_attention_heads or cfg.num_key_value_heads or cfg.head_dim
+    if mla and not user_shape and H % MLA_HEAD_DIM == 0:
+        # No plain attention to copy: pick head_dim 128 (FlashInfer serves head_dim
+        # 64/128/256/512 only; 7168 / 64 heads = 112 is refused there) and 8 kv heads,
+        # SpecForge's DeepSeek-V3 drafter shape (56 x 128, 8 kv heads at hidden 7168).
+        heads = H // MLA_HEAD_DIM
+        kv = MLA_KV_HEADS if heads % MLA_KV_HEADS == 0 else heads
+        head_dim = MLA_HEAD_DIM
+    else:
+        heads = cfg.num_attention_heads or int(t["num_attention_heads"])
+        kv = cfg.num_key_value_heads or (heads if mla else int(t.get("num_key_value_heads") or heads))
+        head_dim = cfg.head_dim or (int(t["head_dim"]) if t.get("head_dim") and not mla else H // heads)
     rope = t.get("rope_scaling") or t.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type"))
     rope_scaling = ({k: v for k, v in rope.items() if k != "rope_theta"} if rope_type in ("linear", "llama3")
@@ -194,7 +210,8 @@ class Trainer:
         self.embed = embed.to(device)  # [V_t, H] frozen
         self.lm_rows = lm_rows.to(device)  # [V_d, H] target lm_head rows of the draft vocab
         self.local_ids = torch.arange(lm_rows.shape[0], device=device)
-        self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay)
+        self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
+                             checkpoint_steps=cfg.checkpoint_steps)
         model = TTTModel(self.drafter, self.ttt)
         if d.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -203,7 +220,10 @@ class Trainer:
         self.model = model
         bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
-        self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed)
+        self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
+
+    def load(self, split, indices: list[int]) -> dict:
+        return load_batch(split, indices, self.cfg.max_seq_len, packed=self.cfg.packing)
 
     def forward(self, batch: dict):
         b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -212,7 +232,7 @@ class Trainer:
                                              lm_head_weight=self.lm_rows, target_argmax=amax)
         with self.autocast():
             return self.model(b["aux"], b["input_ids"], self.embed, probs, amax, b["loss_mask"],
-                              b["attention_mask"])
+                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"))
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -227,7 +247,7 @@ class Trainer:
         self.model.eval()
         acc = MetricSum(self.ttt.num_steps)
         for idx in batches:
-            acc.add(self.forward(load_batch(split, idx, self.cfg.max_seq_len)).metrics)
+            acc.add(self.forward(self.load(split, idx)).metrics)
         acc.all_reduce(self.d)
         self.model.train()
         return acc.result()
@@ -295,7 +315,7 @@ def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
             expected_from=str(store.manifest.path))
         dcfg_dict["max_position_embeddings"] = max(dcfg_dict["max_position_embeddings"], info.max_position_embeddings)
         dcfg = DrafterConfig.from_dict(dcfg_dict)
-        drafter = Eagle3Drafter(dcfg)
+        drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
         missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                        for k, v in state.items()}, strict=False)
         if missing or unexpected:
@@ -305,7 +325,7 @@ def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
         dcfg = drafter_config_for_target(info, cfg, len(d2t))
         if dcfg.num_aux_layers != store.num_aux:
             dcfg.num_aux_layers = store.num_aux
-        drafter = Eagle3Drafter(dcfg)
+        drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
         drafter.set_vocab_mapping(d2t, t2d)
     draft_ids = drafter.draft_ids().cpu()
     embed = _target_embedding(info)
@@ -396,7 +416,7 @@ def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
         micro = epoch_cache[epoch][b * cfg.grad_accum:(b + 1) * cfg.grad_accum]
         opt.zero_grad(set_to_none=True)
         for i, idx in enumerate(micro):
-            batch = load_batch(train, idx, cfg.max_seq_len)
+            batch = trainer.load(train, idx)
             tokens += int(batch["attention_mask"].sum())
             sync = nullcontext() if (d.world == 1 or i == len(micro) - 1) else trainer.model.no_sync()
             with sync:
