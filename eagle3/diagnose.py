@@ -112,9 +112,11 @@ def format_inspect(r: dict[str, Any]) -> str:
     L = r["layers"]
     out += ["", f"aux layers: trained on {L['trained']} ({L['from']}); config top-level {L['config_top_level']}, "
                 f"eagle_config {L['config_nested']}"]
+    width = max((len(RULES[rule].split(":")[0]) for rule in L["captured"]), default=0)
     for rule, got in L["captured"].items():
         mark = "" if got is None or got == L["trained"] or L["trained"] is None else "   <-- differs"
-        out.append(f"  {RULES[rule].split(':')[0]:42s} captures {got if got is not None else '[2, N//2, N-3] of the target'}{mark}")
+        label = RULES[rule].split(":")[0]
+        out.append(f"  {label:{width}s} captures {got if got is not None else '[2, N//2, N-3] of the target'}{mark}")
     if r["target"]:
         t = r["target"]
         out.append(f"target {t['source']}: {t['family']} family, {t['num_layers']} layers, hidden {t['hidden_size']}, "
