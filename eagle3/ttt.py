@@ -223,39 +223,44 @@ def ttt_loss(
     chain_counts: list[Tensor] = []
     n_valid0 = None
     chain = None
-    def run_step(embeds: Tensor, hidden: Tensor, *kv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        # Functional in the cache (a fresh TTTCache over the given tensors), so that a
-        # checkpointed step recomputed in backward appends nothing to the real one.
+
+    def run_step(k: int, b_idx: Tensor, t_idx: Tensor, hidden: Tensor, *kv: Tensor):
+        """Draft step k and its summed cross-entropy over the N valid positions.
+
+        Functional in the cache (a fresh TTTCache over the given tensors), so that a
+        checkpointed step recomputed in backward appends nothing to the real one; the
+        logits live inside it too, so checkpointing also drops their [N, V_d] blocks.
+        """
         n = len(kv) // 2
         c_in = TTTCache(keys=list(kv[:n]), values=list(kv[n:]))
+        embeds = _shift_left(embeds_all, 1 + k)  # [B, T, H]: row t holds token t+1+k
         out = drafter.step(embeds, hidden, c_in, attention_mask=attention_mask, position_ids=position_ids,
                            segment_ids=segment_ids)  # 2 x [B, T, H] -> [B, T, H]
-        return out, c_in.keys[-1], c_in.values[-1]
+        logits = _at_least_fp32(drafter.compute_logits(out[b_idx, t_idx]))  # [N, H] -> [N, V_d]
+        logp = F.log_softmax(logits, dim=-1)  # [N, V_d]
+        ce = -(target_probs[b_idx, t_idx + 1 + k] * logp).sum(dim=-1)  # label rows p = t+1+k, [N, V_d] -> [N]
+        return out, c_in.keys[-1], c_in.values[-1], ce.sum(), logits.detach().argmax(dim=-1)
 
     for k in range(config.num_steps):
-        embeds = _shift_left(embeds_all, 1 + k)  # [B, T, H]: row t holds token t+1+k
-        kv = (*cache.keys, *cache.values)
-        if config.checkpoint_steps and torch.is_grad_enabled():
-            out, key, value = checkpoint(run_step, embeds, hidden, *kv, use_reentrant=False)
-        else:
-            out, key, value = run_step(embeds, hidden, *kv)
-        cache.keys.append(key)
-        cache.values.append(value)
         # valid[t]: label row p = t+1+k exists and is in the draft vocab, token t+2+k is learnable.
         valid = _shift_left(in_draft, 1 + k) & _shift_left(learn, 2 + k) & real  # [B, T]
         if segment_ids is not None:  # and token t+2+k is of the same packed sample as t
             valid &= _shift_left(segment_ids, 2 + k) == segment_ids
         b_idx, t_idx = valid.nonzero(as_tuple=True)  # N valid positions
         p_idx = t_idx + 1 + k  # label row for each valid position
-        logits = _at_least_fp32(drafter.compute_logits(out[b_idx, t_idx]))  # [N, H] -> [N, V_d]
-        logp = F.log_softmax(logits, dim=-1)  # [N, V_d]
-        ce = -(target_probs[b_idx, p_idx] * logp).sum(dim=-1)  # [N, V_d] -> [N]
-        loss_k = ce.sum() / max(b_idx.numel(), 1)
+        args = (k, b_idx, t_idx, hidden, *cache.keys, *cache.values)
+        if config.checkpoint_steps and torch.is_grad_enabled():
+            out, key, value, ce_sum, pred = checkpoint(run_step, *args, use_reentrant=False)
+        else:
+            out, key, value, ce_sum, pred = run_step(*args)
+        cache.keys.append(key)
+        cache.values.append(value)
+        loss_k = ce_sum / max(b_idx.numel(), 1)
         total = total + weights[k] * loss_k
         step_losses.append(loss_k.detach())
 
         with torch.no_grad():
-            hit = draft_ids[logits.argmax(dim=-1)] == target_argmax[b_idx, p_idx]  # [N] target ids compared
+            hit = draft_ids[pred] == target_argmax[b_idx, p_idx]  # [N] target ids compared
             match = torch.zeros_like(valid)
             match[b_idx, t_idx] = hit  # [B, T]; False wherever step k has no label
             chain = match if chain is None else chain & match
