@@ -141,3 +141,226 @@ def test_bad_chat_template_kwargs_are_refused_naming_the_flag(tmp_path):
     cfg = GenerateConfig(work_dir=tmp_path, target_model="x", data=["a.jsonl"],
                          chat_template_kwargs='{"thinking": false}')
     assert cfg.template_kwargs == {"thinking": False}
+
+
+# --------------------------------------------------------------------------- the stage on vLLM's CPU build
+
+class Counting:
+    """Wraps the shared engine: counts requests, optionally dies after `fail_after` calls
+    (a kill mid-chunk), and resets the prefix cache first (a fresh engine's state)."""
+
+    def __init__(self, engine, fail_after: int | None = None):
+        self.engine, self.fail_after, self.calls, self.requests = engine, fail_after, 0, 0
+        self.max_model_len = engine.max_model_len
+        engine.reset_prefix_cache()
+
+    def set_sampling(self, *a):
+        self.engine.set_sampling(*a)
+
+    def generate(self, requests):
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise KeyboardInterrupt("killed")
+        self.calls += 1
+        self.requests += len(requests)
+        return self.engine.generate(requests)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    from eagle3.generate.vllm_runner import VllmEngine
+
+    eng = VllmEngine(str(tiny_llama), dtype="float32", max_model_len=256, max_num_seqs=64,
+                     gpu_memory_utilization=0.3, kv_cache_gib=0.5, enforce_eager=True)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory) -> Path:
+    """The first N_CHATS demo chats, then bad records and a prompt longer than the context."""
+    path = tmp_path_factory.mktemp("gen-data") / "chats.jsonl"
+    lines = [json.dumps(r) for r in demo_records(N_CHATS)]
+    lines += ['{"messages": [', json.dumps({"messages": [{"role": "robot", "content": "beep"}]}),
+              json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),
+              json.dumps({"messages": [{"role": "user", "content": "tell me " * 200},
+                                       {"role": "assistant", "content": "ok"}]})]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def gen_cfg(wd: Path, target: Path, chats: Path, **kw) -> GenerateConfig:
+    base = dict(work_dir=wd, target_model=str(target), data=[str(chats)], max_new_tokens=MAX_NEW,
+                chunk_size=CHUNK, dtype="float32")
+    base.update(kw)
+    return GenerateConfig(**base)
+
+
+def chunk_bytes(wd: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(WorkDir(wd).generate_chunks().glob("chunk-*.jsonl"))}
+
+
+def lines_of(wd: Path) -> list[dict]:
+    return [json.loads(x) for b in chunk_bytes(wd).values() for x in b.decode().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def unbroken(engine, tiny_llama, chats, tmp_path_factory) -> Path:
+    from eagle3.generate.run import generate_responses
+
+    wd = tmp_path_factory.mktemp("gen-unbroken")
+    generate_responses(gen_cfg(wd, tiny_llama, chats), engine=Counting(engine))
+    return wd
+
+
+def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
+    m = json.loads(WorkDir(unbroken).manifest("generate").read_text())
+    c = m["counts"]
+    assert c["records"] == N_CHATS + 4 and c["conversations"] == N_CHATS
+    assert c["bad_records"] == {"malformed_json": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    assert c["dropped_conversations"] == {"prompt_too_long": 1}
+    n_turns = sum(len(c.turns) for c in convs_of(demo_records(N_CHATS)))
+    assert c["stopped_early"] == {}
+    assert c["turns_regenerated"] == n_turns  # every assistant turn of every good chat
+    lines = lines_of(unbroken)
+    assert len(lines) == N_CHATS + 4  # one line per input record, in input order
+    assert [ln["sample_id"].split(":")[1] for ln in lines] == [str(i) for i in range(1, N_CHATS + 5)]
+    assert c["generated_tokens"] == sum(len(g["ids"]) for ln in lines for g in ln.get("generated", []))
+    assert c["cut_answers"] == sum(g["finish_reason"] == "length" for ln in lines for g in ln.get("generated", []))
+    assert m["extra"]["complete"] and m["extra"]["num_chunks"] == 3
+
+
+def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_before(unbroken, engine, tiny_llama):
+    from eagle3.generate.conversation import Request as Req
+    from eagle3.prepare import PrepareConfig, load_split, prepare_dataset
+
+    m = prepare_dataset(PrepareConfig(work_dir=unbroken, target_model=str(tiny_llama), data=["generated"],
+                                      max_length=512, eval_fraction=0.0, num_workers=1))
+    assert m.extra["data_from"] == "00_generate"
+    assert m.counts["bad_records"] == {"malformed_json": 1, "no_assistant_turn": 1, "prompt_too_long": 1,
+                                       "unknown_role": 1}
+    ds = load_split(WorkDir(unbroken).dataset("train"))
+    rows = {r["sample_id"]: r for r in ds}
+    lines = [ln for ln in lines_of(unbroken) if "generated" in ln]
+    assert m.counts["generated_turns"] == sum(len(ln["generated"]) for ln in lines)
+    gen_manifest = json.loads(WorkDir(unbroken).manifest("generate").read_text())
+    eng = Counting(engine)
+    eng.set_sampling(0.0, 1.0, gen_manifest["extra"]["stop_token_ids"])
+    multi = 0
+    for ln in lines:
+        ids, mask = np.asarray(rows[ln["sample_id"]]["input_ids"]), np.asarray(rows[ln["sample_id"]]["loss_mask"])
+        edges = np.diff(np.concatenate([[0], mask, [0]]))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        assert len(starts) == len(ln["generated"])
+        for (a, b), g in zip(zip(starts, ends), ln["generated"]):
+            assert ids[a:b].tolist() == g["ids"]  # token-exact: the ids the target generated, all masked
+        if len(ln["generated"]) > 1 and multi < 4:
+            # replaying the last turn's context, as stage 01 stored it, gives the same answer:
+            # that turn was generated after the regenerated turns before it
+            multi += 1
+            a = int(starts[-1])
+            (out,) = eng.generate([Req(ids[:a].tolist(), MAX_NEW, 0)])
+            assert out.ids == ln["generated"][-1]["ids"]
+    assert multi == 4
+
+
+def test_kill_and_resume_equals_the_unbroken_run(unbroken, engine, tiny_llama, chats, tmp_path):
+    from eagle3.generate.run import generate_responses
+
+    cfg = gen_cfg(tmp_path, tiny_llama, chats)
+    with pytest.raises(KeyboardInterrupt):  # killed in the middle of chunk 1 (after 3 rounds)
+        generate_responses(cfg, engine=Counting(engine, fail_after=3))
+    done = chunk_bytes(tmp_path)
+    assert set(done) == {"chunk-00000.jsonl"}
+    assert not WorkDir(tmp_path).manifest("generate").exists()
+    again = Counting(engine)
+    generate_responses(cfg, engine=again)
+    assert chunk_bytes(tmp_path) == chunk_bytes(unbroken)  # bitwise: the same computation replayed
+    # chunk 0 was complete: only chunks 1 and 2 were generated again
+    assert again.requests == sum(len(ln["generated"]) for ln in lines_of(unbroken)[CHUNK:] if "generated" in ln)
+    # a rerun of a complete stage does nothing
+    idle = Counting(engine)
+    generate_responses(cfg, engine=idle)
+    assert idle.calls == 0
+
+
+def test_two_shards_combined_equal_one_run(unbroken, engine, tiny_llama, chats, tmp_path):
+    from eagle3.errors import PipelineError
+    from eagle3.generate.run import generate_responses
+    from eagle3.prepare import PrepareConfig, prepare_dataset
+
+    boxes = [tmp_path / f"box{i}" for i in range(2)]
+    for i, wd in enumerate(boxes):
+        m = generate_responses(gen_cfg(wd, tiny_llama, chats, num_shards=2, shard_index=i), engine=Counting(engine))
+        assert not m.extra["complete"] and m.extra["missing"]["shard_indices"] == [1 - i]
+    with pytest.raises(PipelineError, match="incomplete"):
+        prepare_dataset(PrepareConfig(work_dir=boxes[0], target_model=str(tiny_llama), data=["generated"],
+                                      num_workers=1))
+    d0 = WorkDir(boxes[0]).generate_chunks()
+    for f in WorkDir(boxes[1]).generate_chunks().glob("chunk-*"):
+        shutil.copy(f, d0 / f.name)
+    idle = Counting(engine)
+    m = generate_responses(gen_cfg(boxes[0], tiny_llama, chats), engine=idle)
+    assert idle.calls == 0 and m.extra["complete"]
+    assert chunk_bytes(boxes[0]) == chunk_bytes(unbroken)
+    assert m.counts == json.loads(WorkDir(unbroken).manifest("generate").read_text())["counts"]
+
+
+def test_other_settings_are_refused_without_force(unbroken, engine, tiny_llama, chats):
+    from eagle3.errors import PipelineError
+    from eagle3.generate.run import generate_responses
+
+    with pytest.raises(PipelineError, match="temperature"):
+        generate_responses(gen_cfg(unbroken, tiny_llama, chats, temperature=0.7), engine=Counting(engine))
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thinking, tmp_path):
+    """A Kimi-K2.5 style thinking template (tests/test_loss_mask.py), a scripted target that
+    thinks, then answers: stage 01 reads the switches from stage 00's manifest and masks
+    exactly the generated ids, reasoning and </think> included."""
+    from transformers import LlamaConfig
+
+    from chat_templates import make_tokenizer
+    from eagle3.generate.run import generate_responses
+    from eagle3.prepare import PrepareConfig, load_split, prepare_dataset
+    from test_loss_mask import KIMI_THINKING
+
+    tok = make_tokenizer(KIMI_THINKING)
+    target = tmp_path / "kimi-style"
+    tok.save_pretrained(target)
+    LlamaConfig(vocab_size=448, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=1,
+                num_key_value_heads=1, head_dim=64).save_pretrained(target)
+    end, close = tok.convert_tokens_to_ids(["<|im_end|>", "</think>"])
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+
+    def answer(p):
+        think = enc(f"Thinking about {len(p)} tokens.") + [close] if thinking else []
+        return Generation(think + enc("The capital of France is Paris.") + [end], "stop")
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": f"Hello there {i}"}, {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "Tell me a joke"}, {"role": "assistant", "content": "No."}]}) + "\n"
+        for i in range(3)))
+    wd = tmp_path / "wd"
+    eng = Scripted(answer)
+    m0 = generate_responses(GenerateConfig(work_dir=wd, target_model=str(target), data=[str(chats)],
+                                           chat_template_kwargs={"thinking": thinking}), engine=eng)
+    assert m0.extra["chat_template_kwargs"] == {"thinking": thinking} and m0.counts["turns_regenerated"] == 6
+    opener = enc("<|im_assistant|>assistant<|im_middle|>") + enc("<think>" if thinking else "<think></think>")
+    assert all(p[-len(opener):] == opener for call in eng.calls for p in call)  # the switch reached the prompt
+    m1 = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(target), data=["generated"],
+                                       eval_fraction=0.0, num_workers=1))
+    assert m1.extra["chat_template_kwargs"] == {"thinking": thinking}
+    gens = {json.loads(x)["sample_id"]: json.loads(x)["generated"]
+            for x in WorkDir(wd).generate_chunk(0).read_text().splitlines()}
+    for row in load_split(WorkDir(wd).dataset("train")):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        expected, pos = [0] * len(ids), 0
+        for g in gens[row["sample_id"]]:
+            start = next(i for i in range(pos, len(ids) + 1) if ids[max(0, i - len(opener)):i] == opener)
+            assert ids[start:start + len(g["ids"])] == g["ids"]
+            expected[start:start + len(g["ids"])] = [1] * len(g["ids"])
+            pos = start + len(g["ids"])
+        assert mask == expected  # token by token
+        assert sum(i == close for i, k in zip(ids, mask) if k) == (2 if thinking else 0)
