@@ -112,3 +112,12 @@ def test_truncation_and_changed_params_redo(tmp_path, tiny_llama):
     short = prepare_dataset(PrepareConfig(**cfg, max_length=24))  # other params: redone, not skipped
     assert full.counts["truncated"] == 0 and short.counts["truncated"] == 3
     assert short.counts["train_tokens"] == 3 * 24 < full.counts["train_tokens"]
+
+
+def test_data_generated_needs_a_complete_stage00_and_cannot_be_mixed(tmp_path, tiny_llama):
+    with pytest.raises(PipelineError, match="00_generate_responses.py"):  # stage 00 never ran here
+        prepare_dataset(PrepareConfig(work_dir=tmp_path, target_model=str(tiny_llama), data=["generated"],
+                                      num_workers=1))
+    with pytest.raises(PipelineError, match="cannot be mixed"):
+        prepare_dataset(PrepareConfig(work_dir=tmp_path, target_model=str(tiny_llama),
+                                      data=["generated", "chats.jsonl"], num_workers=1))
