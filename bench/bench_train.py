@@ -1,15 +1,27 @@
-"""Benchmark stage 04's step: training tokens/s and peak memory on CPU.
+"""Benchmark stage 04's step on CPU: training tokens/s of the two TTT attentions, padded vs
+packed batches, K = 1 and 7; and the padding share of both layouts.
 
-    python bench/bench_train.py [--steps 3] [--seq 1024] [--ttt-steps 7]
+    python bench/bench_train.py [--steps 3] [--seq 1024 2048] [--quick]
 
-Fixed mid-size config: drafter H=512, 8 heads, draft vocab 8192, target vocab
-32768, one 1024-token sequence per step, K=7 train-time-test steps. Each step is
-what the trainer does: soft targets from the target's normed final state and the
-draft rows of its lm_head, the K-step unroll, backward, clip, AdamW. The same run
-is repeated with K=1 in this process, and the ratio says what the unroll costs.
-Peak memory is the process's maximum resident set size, read after each run.
+Fixed mid-size drafter: H=512, 8 heads of 64, MLP 2048, draft vocab 8192, target
+vocab 32768. Each step is what the trainer does: soft targets from the target's
+normed final state and the draft rows of its lm_head, the K-step unroll, backward,
+clip, AdamW; tokens/s counts real (non-padding) tokens. Three parts:
+
+1. one full row of T tokens per step (T from --seq): reference vs sdpa attention,
+   K = 1 and 7. The first step of each run warms up and is not timed.
+2. the same sample set (long-tail lengths, below) trained as right-padded batches
+   (eagle3.train.data's length-sorted grouping) and as packed rows, at
+   max_seq_len 2048 and batch_tokens 4096, both attentions, K = 1 and 7.
+3. padding share (padding positions / computed positions) of an epoch's batches,
+   padded vs packed, on the shipped demo chats (tiny tokenizer; tiny-llama.yaml's
+   batch_tokens 4096, max_seq_len 512) and on a long-tail length distribution
+   (lognormal, median 600 tokens, cropped at 4096; kimi-k2.5.yaml's 8192 / 4096).
+
+Peak memory is the process's maximum resident set size (it only grows).
 """
 import argparse
+import math
 import resource
 import sys
 import time
@@ -19,62 +31,154 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from eagle3.batching import padding_share  # noqa: E402
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.train.data import Batching, epoch_batches  # noqa: E402
 from eagle3.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
 
 H, HEADS, V_D, V_T = 512, 8, 8192, 32768
 
 
-def run(seq: int, k: int, steps: int) -> tuple[float, float]:
+def long_tail_lengths(n: int, median: float, crop: int, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 0.9 + math.log(median)  # lognormal: a few very long samples
+    return [int(min(max(16, round(math.exp(v))), crop)) for v in x.tolist()]
+
+
+def make_drafter(attention: str) -> tuple[Eagle3Drafter, torch.Tensor]:
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=H // HEADS,
                         intermediate_size=4 * H, target_hidden_size=H, draft_vocab_size=V_D,
-                        target_vocab_size=V_T, max_position_embeddings=4096)
-    drafter = Eagle3Drafter(cfg)
+                        target_vocab_size=V_T, max_position_embeddings=8192)
+    drafter = Eagle3Drafter(cfg, attention=attention)
     ids = torch.randperm(V_T)[:V_D].sort().values
     t2d = torch.zeros(V_T, dtype=torch.bool)
     t2d[ids] = True
     drafter.set_vocab_mapping(ids - torch.arange(V_D), t2d)
-    model = TTTModel(drafter, TTTConfig(num_steps=k))
-    embed = torch.randn(V_T, H) * 0.02
-    lm_rows = torch.randn(V_D, H) * 0.05
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
-    batch = {
-        "aux": torch.randn(1, seq, 3 * H).bfloat16(),
-        "final": torch.randn(1, seq, H).bfloat16(),
-        "input_ids": ids[torch.randint(V_D, (1, seq))],
-        "loss_mask": torch.ones(1, seq, dtype=torch.int8),
+    return drafter, ids
+
+
+def make_batch(lengths: list[int], packed: bool, draft_ids: torch.Tensor, g: torch.Generator) -> dict:
+    """Synthetic stage-02 tensors for samples of these lengths, padded or packed."""
+    if packed:
+        B, T = 1, sum(lengths)
+    else:
+        B, T = len(lengths), max(lengths)
+    b = {
+        "aux": torch.randn(B, T, 3 * H, generator=g).bfloat16(),
+        "final": torch.randn(B, T, H, generator=g).bfloat16(),
+        "input_ids": draft_ids[torch.randint(V_D, (B, T), generator=g)],
+        "loss_mask": torch.ones(B, T, dtype=torch.int8),
     }
-    batch["target_argmax"] = torch.roll(batch["input_ids"], -1, 1)  # in the draft vocab: every position trains
-    times = []
-    for step in range(steps + 1):  # the first step warms up allocators and is not timed
+    b["target_argmax"] = torch.roll(b["input_ids"], -1, 1)  # in the draft vocab: every position trains
+    if packed:
+        b["attention_mask"] = None
+        b["position_ids"] = torch.cat([torch.arange(n) for n in lengths])[None]
+        b["segment_ids"] = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    else:
+        b["attention_mask"] = (torch.arange(T)[None] < torch.tensor(lengths)[:, None])  # [B, T] right padding
+        b["position_ids"] = b["segment_ids"] = None
+    return b
+
+
+def run(attention: str, k: int, batches: list[list[int]], packed: bool, warmup: bool = True) -> float:
+    """Training tokens/s over `batches` (lists of sample lengths); the first batch warms up."""
+    drafter, draft_ids = make_drafter(attention)
+    model = TTTModel(drafter, TTTConfig(num_steps=k))
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(V_T, H, generator=g) * 0.02
+    lm_rows = torch.randn(V_D, H, generator=g) * 0.05
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    todo = ([batches[0]] if warmup else []) + batches
+    elapsed, tokens = 0.0, 0
+    for i, lengths in enumerate(todo):
+        batch = make_batch(lengths, packed, draft_ids, g)
         t0 = time.perf_counter()
         probs, amax = target_draft_distribution(torch.arange(V_D), target_hidden=batch["final"],
                                                 lm_head_weight=lm_rows, target_argmax=batch["target_argmax"])
-        out = model(batch["aux"], batch["input_ids"], embed, probs, amax, batch["loss_mask"])
+        out = model(batch["aux"], batch["input_ids"], embed, probs, amax, batch["loss_mask"],
+                    batch["attention_mask"], batch["position_ids"], batch["segment_ids"])
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
         opt.step()
-        if step:
-            times.append(time.perf_counter() - t0)
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return seq * len(times) / sum(times), peak_mib
+        if i or not warmup:
+            elapsed += time.perf_counter() - t0
+            tokens += sum(lengths)
+    return tokens / elapsed
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def part1(seqs: list[int], steps: int) -> None:
+    print("\n1. one full row per step (no padding): training tokens/s")
+    print(f"{'T':>6} {'K':>3} {'reference':>10} {'sdpa':>10} {'sdpa/ref':>9}")
+    for T in seqs:
+        for k in (1, 7):
+            r = run("reference", k, [[T]] * steps, packed=False)
+            s = run("sdpa", k, [[T]] * steps, packed=False)
+            print(f"{T:6d} {k:3d} {r:10,.0f} {s:10,.0f} {s / r:8.2f}x   (peak RSS so far {peak_mib():,.0f} MiB)",
+                  flush=True)
+
+
+def part2(total_tokens: int) -> None:
+    max_len, bt = 2048, 4096
+    lengths = long_tail_lengths(400, 600, max_len, seed=1)
+    chosen, n = [], 0
+    for L in lengths:  # the first samples up to total_tokens: one fixed set for every run
+        if n >= total_tokens:
+            break
+        chosen.append(L)
+        n += L
+    cfg_pad = Batching(bt, max_len, seed=0, packed=False)
+    cfg_pack = Batching(bt, max_len, seed=0, packed=True)
+    pad = [[chosen[i] for i in b] for b in epoch_batches(chosen, cfg_pad, 0)]
+    pack = [[chosen[i] for i in b] for b in epoch_batches(chosen, cfg_pack, 0)]
+    share_pad = padding_share(epoch_batches(chosen, cfg_pad, 0), chosen, packed=False)
+    print(f"\n2. {len(chosen)} long-tail samples, {n:,} tokens (max_seq_len {max_len}, batch_tokens {bt}): "
+          f"{len(pad)} padded batches ({100 * share_pad:.1f}% padding) vs {len(pack)} packed rows (0% padding); "
+          f"training tokens/s (real tokens)")
+    print(f"{'attention':>10} {'K':>3} {'padded':>10} {'packed':>10} {'packed/padded':>14}")
+    for attention in ("reference", "sdpa"):
+        for k in (1, 7):
+            a = run(attention, k, pad, packed=False)
+            b = run(attention, k, pack, packed=True)
+            print(f"{attention:>10} {k:3d} {a:10,.0f} {b:10,.0f} {b / a:13.2f}x", flush=True)
+
+
+def part3() -> None:
+    from eagle3.tiny import build_tokenizer, chat_token_ids
+
+    print("\n3. padding share of one epoch (padding positions / computed positions)")
+    demo = [len(s) for s in chat_token_ids(build_tokenizer())]
+    tail = long_tail_lengths(20000, 600, 4096, seed=2)
+    for name, lengths, bt, msl in (("demo chats (tiny tokenizer)", demo, 4096, 512),
+                                   ("long tail (lognormal, median 600)", tail, 8192, 4096)):
+        cropped = [min(n, msl) for n in lengths]
+        row = [name, f"{len(lengths)} samples, mean {sum(cropped) / len(cropped):.0f} tokens, "
+                     f"batch_tokens {bt}, max_seq_len {msl}:"]
+        for packed in (False, True):
+            batches = epoch_batches(lengths, Batching(bt, msl, seed=0, packed=packed), 0)
+            share = padding_share(batches, cropped, packed=packed)
+            row.append(f"{'packed' if packed else 'padded'} {100 * share:.1f}% ({len(batches)} batches)")
+        print("  " + " ".join(row[:2]) + " " + ", ".join(row[2:]))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run in part 1")
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--tokens", type=int, default=12000, help="sample tokens per run in part 2")
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     a = p.parse_args()
-    print(f"drafter H={H}, {HEADS} heads, draft vocab {V_D}, target vocab {V_T}, seq {a.seq}, "
-          f"{torch.get_num_threads()} threads")
-    tps_k, peak_k = run(a.seq, a.ttt_steps, a.steps)
-    print(f"K={a.ttt_steps}: {tps_k:,.0f} training tokens/s, peak RSS {peak_k:,.0f} MiB")
-    tps_1, _ = run(a.seq, 1, a.steps)
-    print(f"K=1: {tps_1:,.0f} training tokens/s")
-    print(f"unroll cost: K={a.ttt_steps} step takes {tps_1 / tps_k:.2f}x the time of a K=1 step")
+    if a.quick:
+        a.steps, a.seq, a.tokens = 1, [256], 3000
+    print(f"drafter H={H}, {HEADS} heads, draft vocab {V_D}, target vocab {V_T}, {torch.get_num_threads()} threads")
+    part3()
+    part1(a.seq, a.steps)
+    part2(a.tokens)
 
 
 if __name__ == "__main__":

@@ -301,7 +301,8 @@ def _diag_scores(q: Tensor, kd: Tensor, scale: float) -> Tensor:
     B, nh, T, D = q.shape
     nkv = kd.shape[1]
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = torch.einsum("bhgtd,bhtd->bhgt", q.view(B, nkv, nh // nkv, T, D).to(acc), kd.to(acc))  # -> [B, n_kv, G, T]
+    # A product and a sum, not einsum: autocast would run einsum's matmul in bf16.
+    s = (q.view(B, nkv, nh // nkv, T, D).to(acc) * kd.to(acc)[:, :, None]).sum(-1)  # -> [B, n_kv, G, T]
     return s.reshape(B, nh, T) * scale
 
 

@@ -41,6 +41,7 @@ from .checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_s
 from .config import TrainConfig
 from .data import Batching, epoch_batches, load_batch, rank_batches
 from .finetune import load_initial_drafter
+from .memory import GIB, predict_peak
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +254,24 @@ class Trainer:
         return acc.result()
 
 
+def log_memory_prediction(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device, d: Dist) -> None:
+    """Log eagle3/train/memory.py's predicted peak per process (bf16 autocast, as on GPUs);
+    warn when it exceeds 85% of this GPU."""
+    # The reference attention's score blocks span a whole row: a packed row is batch_tokens long.
+    row = cfg.batch_tokens if (cfg.packing and cfg.attention == "reference") else cfg.max_seq_len
+    est = predict_peak(dcfg, ttt_steps=cfg.ttt_steps, batch_tokens=cfg.batch_tokens, row_len=row,
+                       attention=cfg.attention, checkpoint_steps=cfg.checkpoint_steps, ddp=d.world > 1)
+    log.info("predicted peak memory per process under bf16 autocast (--batch-tokens %d, --max-seq-len %d, "
+             "--attention %s, --checkpoint-steps %s): %s", cfg.batch_tokens, cfg.max_seq_len, cfg.attention,
+             cfg.checkpoint_steps, est.summary())
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if est.total > 0.85 * total:
+            log.warning("the prediction (%.1f GiB) exceeds 85%% of this GPU's %.1f GiB: expect an out-of-memory "
+                        "error; lower --batch-tokens (raise --grad-accum to keep the step size) or pass "
+                        "--checkpoint-steps", est.total / GIB, total / GIB)
+
+
 def _target_embedding(info: TargetInfo) -> torch.Tensor:
     return load_tensors(info.source, {"embedding": _candidates(info, "model.embed_tokens.weight")})["embedding"]
 
@@ -335,6 +354,8 @@ def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
     emb_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm_rows = load_lm_head(info, rows=draft_ids).to(emb_dtype)
     trainer = Trainer(cfg, wd, store, drafter, embed.to(emb_dtype), lm_rows, device, d)
+    if d.main:
+        log_memory_prediction(cfg, dcfg, device, d)
 
     # -- schedule ----------------------------------------------------------------
     train = store.split("train")
