@@ -193,6 +193,11 @@ def build_target(name: str, out: Path | str, cache: Path | str = DEFAULT_CACHE, 
     return out
 
 
+def cached_target(name: str, cache: Path | str = DEFAULT_CACHE) -> Path:
+    """Target `name` built once into `cache/targets/name` (tests share it across sessions)."""
+    return build_target(name, Path(cache) / "targets" / name, cache)
+
+
 def main(argv: list[str] | None = None) -> None:
     from .logs import setup_logging
 
