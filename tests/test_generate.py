@@ -263,6 +263,20 @@ def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_befor
     assert multi == 4
 
 
+def test_engine_returns_the_stop_token_with_the_answer(engine, tiny_llama):
+    from eagle3.generate.conversation import Request as Req
+
+    eng = Counting(engine)
+    eng.set_sampling(0.0, 1.0, [])
+    prompt = [1] + list(range(100, 120))
+    (free,) = eng.generate([Req(prompt, 4, 0)])
+    assert len(free.ids) == 4 and free.finish_reason == "length"
+    eng.set_sampling(0.0, 1.0, [free.ids[1]])  # greedy: the second token is now a stop token
+    (stopped,) = eng.generate([Req(prompt, 4, 0)])
+    first = free.ids.index(free.ids[1])
+    assert stopped.finish_reason == "stop" and stopped.ids == free.ids[:first + 1]
+
+
 def test_kill_and_resume_equals_the_unbroken_run(unbroken, engine, tiny_llama, chats, tmp_path):
     from eagle3.generate.run import generate_responses
 

@@ -107,7 +107,9 @@ def plan(cfg: GenerateConfig) -> Plan:
         p = Path(src)
         inputs[f"data:{src}"] = sha256_file(p) if p.is_file() else f"datasets:{src}:{cfg.data_split}"
     params = identity_params(cfg)
-    identity = {"format": FORMAT, "params": params, "inputs": inputs, "num_records": len(records)}
+    # What the chunks depend on; not the work directory, so boxes' chunks combine.
+    identity = {"format": FORMAT, "params": {k: v for k, v in params.items() if k != "work_dir"},
+                "inputs": inputs, "num_records": len(records)}
     return Plan(wd, records, params, inputs, identity, sha256_json(identity),
                 Turns(tok, suffix, kw, stop_ids(tok, suffix)))
 

@@ -85,7 +85,16 @@ class VllmEngine:
 
         prompts = [TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests]
         outs = self.llm.generate(prompts, [self.sampling_params(r) for r in requests], use_tqdm=False)
-        return [Generation(list(o.outputs[0].token_ids), o.outputs[0].finish_reason) for o in outs]
+        gens = []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            # The id the answer stopped on belongs to it (the drafter learns to end turns);
+            # keep it even if an engine version leaves a stop_token_ids hit out of token_ids.
+            if c.finish_reason == "stop" and isinstance(c.stop_reason, int) and ids[-1:] != [c.stop_reason]:
+                ids.append(c.stop_reason)
+            gens.append(Generation(ids, c.finish_reason))
+        return gens
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)
