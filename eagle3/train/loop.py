@@ -202,6 +202,17 @@ def fmt(split: str, step: int, total: int, m: dict, extra: str = "") -> str:
             f"accept_len {m['expected_accept_length']:.3f}{extra}")
 
 
+def bf16_autocast_pays(device: torch.device) -> bool:
+    """`precision: auto`: bf16 autocast on GPU, and on CPUs with AMX or AVX512-BF16 (bf16
+    matmuls in hardware); elsewhere fp32, where emulated bf16 is slower than fp32."""
+    if device.type == "cuda":
+        return True
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:  # private helpers; absent in some torch builds
+        return False
+
+
 # -- the stage ---------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: TrainConfig, wd: WorkDir, store: HiddenStateStore, drafter: Eagle3Drafter,
@@ -219,7 +230,7 @@ class Trainer:
 
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         self.model = model
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
+        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(device))
         self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
         self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
 
