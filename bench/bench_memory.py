@@ -34,8 +34,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eagle3.train.memory import (GIB, measure_training_forward, param_count, predict_peak,  # noqa: E402
-                                 saved_bytes_per_token)
+from eagle3.train.memory import (GIB, bf16_copy_bytes, measure_training_forward, param_count,  # noqa: E402
+                                 predict_peak, saved_bytes_per_token)
 from eagle3.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,7 +59,7 @@ def fit(ts: list[int], ys: list[float]) -> list[float]:
 
 def cpu_measure(seqs: list[int], attentions: list[str], K: int) -> None:
     c = DrafterConfig(**KIMI)
-    P, P_mm = param_count(c)
+    P, _ = param_count(c)
     print(f"drafter: hidden {c.hidden_size}, {c.num_attention_heads} heads x {c.head_dim} ({c.num_key_value_heads} kv), "
           f"MLP {c.intermediate_size}, vocab {c.draft_vocab_size}/{c.target_vocab_size}, K={K}; "
           f"{P / 1e6:.0f}M parameters; measured on CPU with the real kernels, bf16 autocast, one row")
@@ -75,12 +75,12 @@ def cpu_measure(seqs: list[int], attentions: list[str], K: int) -> None:
             b = measure_training_forward(drafter, row_len=T, ttt_steps=K)
             dt = time.perf_counter() - t0
             ys.append(b)
-            pred = 2 * P_mm + T * saved_bytes_per_token(c, K, attention, T)
+            pred = bf16_copy_bytes(c) + T * saved_bytes_per_token(c, K, attention, T)
             print(f"{attention:>9} {T:6d} {b / 2**20:10.0f} {b / T:12,.0f} {pred / T:12,.0f} "
                   f"{100 * (b - pred) / pred:+5.1f}% {dt:5.0f}", flush=True)
         c0, c1, c2 = fit(seqs, ys)
         print(f"{attention:>9} fit per row: {c0 / 2**20:.0f} MiB + {c1:,.0f} B x T + {c2:,.1f} B x T^2 "
-              f"(bf16 weight copies are {2 * P_mm / 2**20:.0f} MiB of the constant)")
+              f"(the formula's constant: bf16 weight copies, {bf16_copy_bytes(c) / 2**20:.0f} MiB)")
 
 
 def kimi_predictions(K: int) -> None:

@@ -293,7 +293,7 @@ def _context_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse
         dout, q, ke, ve, None, out, lse_pad, seed, offset, 0.0, [True, True, True, False], True, scale=scale)
     B, nkv, T, D = k.shape
     # [B, nh, T, D] -> [B, n_kv, G, T, D] -> sum over the G query heads that shared each kv head
-    return dq, dk.view(B, nkv, G, T, D).sum(2), dv.view(B, nkv, G, T, D).sum(2)
+    return dq, dk.reshape(B, nkv, G, T, D).sum(2), dv.reshape(B, nkv, G, T, D).sum(2)
 
 
 def _diag_scores(q: Tensor, kd: Tensor, scale: float) -> Tensor:

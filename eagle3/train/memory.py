@@ -12,6 +12,7 @@ What is counted, for one process training with bf16 autocast (what GPUs run):
     grads            fp32, 4 per parameter
     adamw            two fp32 moments, 8 per parameter
     bf16 copies      autocast's bf16 copy of each matmul weight, kept for backward
+                     (not fc's: its input, the aux states, needs no gradient)
     embedding        the frozen target embedding [V_t, H] and the draft lm_head rows
                      [V_d, H], bf16
     batch            the micro-batch's inputs: aux states, final state (bf16) and the
@@ -58,6 +59,11 @@ def param_count(c: DrafterConfig) -> tuple[int, int]:
               + c.draft_vocab_size * H)  # lm_head
     norms = 4 * H  # input_layernorm, hidden_norm, post_attention_layernorm, norm
     return matmul + norms, matmul
+
+
+def bf16_copy_bytes(c: DrafterConfig) -> int:
+    """Autocast's bf16 weight copies that backward keeps: every matmul weight but fc's."""
+    return 2 * (param_count(c)[1] - c.num_aux_layers * c.target_hidden_size * c.hidden_size)
 
 
 def step_bytes_per_token(c: DrafterConfig, attention: str, row_len: int, checkpoint_steps: bool) -> float:
@@ -111,13 +117,13 @@ def predict_peak(c: DrafterConfig, *, ttt_steps: int, batch_tokens: int, row_len
     rows of `row_len` tokens (only the reference attention depends on it: its blocks
     span a whole row, padded or packed). `ddp`: DistributedDataParallel's gradient
     buckets, another fp32 copy of the gradients."""
-    P, P_mm = param_count(c)
+    P, _ = param_count(c)
     V, H = c.draft_vocab_size, c.hidden_size
     steps = step_bytes_per_token(c, attention, row_len, False)
     acts = batch_tokens * saved_bytes_per_token(c, ttt_steps, attention, row_len, checkpoint_steps)
     transient = batch_tokens * (8 * V + (steps if checkpoint_steps else 0))
     return PeakEstimate(
-        weights=4 * P, grads=4 * P, adamw=8 * P, bf16_copies=2 * P_mm,
+        weights=4 * P, grads=4 * P, adamw=8 * P, bf16_copies=bf16_copy_bytes(c),
         embedding=2 * (c.target_vocab_size + V) * H,
         batch=batch_tokens * (2 * c.num_aux_layers * c.target_hidden_size + 2 * H + 4 * V + 8 * 4),
         activations=acts, backward_peak=transient, ddp_buckets=4 * P if ddp else 0.0)
@@ -157,8 +163,8 @@ def measure_training_forward(drafter, *, row_len: int, ttt_steps: int, rows: int
                              checkpoint_steps: bool = False, autocast: bool = True, seed: int = 0) -> int:
     """Activation bytes autograd keeps in one `ttt_loss` forward over `rows` rows of
     `row_len` random tokens, every position carrying loss (the upper bound), on the
-    drafter's device; the bf16 weight copies are part of the count (2 bytes per
-    matmul weight, once)."""
+    drafter's device; the bf16 weight copies are part of the count
+    (`bf16_copy_bytes`, once)."""
     from ..ttt import TTTConfig, ttt_loss
 
     c = drafter.config
