@@ -101,6 +101,49 @@ class Answer:
     finished: bool  # False: cut by max_new_tokens (or the context length)
 
 
+class Splicer:
+    """Builds a regenerated conversation's ids turn by turn (see `spliced_sample`).
+
+    Stage 00 keeps one per conversation: `head` gives turn j's prompt, `answer` appends
+    the target's answer; each turn renders the template twice, however long the
+    conversation already is.
+    """
+
+    def __init__(self, tok, suffix: list[int], template_kwargs: dict | None = None):
+        self.tok, self.suffix, self.kw = tok, suffix, template_kwargs
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.prev = ""  # the rendered text `ids` stand for
+        self.turns = 0
+
+    def head(self, messages: list[dict], i: int) -> list[int]:
+        """Append the template's text up to assistant message `i`'s content; return the ids so far
+        (turn `self.turns`'s prompt). `messages[:i]` hold the earlier answers' decoded text."""
+        head = render_text(self.tok, messages[:i], add_generation_prompt=True, template_kwargs=self.kw)
+        if not head.startswith(self.prev):
+            raise BadRecord(
+                "template_not_prefix_stable",
+                f"the rendering up to assistant turn {self.turns + 1} does not extend the rendering of the turn "
+                f"before; the chat template rewrites earlier turns, so the generated ids cannot be placed")
+        piece = self.tok.encode(head[len(self.prev):], add_special_tokens=False)
+        self.ids += piece
+        self.mask += [0] * len(piece)
+        self.prev = head
+        return self.ids
+
+    def answer(self, messages: list[dict], i: int, ans: Answer) -> None:
+        """Append assistant message `i`'s generated ids (masked) and the template's suffix after it."""
+        self.ids += list(ans.ids)
+        self.mask += [1] * len(ans.ids)
+        if self.suffix:
+            ends_turn = ans.finished and list(ans.ids[-1:]) == self.suffix[:1]
+            tail = self.suffix[1:] if ends_turn else self.suffix
+            self.ids += tail
+            self.mask += [0] * len(tail)
+        self.prev = render_text(self.tok, messages[: i + 1], template_kwargs=self.kw)
+        self.turns += 1
+
+
 def spliced_sample(tok, messages: list[dict], answers: list[Answer], suffix: list[int],
                    template_kwargs: dict | None = None, upto: int | None = None
                    ) -> tuple[np.ndarray, np.ndarray]:
@@ -121,31 +164,13 @@ def spliced_sample(tok, messages: list[dict], answers: list[Answer], suffix: lis
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if upto is None and len(answers) != len(turns):
         raise BadRecord("answers_mismatch", f"{len(turns)} assistant turns but {len(answers)} generated answers")
-    ids: list[int] = []
-    mask: list[int] = []
-    prev = ""  # the rendered text the tokens so far stand for
+    sp = Splicer(tok, suffix, template_kwargs)
     for j, i in enumerate(turns):
-        head = render_text(tok, messages[:i], add_generation_prompt=True, template_kwargs=template_kwargs)
-        if not head.startswith(prev):
-            raise BadRecord(
-                "template_not_prefix_stable",
-                f"the rendering up to assistant turn {j + 1} does not extend the rendering of the turn before; "
-                f"the chat template rewrites earlier turns, so the generated ids cannot be placed")
-        piece = tok.encode(head[len(prev):], add_special_tokens=False)
-        ids += piece
-        mask += [0] * len(piece)
+        sp.head(messages, i)
         if j == upto:
             break
-        ans = answers[j]
-        ids += list(ans.ids)
-        mask += [1] * len(ans.ids)
-        if suffix:
-            ends_turn = ans.finished and ans.ids[-1:] == suffix[:1]
-            tail = suffix[1:] if ends_turn else suffix
-            ids += tail
-            mask += [0] * len(tail)
-        prev = render_text(tok, messages[: i + 1], template_kwargs=template_kwargs)
-    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=np.int8)
+        sp.answer(messages, i, answers[j])
+    return np.asarray(sp.ids, dtype=np.int32), np.asarray(sp.mask, dtype=np.int8)
 
 
 def reencode_differs(tok, messages: list[dict], answers: list[Answer], suffix: list[int],

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from ..chats import BadRecord, RawRecord, normalize, sample_id
-from ..loss_mask import Answer, spliced_sample
+from ..loss_mask import Answer, Splicer
 
 PROMPT_TOO_LONG = "prompt_too_long"
 EMPTY_ANSWER = "empty_answer"
@@ -84,16 +84,18 @@ class Conversation:
     answers: list[Answer] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     stopped: str | None = None  # why regeneration ended before the last turn
+    splicer: Splicer | None = field(default=None, repr=False)  # the ids so far (built turn by turn)
 
     @property
     def done(self) -> bool:
         return self.stopped is not None or len(self.answers) == len(self.turns)
 
     def prompt_ids(self, t: Turns) -> list[int]:
-        j = len(self.answers)
-        ids, _ = spliced_sample(t.tok, self.messages[: self.turns[j] + 1], self.answers, t.suffix,
-                                t.template_kwargs, upto=j)
-        return ids.tolist()
+        """The next turn's prompt: `spliced_sample(..., upto=j)`, built on the turns before."""
+        if self.splicer is None:
+            self.splicer = Splicer(t.tok, t.suffix, t.template_kwargs)
+        assert self.splicer.turns == len(self.answers), "one prompt per turn, then its answer"
+        return list(self.splicer.head(self.messages, self.turns[len(self.answers)]))
 
     def add(self, t: Turns, gen: Generation) -> None:
         finished = gen.finish_reason != "length"
@@ -104,6 +106,7 @@ class Conversation:
         j = len(self.answers)
         self.messages[self.turns[j]] = {"role": "assistant", "content": text}
         self.answers.append(Answer(list(gen.ids), finished))
+        self.splicer.answer(self.messages, self.turns[j], self.answers[-1])
         self.finish_reasons.append(gen.finish_reason)
 
     def record(self) -> dict:
