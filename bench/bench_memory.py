@@ -67,8 +67,7 @@ def cpu_measure(seqs: list[int], attentions: list[str], K: int) -> None:
     drafter = Eagle3Drafter(c)
     print(f"{'attention':>9} {'T':>6} {'saved MiB':>10} {'bytes/token':>12} {'formula':>12} {'diff':>6} {'s':>5}")
     for attention in attentions:
-        drafter.attention = attention
-        drafter.midlayer.self_attn.impl = attention
+        drafter.set_attention(attention)
         ys = []
         for T in seqs:
             t0 = time.perf_counter()

@@ -423,21 +423,19 @@ def _runs(attention_mask: Tensor | None, segment_ids: Tensor | None, T: int) -> 
     if segment_ids is None and (attention_mask is None
                                 or bool((attention_mask[:, 1:].int() <= attention_mask[:, :-1].int()).all())):
         return None  # one causal run per row; right padding needs nothing more
-    seg = segment_ids if segment_ids is not None else torch.zeros(attention_mask.shape, dtype=torch.long)
-    real = attention_mask.bool() if attention_mask is not None else torch.ones(seg.shape, dtype=torch.bool)
-    key = (seg.long() * 2 + (~real).long()).cpu()  # [B, T]: new run wherever this changes
+    shape = (segment_ids if segment_ids is not None else attention_mask).shape
+    seg = segment_ids.cpu().long() if segment_ids is not None else torch.zeros(shape, dtype=torch.long)
+    real = attention_mask.cpu().bool() if attention_mask is not None else torch.ones(shape, dtype=torch.bool)
+    key = seg * 2 + (~real).long()  # [B, T]: a new run wherever this changes; odd = padding
     runs = []
-    for b, row in enumerate(key.tolist()):
-        start = 0
-        for t in range(1, T + 1):
-            if t == T or row[t] != row[t - 1]:
-                padding_tail = row[start] % 2 == 1 and t == T and start > 0
-                if padding_tail:
-                    prev_b, prev_a, _ = runs[-1]
-                    runs[-1] = (prev_b, prev_a, T)
-                else:
-                    runs.append((b, start, t))
-                start = t
+    for b, row in enumerate(key):
+        starts = [0] + ((row[1:] != row[:-1]).nonzero()[:, 0] + 1).tolist()
+        ends = starts[1:] + [T]
+        for a, e in zip(starts, ends):
+            if e == T and a > 0 and int(row[a]) % 2 == 1:  # right padding joins the run before it
+                runs[-1] = (b, runs[-1][1], T)
+            else:
+                runs.append((b, a, e))
     return runs
 
 
@@ -530,13 +528,11 @@ class Eagle3Drafter(nn.Module):
 
     def __init__(self, config: DrafterConfig, attention: str = "sdpa") -> None:
         super().__init__()
-        if attention not in ATTENTION_IMPLS:
-            raise PipelineError(f"attention = {attention!r}; use one of {list(ATTENTION_IMPLS)}.")
         self.config = config
-        self.attention = attention
         c = config
         self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
-        self.midlayer = Eagle3DecoderLayer(c, attention)
+        self.midlayer = Eagle3DecoderLayer(c)
+        self.set_attention(attention)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # Identity mapping until a real one is set: draft id i is target id i.
@@ -547,6 +543,13 @@ class Eagle3Drafter(nn.Module):
         # Not a buffer: `.to(torch.bfloat16)` would round the frequencies along with the
         # weights and shift every rotation; it is moved to the input's device per step.
         self._inv_freq = rope_inv_freq(c)
+
+    def set_attention(self, attention: str) -> None:
+        """Switch the TTT attention implementation ("sdpa" or "reference"); no weight changes."""
+        if attention not in ATTENTION_IMPLS:
+            raise PipelineError(f"attention = {attention!r}; use one of {list(ATTENTION_IMPLS)}.")
+        self.attention = attention
+        self.midlayer.self_attn.impl = attention
 
     # -- vocabulary mapping (convention 2) --------------------------------------
 

@@ -163,3 +163,15 @@ def test_saved_state_grows_linearly_with_sdpa_and_quadratically_with_the_referen
     assert new_4 / new_1 == pytest.approx(4.0, rel=0.02)  # 4x the tokens, 4x the bytes
     assert ref_4 / ref_1 > 10  # the score blocks dominate: close to 16x
     assert ref_4 > 5 * new_4  # 8.7x here at 4 heads of 8; the gap grows with T and heads
+
+
+def test_unknown_attention_is_refused_and_switching_keeps_the_weights():
+    from eagle3.errors import PipelineError
+
+    new, _ = pair(2)
+    with pytest.raises(PipelineError, match="attention"):
+        new.set_attention("flash")
+    before = {k: v.clone() for k, v in new.state_dict().items()}
+    new.set_attention("reference")
+    assert new.midlayer.self_attn.impl == "reference"
+    assert all(torch.equal(before[k], v) for k, v in new.state_dict().items())
