@@ -41,6 +41,7 @@ argmax, rejects non-finite samples, checksums and renames.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import mmap
@@ -53,7 +54,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .atomic import write_json
+from .atomic import disk_full_error, is_disk_full, write_json
 from .errors import PipelineError
 from .manifest import Manifest, check_same, read_manifest
 from .workdir import WorkDir
@@ -202,14 +203,36 @@ def create_partial_file(path: Path, *, split: str, file_no: int, first_sample: i
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.ftruncate(fd, lay.total_bytes)
+        _allocate(fd, lay.total_bytes)
         _pwrite_all(fd, memoryview(header), 0)
         _pwrite_all(fd, memoryview(offsets).cast("B"), lay.offset("sample_offsets"))
         _pwrite_all(fd, memoryview(ids).cast("B"), lay.offset("input_ids"))
         _pwrite_all(fd, memoryview(mask).cast("B"), lay.offset("loss_mask"))
-    finally:
+    except OSError as e:
         os.close(fd)
+        fd = -1
+        path.unlink(missing_ok=True)
+        if is_disk_full(e):
+            raise disk_full_error(path, needed=lay.total_bytes) from e
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return lay
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Reserve the file's blocks now. A sparse file on a disk that fills later fails
+    when its holes are written: with pwrite an ENOSPC hours into the run, through
+    finalize's memory map a SIGBUS that kills the process without a message. So the
+    space is claimed up front (ENOSPC here names the bytes needed); file systems
+    without fallocate fall back to a sparse file."""
+    os.ftruncate(fd, size)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise
 
 
 def write_sample_states(path: Path | str, row: int, aux: torch.Tensor, final_prenorm: torch.Tensor,
@@ -231,6 +254,10 @@ def write_sample_states(path: Path | str, row: int, aux: torch.Tensor, final_pre
     try:
         _pwrite_all(fd, _as_bytes(aux), lay.offset("aux") + row * lay.num_aux * lay.hidden_size * 2)
         _pwrite_all(fd, _as_bytes(final_prenorm.to(torch.bfloat16)), lay.offset("final") + row * lay.hidden_size * 2)
+    except OSError as e:  # only where the file could not be allocated up front (sparse)
+        if is_disk_full(e):
+            raise disk_full_error(path, needed=lay.total_bytes) from e
+        raise
     finally:
         os.close(fd)
 
@@ -242,6 +269,18 @@ def file_checksum(path: Path | str, chunk: int = 64 << 20) -> str:
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
+    return f"{CHECKSUM}:{h.hexdigest()}"
+
+
+def buffer_checksum(buf, chunk: int = 64 << 20) -> str:
+    """`file_checksum` of a mapped file, hashed in place (no copy into Python bytes); the
+    pages it touches are the ones training reads next, so the disk is read once."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with memoryview(buf) as mv:
+        for a in range(0, len(mv), chunk):
+            h.update(mv[a:a + chunk])
     return f"{CHECKSUM}:{h.hexdigest()}"
 
 
@@ -413,13 +452,22 @@ class Sample:
 
 
 class _MappedFile:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, checksum: str | None = None, needed_by: str = "the reader"):
         self.path = path
         self.layout, self.meta = FileLayout.read(path)
         with open(path, "rb") as f:
             # ACCESS_COPY: a private mapping, so torch gets a writable buffer (no
             # warning) while pages are still shared with the page cache until written.
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        if checksum is not None:
+            # Verified before any tensor view exists: a flipped byte never reaches training.
+            got = buffer_checksum(self.mm)
+            if got != checksum:
+                self.mm.close()
+                raise PipelineError(
+                    f"{needed_by}: {path} has checksum {got}, its index entry says {checksum} (corrupted on disk "
+                    f"or in a copy); rerun `python {WorkDir.script('extract')}` with your --config: it checks "
+                    f"every file and redoes this one.")
         self.t = _views(self.mm, self.layout)
         self.offsets = self.t["sample_offsets"].tolist()
 
@@ -430,6 +478,7 @@ class SplitView:
     def __init__(self, store: "HiddenStateStore", split: str, info: dict):
         self.store, self.split = store, split
         self.files = info["files"]
+        self._entries = {e["file_no"]: e for e in self.files}
         self._files: dict[int, _MappedFile] = {}
         loc, ids = [], []
         for e in self.files:
@@ -449,7 +498,9 @@ class SplitView:
 
     def _file(self, file_no: int) -> _MappedFile:
         if file_no not in self._files:
-            self._files[file_no] = _MappedFile(self.store.dir / file_name(self.split, file_no))
+            checksum = self._entries[file_no]["checksum"] if self.store.verify_mode == "lazy" else None
+            self._files[file_no] = _MappedFile(self.store.dir / file_name(self.split, file_no), checksum,
+                                               self.store.needed_by)
         return self._files[file_no]
 
     def location(self, i: int) -> tuple[str, int, int]:
@@ -511,10 +562,16 @@ def collate(samples: Sequence[Sample], pad_to: int | None = None) -> dict[str, t
 class HiddenStateStore:
     """Read side of the store. Open with `HiddenStateStore.open(wd, needed_by=...)`."""
 
-    def __init__(self, store_dir: Path, index: dict, manifest: Manifest | None):
+    VERIFY_MODES = ("lazy", "open", "off")
+
+    def __init__(self, store_dir: Path, index: dict, manifest: Manifest | None, *, verify: str = "lazy",
+                 needed_by: str = "the reader"):
+        assert verify in self.VERIFY_MODES, verify
         self.dir = Path(store_dir)
         self.index = index
         self.manifest = manifest
+        self.verify_mode = verify
+        self.needed_by = needed_by
         ident = index["identity"]
         self.aux_layers: list[int] = list(ident["aux_layers"])
         self.hidden_size: int = int(ident["hidden_size"])
@@ -556,13 +613,20 @@ class HiddenStateStore:
     @classmethod
     def open(cls, wd: WorkDir, *, needed_by: str, aux_layers: Sequence[int] | None = None,
              tokenizer_fingerprint: str | None = None, hidden_size: int | None = None,
-             allow_missing: bool = False, expected_from: str = "your config") -> "HiddenStateStore":
+             allow_missing: bool = False, expected_from: str = "your config",
+             verify: str = "lazy") -> "HiddenStateStore":
         """Check stage 02's manifest and the expected values, then map the store.
 
         `aux_layers`, `tokenizer_fingerprint`, `hidden_size`: what the caller expects
         (None: accept the store's); a mismatch raises naming both values. A store with
         missing files (a box of a multi-box run not finished or not copied here) is
         refused unless `allow_missing`.
+
+        `verify`: when the xxh3 checksums of the index are compared with the files.
+        "lazy" (default): each file when it is first mapped, before any of its tensors
+        is read, in place over the mapping, so the pages it reads are the ones training
+        reads next (cost measured in bench/bench_store_verify.py); "open": all files now
+        (reads the whole store before the first step); "off": sizes only.
         """
         m = read_manifest(wd, "extract", needed_by=needed_by)
         store_dir = wd.store()
@@ -586,7 +650,9 @@ class HiddenStateStore:
         if hidden_size is not None:
             check_same("target hidden size", int(ident["hidden_size"]), int(hidden_size),
                        ours_from=str(m.path), theirs_from=expected_from, fix=fix)
-        store = cls(store_dir, index, m)
+        if verify not in cls.VERIFY_MODES:
+            raise PipelineError(f"verify={verify!r}: choose one of {', '.join(cls.VERIFY_MODES)}.")
+        store = cls(store_dir, index, m, verify=verify, needed_by=needed_by)
         missing = store.missing_files()
         if missing and not allow_missing:
             raise PipelineError(
@@ -598,4 +664,6 @@ class HiddenStateStore:
             problem = file_problem(store_dir, e, verify_checksum=False)
             if problem:
                 raise PipelineError(f"{needed_by}: {problem}; rerun `python {script}` to redo it.")
+        if verify == "open":
+            store.verify()
         return store

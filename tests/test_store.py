@@ -170,3 +170,32 @@ def test_collate_pads_right(tmp_path):
     assert b["attention_mask"].tolist() == [[True] * 3 + [False] * 2, [True] * 5]
     assert (b["target_argmax"][0, 3:] == -1).all()
     assert torch.equal(b["aux"][1], split[1].aux)
+
+
+def test_reader_verifies_each_file_once_before_its_first_read(tmp_path, monkeypatch):
+    _, entry, path, (ids, _, _, _) = _build(tmp_path, [4, 5])
+    calls = []
+    real = store.buffer_checksum
+    monkeypatch.setattr(store, "buffer_checksum", lambda buf: calls.append(1) or real(buf))
+    split = _reader(tmp_path, [entry], 2).split("train")  # lazy: nothing hashed at open
+    assert calls == []
+    assert split[0].input_ids.tolist() == ids[0].tolist() and split[1].input_ids.tolist() == ids[1].tolist()
+    assert len(calls) == 1  # once per file and process, not per sample
+    assert real(split._files[0].mm) == entry["checksum"] == store.file_checksum(path)
+
+
+def test_flipped_byte_is_refused_before_training_reads_it(tmp_path):
+    _, entry, path, _ = _build(tmp_path, [4, 5])
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of the aux states: same size, plausible values
+    path.write_bytes(bytes(data))
+    split = _reader(tmp_path, [entry], 2).split("train")
+    with pytest.raises(PipelineError, match=r"train-00000\.safetensors has checksum xxh3_128:\w+, its index entry "
+                                            r"says xxh3_128:\w+ \(corrupted .*rerun `python 02_extract_hidden_states"):
+        split[0]
+    with pytest.raises(PipelineError, match="corrupted"):  # and again: a failed file is not cached
+        split[1]
+    # verify="off" reads it (sizes only): what the flag is for is a measured choice, not a default
+    ident = _reader(tmp_path, [entry], 2)
+    off = store.HiddenStateStore(tmp_path, ident.index, None, verify="off").split("train")
+    assert off[0].num_tokens == 4
