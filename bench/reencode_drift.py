@@ -7,7 +7,8 @@ Reads stage 00's chunks (00_generate/) and, for every regenerated assistant turn
 compares the ids the target generated with what rendering the decoded text would
 give (the stage-01 path for plain chats, `build_sample`), with the target's own chat
 template or with a Kimi-K2 style one (tests/chat_templates.py; its header tokens
-added as special tokens: only tokenization runs here, no model). Splits the
+added as special tokens: only tokenization runs here, no model; the stop token each
+finished answer ended on stands for that template's end-of-turn token). Splits the
 differences into those inside the answer (the decoded text alone re-encodes to other
 ids) and those at its boundary with the template (the text alone is fine, in context
 it is not). Stage 01 never re-tokenizes these turns (`--data generated`); this is what
@@ -48,6 +49,8 @@ def main(argv=None) -> None:
     m = json.loads(WorkDir(args.work_dir).manifest("generate").read_text())
     kw = m["extra"].get("chat_template_kwargs") or {}
     stop = set(m["extra"]["stop_token_ids"])
+    if args.template != "own":
+        stop.add(suffix[0])
     turns = differs = inside = unplaced = 0
     for k in range(m["extra"]["num_chunks"]):
         for line in WorkDir(args.work_dir).generate_chunk(k).read_text().splitlines():
@@ -55,6 +58,9 @@ def main(argv=None) -> None:
             if "generated" not in rec:
                 continue
             answers = [Answer(g["ids"], g["finish_reason"] != "length") for g in rec["generated"]]
+            if args.template != "own":  # the target ended its turns with its own end-of-turn token
+                answers = [Answer(a.ids[:-1] + suffix[:1], True) if a.finished and a.ids[-1:] and
+                           a.ids[-1] in stop else a for a in answers]
             turns += len(answers)
             try:
                 flags = reencode_differs(tok, rec["messages"], answers, suffix, kw)
