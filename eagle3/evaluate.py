@@ -455,11 +455,12 @@ def _prompt_source_fingerprint(cfg: EvaluateConfig) -> dict | None:
     return {"dataset": cfg.prompts, "split": cfg.prompts_split}  # a datasets id: its name is all we have
 
 
-def _load_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, max_prompt: int) -> tuple[list[Prompt], dict]:
+def _load_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, max_prompt: int,
+                  prep: Manifest | None) -> tuple[list[Prompt], dict]:
     if cfg.prompts is None:
         return held_out_prompts(wd, cfg.num_prompts, max_prompt)
     return file_prompts(cfg.prompts, cfg.prompts_split, tok, cfg.prompt_field, cfg.category_field,
-                        cfg.num_prompts, max_prompt)
+                        cfg.num_prompts, max_prompt, (prep.extra.get("chat_template_kwargs") if prep else None))
 
 
 def evaluate_drafter(cfg: EvaluateConfig) -> dict:
@@ -515,7 +516,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     if max_prompt < 1:
         raise PipelineError(f"max_model_len {limit} leaves no room for prompts after --max-new-tokens "
                             f"{cfg.max_new_tokens}; raise --max-model-len or lower --max-new-tokens.")
-    prompts, prompt_info = _load_prompts(cfg, wd, tok, max_prompt)
+    prompts, prompt_info = _load_prompts(cfg, wd, tok, max_prompt, prep)
     cats = [p.category for p in prompts]
     names = categories(prompts)
     timed = timing_subset(prompts, cfg.timing_prompts)

@@ -125,8 +125,11 @@ def record_messages(record: Any, prompt_field: str) -> list[dict]:
 
 
 def file_prompts(source: str, split: str, tok, prompt_field: str, category_field: str | None,
-                 num_prompts: int | None, max_prompt_len: int) -> tuple[list[Prompt], dict]:
-    """Prompts from a local JSON/JSONL file or a `datasets` id, rendered with `tok`'s chat template.
+                 num_prompts: int | None, max_prompt_len: int,
+                 template_kwargs: dict | None = None) -> tuple[list[Prompt], dict]:
+    """Prompts from a local JSON/JSONL file or a `datasets` id, rendered with `tok`'s chat template
+    (with the template switches stage 00/01 used, `template_kwargs`, so the drafter sees the
+    prompts in the shape it was trained on).
 
     A bad record stops the stage naming file and line: a benchmark set is small and
     every prompt of it is meant to count. Prompts longer than `max_prompt_len` are
@@ -143,7 +146,7 @@ def file_prompts(source: str, split: str, tok, prompt_field: str, category_field
                             f"rendered as chats; evaluate on stage 01's eval split (drop --prompts).")
     try:
         records = list(iter_records(source, split))
-    except (FileNotFoundError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a missing file, an unknown id or split, no network: one fix
         raise PipelineError(f"cannot read prompts from {source!r} (split {split!r}): {e}; pass a local "
                             f".json/.jsonl file or a datasets id and --prompts-split.") from e
     prompts: list[Prompt] = []
@@ -161,7 +164,7 @@ def file_prompts(source: str, split: str, tok, prompt_field: str, category_field
                 raise PipelineError(f"{raw.where}: no `{category_field}` value (--category-field); give every "
                                     f"record one, or drop --category-field.")
             category = str(value)
-        ids = render(tok, messages, add_generation_prompt=True)
+        ids = render(tok, messages, add_generation_prompt=True, template_kwargs=template_kwargs)
         if len(ids) > max_prompt_len:
             too_long += 1
             continue
@@ -173,6 +176,7 @@ def file_prompts(source: str, split: str, tok, prompt_field: str, category_field
     chosen = prompts if num_prompts is None else prompts[:num_prompts]
     info = {"source": source, "split": None if local else split, "records": len(records), "available": available,
             "count": len(chosen), "skipped_too_long": too_long, "category_field": category_field,
+            "chat_template_kwargs": template_kwargs or {},
             "prompt_tokens_mean": float(np.mean([len(p.prompt_ids) for p in chosen]))}
     return chosen, info
 

@@ -319,6 +319,7 @@ def test_config_validation():
 
     cfg = build_config(EvaluateConfig, "evaluate", ROOT / "configs" / "tiny-llama.yaml")
     assert cfg.num_speculative_tokens == 3 and cfg.num_prompts is None and cfg.timed_passes == 2
+    assert cfg.temperature == [0.0, 0.7] and cfg.timing_prompts == 16
 
 
 def test_evaluate_needs_stage_01_and_a_drafter(tmp_path, prepared_llama, tiny_llama):

@@ -103,7 +103,7 @@ def test_acceptance_per_temperature_and_category_over_all_prompts(demo_run):
     assert [row["temperature"] for row in r["acceptance"]] == [0.0, 0.7] == r["temperatures"]
     for row in r["acceptance"]:
         t, u = row["trained"], row["untrained"]
-        assert t["acceptance_length"] > u["acceptance_length"] and u["acceptance_length"] < 1.1
+        assert t["acceptance_length"] >= 1.0 and 1.0 <= u["acceptance_length"] < 1.1
         assert t["histograms_match_counters"] and t["ci95"] is not None and t["ci95"] > 0
         assert list(t["by_category"]) == list(CATEGORIES) == r["categories"]["names"]
         assert all(b["prompts"] == PER_CATEGORY for b in t["by_category"].values())
