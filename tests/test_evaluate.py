@@ -392,3 +392,15 @@ def test_timings_disturbed_by_other_load_are_flagged():
     hiccup = {"plain": {"pass_wall_s": [6.5], "step_s": 0.0055, "request_step_s": [0.0055, 0.0165, 0.0054]}}
     assert "one plain request's decode steps took 3.0x the median request's" in timing_problems(hiccup)[0]
     assert timing_problems({"plain": None, "untrained": None}) == []
+
+
+def test_per_token_expansion_used_for_sampled_verification():
+    from eagle3.evaluate import _expand_per_token
+
+    # Request temperatures spread over their draft tokens (2, 3 and 1 of them).
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = _expand_per_token(torch.tensor([0.7, 1.0, 0.3]), cu, 6)
+    assert out.dtype == torch.float32 and out.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 0.3])
+    # top-k: 0 ("off") replaced by the vocabulary size.
+    assert _expand_per_token(torch.tensor([0, 5, 0]), cu, 6, replace_from=0, replace_to=960).tolist() == \
+        [960, 960, 5, 5, 5, 960]
