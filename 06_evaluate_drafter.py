@@ -1,13 +1,16 @@
-"""Stage 06: measure the exported drafter in a real engine (vLLM) against plain decoding.
+"""Stage 06: measure the exported drafter in a real engine (vLLM), as users benchmark it.
 
     python 06_evaluate_drafter.py --config configs/tiny-llama.yaml [--num-speculative-tokens 3]
-    python 06_evaluate_drafter.py --config configs/kimi-k2.5.yaml --tensor-parallel-size 8 --drafter-dir DIR
+    python 06_evaluate_drafter.py --config configs/kimi-k2.5.yaml --tensor-parallel-size 8 --drafter-dir DIR \\
+        --prompts mt_bench.jsonl --prompt-field turns --category-field category
 
 Serves the target alone, with the drafter, and with an untrained drafter of the same
-shape, greedy, on held-out prompts from stage 01; reports the acceptance length (mean
-and per draft position) beside the training-time expectation, tokens/s with and without
-the drafter, the speedup and the break-even acceptance length. Writes
-WORK/06_evaluate/results.json, evaluate.png and the manifest (see eagle3/evaluate.py).
+shape. Acceptance (mean, 95% interval over prompts, per draft position, per category)
+is measured over all prompts at once, at each --temperature (default greedy and 0.7);
+tokens/s, the speedup and the break-even acceptance length single-stream on a subset
+of --timing-prompts prompts. Prompts: stage 01's held-out turns, or a file / datasets
+id (--prompts). Writes WORK/06_evaluate/results.json, evaluate.png and the manifest
+(see eagle3/evaluate.py).
 """
 from eagle3.cli import run_stage
 from eagle3.evaluate import EvaluateConfig, evaluate_drafter
