@@ -10,7 +10,7 @@ process per configuration:
     trained     the target + the drafter (default: stage 05's export), K speculative tokens:
                 acceptance over all prompts at each temperature, single-stream timings
     untrained   the target + a drafter of the same config and mapping with fresh random
-                weights: the floor (it accepts ~nothing); acceptance only
+                weights: the floor (it accepts ~nothing); acceptance at the first temperature only
 
 Two measurements, each in the regime that makes it cheap and right:
 - acceptance does not depend on how many requests run together, so every prompt is
@@ -581,7 +581,8 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
         ("trained", str(drafter_dir), cfg.temperature, bool(timed))]
     if cfg.baseline_untrained:
         untrained_dir = write_untrained_drafter(drafter_dir, stage_dir / UNTRAINED_DIR, cfg.seed)
-        plan.append(("untrained", str(untrained_dir), cfg.temperature, False))
+        # The floor at the headline temperature only: it accepts ~nothing at any temperature.
+        plan.append(("untrained", str(untrained_dir), cfg.temperature[:1], False))
     plan = [p for p in plan if p[2] or p[3]]  # plain has nothing to do without greedy or timing
 
     from tqdm import tqdm

@@ -242,7 +242,8 @@ def summarise(runs: dict[str, dict], K: int, temperatures: list[float], expectat
     by_temp = []
     for i, t in enumerate(temperatures):
         row: dict[str, Any] = {"temperature": t, "trained": trained["acceptance"][i]}
-        row["untrained"] = untrained["acceptance"][i] if untrained else None
+        u = (untrained or {}).get("acceptance") or []
+        row["untrained"] = u[i] if i < len(u) else None  # the floor is served at the first temperature
         by_temp.append(row)
     primary = by_temp[0]["trained"]
     primary_u = by_temp[0]["untrained"] or {}

@@ -220,7 +220,7 @@ def test_single_stream_timing_break_even_and_summary():
                                 "counters": counters(30, [0, 0, 0]), "histograms": None}, K, [None] * 3)
     runs = {"plain": {"acceptance": [{"temperature": 0.0, "tokens": 30, "wall_s": 0.6}], "timing": plain},
             "trained": {"acceptance": [acc, sampled], "timing": trained, "outputs_match_plain": 1.0},
-            "untrained": {"acceptance": [floor, floor], "timing": None}}
+            "untrained": {"acceptance": [floor], "timing": None}}  # served at the first temperature only
     r = summarise(runs, K, [0.0, 0.7], {"value": 2.4, "k": 3, "full_acc": [0.9, 0.4, 0.1]},
                   {"count": 3, "category_field": None}, {"dtype": "bfloat16", "max_num_seqs": 64},
                   {"name": "vllm", "version": "0.32.0", "platform": "cpu"}, {"greedy_equals_dataset_answer": 0.5})
@@ -235,7 +235,9 @@ def test_single_stream_timing_break_even_and_summary():
     assert r["batched"]["tokens_per_s"] == pytest.approx({"plain": 50.0, "speculative": 30.0})
     text = "\n".join(report_lines(r))
     assert "acceptance length (K=3): 2.250 ±" in text and "training-time expected 2.400" in text
-    assert "T=0.7: trained 1.50 per position 0.50 0.00 0.00 | untrained 1.00" in text
+    assert "greedy: trained 2.25 ±" in text and "| untrained 1.00" in text
+    assert r["acceptance"][1]["untrained"] is None and text.count("untrained 1.00") == 1
+    assert "T=0.7: trained 1.50 per position 0.50 0.00 0.00\n" in text + "\n"
     assert "single stream, 2 of 3 prompts" in text and "per prompt 1.00-1.25x" in text
     assert "break-even acceptance length 2.50" in text and "does NOT beat it" in text
 

@@ -101,9 +101,11 @@ def test_acceptance_per_temperature_and_category_over_all_prompts(demo_run):
     n = PER_CATEGORY * len(CATEGORIES)
     assert r["prompts"]["count"] == n and r["teacher"]["greedy_equals_dataset_answer"] is None
     assert [row["temperature"] for row in r["acceptance"]] == [0.0, 0.7] == r["temperatures"]
+    assert 1.0 <= r["acceptance"][0]["untrained"]["acceptance_length"] < 1.1
+    assert r["acceptance"][1]["untrained"] is None  # the floor is served at the first temperature only
     for row in r["acceptance"]:
-        t, u = row["trained"], row["untrained"]
-        assert t["acceptance_length"] >= 1.0 and 1.0 <= u["acceptance_length"] < 1.1
+        t = row["trained"]
+        assert t["acceptance_length"] > 1.0
         assert t["histograms_match_counters"] and t["ci95"] is not None and t["ci95"] > 0
         assert list(t["by_category"]) == list(CATEGORIES) == r["categories"]["names"]
         assert all(b["prompts"] == PER_CATEGORY for b in t["by_category"].values())
