@@ -221,7 +221,9 @@ def _expand_per_token(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, 
 
     counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
     out = torch.repeat_interleave(x, counts, output_size=num_tokens)
-    return torch.where(out == replace_from, torch.full_like(out, replace_to), out) if replace_from != replace_to else out
+    if replace_from != replace_to:
+        out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+    return out
 
 
 def _fix_cpu_sampled_verification() -> bool:
