@@ -1,7 +1,7 @@
 """Benchmark stage 04's step on CPU: training tokens/s of the two TTT attentions, padded vs
 packed batches, K = 1 and 7; and the padding share of both layouts.
 
-    python bench/bench_train.py [--steps 3] [--seq 1024 2048] [--quick]
+    python bench/bench_train.py [--steps 2] [--seq 1024 2048] [--tokens 6000] [--quick]
 
 Fixed mid-size drafter: H=512, 8 heads of 64, MLP 2048, draft vocab 8192, target
 vocab 32768. Each step is what the trainer does: soft targets from the target's
@@ -168,9 +168,9 @@ def part3() -> None:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per run in part 1")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per run in part 1")
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 2048])
-    p.add_argument("--tokens", type=int, default=12000, help="sample tokens per run in part 2")
+    p.add_argument("--tokens", type=int, default=6000, help="sample tokens per run in part 2")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
     a = p.parse_args()
     if a.quick:
