@@ -33,8 +33,9 @@ from .workdir import WorkDir
 log = logging.getLogger(__name__)
 
 # Median, 90th percentile of the per-token relative error that still counts as "the same
-# states in bf16" (measured on SmolLM2 and the tiny Llama: ~0.3-1% median).
-TOL_MEDIAN, TOL_P90 = 0.03, 0.06
+# states in bf16". Measured on SmolLM2-135M, vLLM CPU vs transformers: aux layers 2/15/27
+# 0.5/1.3/1.5% median, final state 2.2% (p90 3.4%); neighbouring layers differ by 23-29%.
+TOL_MEDIAN, TOL_P90 = 0.04, 0.08
 MIN_ARGMAX_AGREEMENT = 0.95
 NEIGHBOUR_FACTOR, NEIGHBOUR_MIN = 5.0, 0.2
 
