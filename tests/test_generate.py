@@ -4,7 +4,8 @@ The first tests drive the turn logic with a scripted engine (no vLLM, millisecon
 The rest run the stage on vLLM's CPU build with the tiny Llama target and one engine
 shared by the whole module (one start, ~30 s); each run resets its prefix cache, so a
 run sees the engine as a fresh one would. float32 keeps greedy decoding exactly
-reproducible between runs of the same chunk. Cost: about 1.5 min on 2 cores.
+reproducible between runs of the same chunk. Cost: about 1 min 50 s on 2 cores (the
+data-parallel test starts two more engines: ~1 min of it).
 """
 from __future__ import annotations
 
@@ -378,3 +379,13 @@ def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thi
             pos = start + len(g["ids"])
         assert mask == expected  # token by token
         assert sum(i == close for i, k in zip(ids, mask) if k) == (2 if thinking else 0)
+
+
+def test_data_parallel_engines_write_the_same_chunks(unbroken, tiny_llama, chats, tmp_path):
+    """Two engines in spawned processes split the chunks; each chunk is the one engine's."""
+    from eagle3.generate.run import generate_responses
+
+    m = generate_responses(gen_cfg(tmp_path, tiny_llama, chats, data_parallel_size=2, max_model_len=256,
+                                   kv_cache_gib=0.5, enforce_eager=True))
+    assert m.extra["complete"]
+    assert chunk_bytes(tmp_path) == chunk_bytes(unbroken)
