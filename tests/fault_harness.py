@@ -1,0 +1,291 @@
+"""kill -9 at a random point of a stage, then the same command again.
+
+Used by tests/test_faults.py (one kill per stage) and bench/soak_faults.py (several).
+One row of `ROWS` per stage: the script, the stages whose outputs it reads (copied
+from an unbroken reference run), and how its artifacts compare with the reference's.
+A trial:
+
+1. copies the inputs into a fresh work dir and starts the script in its own process
+   group (vLLM's engine processes included);
+2. waits until the stage's folder appears (imports and model loading write nothing),
+   then a seeded random fraction of the rest of the reference run's duration, and
+   sends SIGKILL to the whole group;
+3. checks that no file that looks complete is partial: every visible file (not a
+   dot-named temporary) is byte-equal to the reference's file of that name
+   (deterministic stages) or loads and parses (training checkpoints, results);
+4. reruns the same command, which must exit 0, and compares the artifacts with the
+   reference run's: bitwise for stages 01, 02, 03, 05 and the trained weights of 04
+   (a resumed run equals an unbroken one); stage 06's acceptance length to 0.05 and
+   its token counts exactly (greedy decoding, but vLLM batches differently when a
+   rerun skips the passes that were done); stage 00's chats exactly (greedy).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eagle3.workdir import STAGES, WorkDir  # noqa: E402
+
+
+def write_config(path: Path, target: Path, chats: Path) -> Path:
+    """Small settings for every stage on the tiny Llama: each runs in seconds (06: ~1 min)."""
+    cfg = {
+        "work_dir": str(path.parent / "work"),
+        "target_model": str(target),
+        "generate": {"data": [str(chats)], "max_new_tokens": 8, "chunk_size": 2, "gpu_memory_utilization": 0.3},
+        "prepare": {"data": [str(chats)], "max_length": 256, "eval_fraction": 0.2, "num_workers": 1},
+        "extract": {"backend": "hf", "samples_per_file": 8},
+        "vocab": {"draft_vocab_size": 64},
+        "train": {"max_steps": 12, "batch_tokens": 1024, "max_seq_len": 256, "log_every": 1, "eval_every": 4,
+                  "save_every": 2, "ttt_steps": 2, "warmup_steps": 1, "learning_rate": 3.0e-3},
+        "export": {"dtype": "bf16"},
+        "evaluate": {"num_speculative_tokens": 2, "num_prompts": 4, "max_new_tokens": 8, "temperature": [0.0],
+                     "timing_prompts": 1, "warmup_prompts": 0, "timed_passes": 1, "baseline_untrained": False,
+                     "gpu_memory_utilization": 0.3},
+    }
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def visible_files(d: Path) -> list[Path]:
+    """Files a user or a later stage would take as finished: no dot-named part (temporaries)."""
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.rglob("*") if p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(d).parts))
+
+
+def _rel(p: Path, d: Path) -> str:
+    return p.relative_to(d).as_posix()
+
+
+# -- per-stage rules -------------------------------------------------------------------------
+def _equal_files(names: Callable[[str], bool]):
+    """Visible files selected by `names` must be byte-equal to the reference's."""
+
+    def check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
+        d, rd = wd.stage_dir(stage), ref.stage_dir(stage)
+        bad = []
+        got = {_rel(p, d) for p in visible_files(d) if names(_rel(p, d))}
+        want = {_rel(p, rd) for p in visible_files(rd) if names(_rel(p, rd))}
+        for rel in sorted(got):
+            if rel not in want:
+                bad.append(f"{d / rel}: not in the unbroken run")
+            elif (d / rel).read_bytes() != (rd / rel).read_bytes():
+                bad.append(f"{d / rel}: differs from the unbroken run's")
+        if final and got != want:
+            bad.append(f"{d}: files {sorted(want - got)} missing after the rerun")
+        return bad
+
+    return check
+
+
+def _not_volatile(rel: str) -> bool:
+    # manifests carry a timestamp; datasets' state.json a random fingerprint; reports name the work dir
+    name = rel.rsplit("/", 1)[-1]
+    return name not in ("manifest.json", "state.json", "export_report.json", "export_report.md")
+
+
+def _train_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
+    import torch
+
+    bad = []
+    d = wd.stage_dir(stage)
+    for p in visible_files(d):
+        try:
+            if p.suffix == ".pt":
+                torch.load(p, weights_only=True)
+            elif p.suffix == ".json":
+                json.loads(p.read_text())
+            elif p.suffix == ".jsonl":
+                for line in p.read_text().splitlines():
+                    json.loads(line)
+        except Exception as e:  # noqa: BLE001 -- any failure to read is the finding
+            bad.append(f"{p}: does not load ({type(e).__name__}: {str(e)[:80]})")
+    if final:
+        mine, theirs = (json.loads(w.manifest(stage).read_text()) for w in (wd, ref))
+        a = torch.load(d / mine["extra"]["best_checkpoint"], weights_only=True)["model"]
+        b = torch.load(ref.stage_dir(stage) / theirs["extra"]["best_checkpoint"], weights_only=True)["model"]
+        if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
+            bad.append(f"{d}: best checkpoint weights differ from the unbroken run's")
+        if mine["counts"].get("best_step") != theirs["counts"].get("best_step"):
+            bad.append(f"{d}: best step {mine['counts'].get('best_step')} vs {theirs['counts'].get('best_step')}")
+    return bad
+
+
+def _evaluate_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
+    bad = []
+    d = wd.stage_dir(stage)
+    for p in visible_files(d):
+        try:
+            if p.suffix == ".json":
+                json.loads(p.read_text())
+            elif p.suffix == ".png" and p.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+                raise ValueError("not a PNG")
+        except Exception as e:  # noqa: BLE001
+            bad.append(f"{p}: does not load ({type(e).__name__}: {str(e)[:80]})")
+    if final:
+        a = json.loads((d / "results.json").read_text())
+        b = json.loads((ref.stage_dir(stage) / "results.json").read_text())
+        if abs(a["acceptance_length"] - b["acceptance_length"]) > 0.05:
+            bad.append(f"{d}: acceptance length {a['acceptance_length']} vs {b['acceptance_length']} (> 0.05)")
+        if a["runs"]["trained"]["tokens"] != b["runs"]["trained"]["tokens"]:
+            bad.append(f"{d}: tokens {a['runs']['trained']['tokens']} vs {b['runs']['trained']['tokens']}")
+    return bad
+
+
+def _store_names(rel: str) -> bool:
+    return rel.endswith((".safetensors", ".json")) and _not_volatile(rel)
+
+
+@dataclass(frozen=True)
+class Row:
+    stage: str  # WorkDir stage key
+    inputs: tuple[str, ...]  # stages whose outputs the trial copies from the reference run
+    check: Callable[..., list[str]]  # (wd, ref, stage, final=) -> problems
+    engine: bool = False  # starts vLLM (slow; the short test kills it once)
+    extra_args: tuple[str, ...] = field(default=())
+
+    @property
+    def script(self) -> str:
+        return STAGES[self.stage][1]
+
+
+ROWS = [
+    Row("generate", (), _equal_files(lambda r: r.endswith((".jsonl", ".json")) and _not_volatile(r)), engine=True),
+    Row("prepare", (), _equal_files(_not_volatile)),
+    Row("extract", ("prepare",), _equal_files(_store_names)),
+    Row("vocab", ("prepare",), _equal_files(_not_volatile)),
+    Row("train", ("prepare", "extract", "vocab"), _train_check),
+    Row("export", ("prepare", "extract", "vocab", "train"), _equal_files(_not_volatile)),
+    Row("evaluate", ("prepare", "extract", "vocab", "train", "export"), _evaluate_check, engine=True),
+]
+ROWS = [r for r in ROWS if r.stage in STAGES]  # stage 00 only where it exists
+
+
+def command(row: Row, config: Path, work: Path) -> list[str]:
+    return [sys.executable, str(ROOT / row.script), "--config", str(config), "--work-dir", str(work), *row.extra_args]
+
+
+def _env() -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}  # (TQDM_DISABLE breaks vLLM: it divides by the bar's elapsed time)
+
+
+@dataclass
+class Timing:
+    first_write: float  # seconds from start until the stage folder appeared
+    total: float
+
+
+def run_reference(config: Path, ref: Path, rows=ROWS, timeout: float = 600) -> dict[str, Timing]:
+    """The unbroken run of every stage, in order, timed."""
+    timings = {}
+    for row in rows:
+        d = WorkDir(ref).stage_dir(row.stage)
+        t0 = time.monotonic()
+        proc = subprocess.Popen(command(row, config, ref), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        first = None
+        while proc.poll() is None:
+            if first is None and d.exists():
+                first = time.monotonic() - t0
+            time.sleep(0.01)
+            if time.monotonic() - t0 > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.stdout.read().decode(errors="replace")
+        if proc.returncode != 0:
+            raise RuntimeError(f"reference run of {row.script} failed ({proc.returncode}):\n{out[-3000:]}")
+        total = time.monotonic() - t0
+        timings[row.stage] = Timing(first if first is not None else total, total)
+    return timings
+
+
+@dataclass
+class Trial:
+    stage: str
+    seed: int
+    killed_at: float  # seconds after start
+    killed: bool  # False when the stage finished before the kill point
+    problems_after_kill: list[str]
+    rerun_rc: int
+    problems_after_rerun: list[str]
+    rerun_output: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems_after_kill and self.rerun_rc == 0 and not self.problems_after_rerun
+
+
+def trial(row: Row, config: Path, ref: Path, timing: Timing, work: Path, seed: int, timeout: float = 600) -> Trial:
+    if work.exists():
+        shutil.rmtree(work)
+    wd, rwd = WorkDir(work), WorkDir(ref)
+    for s in row.inputs:
+        shutil.copytree(rwd.stage_dir(s), wd.stage_dir(s))
+    d = wd.stage_dir(row.stage)
+    rng = random.Random(seed)
+    # The writing phase in the reference run: from the folder's appearance to the end.
+    delay = rng.uniform(0.0, max(0.05, timing.total - timing.first_write))
+    t0 = time.monotonic()
+    proc = subprocess.Popen(command(row, config, work), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    appeared = None
+    while proc.poll() is None:
+        now = time.monotonic()
+        if appeared is None and d.exists():
+            appeared = now
+        if (appeared is not None and now - appeared >= delay) or now - t0 > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    proc.wait()
+    killed = proc.returncode == -signal.SIGKILL
+    killed_at = time.monotonic() - t0
+    _reap(proc.pid)
+    after_kill = row.check(wd, rwd, row.stage, final=False) + _manifest_problems(wd, row.stage)
+    r = subprocess.run(command(row, config, work), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    after_rerun = row.check(wd, rwd, row.stage, final=True) if r.returncode == 0 else []
+    return Trial(row.stage, seed, round(killed_at, 2), killed, after_kill, r.returncode, after_rerun,
+                 (r.stdout + r.stderr)[-3000:] if r.returncode else "")
+
+
+def _reap(pgid: int) -> None:
+    """Make sure nothing of the killed group is left (engine processes die with it)."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _manifest_problems(wd: WorkDir, stage: str) -> list[str]:
+    """A manifest that exists must be whole and describe files that are all there."""
+    from eagle3.manifest import sha256_file
+
+    path = wd.manifest(stage)
+    if not path.exists():
+        return []
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{path}: partial manifest ({e})"]
+    bad = []
+    for rel, info in m["outputs"].items():
+        f = wd.stage_dir(stage) / rel
+        if not f.is_file() or f.stat().st_size != info["bytes"] or (info["sha256"] and sha256_file(f) != info["sha256"]):
+            bad.append(f"{f}: does not match the manifest")
+    return bad
