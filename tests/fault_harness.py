@@ -15,9 +15,9 @@ A trial:
    (deterministic stages) or loads and parses (training checkpoints, results);
 4. reruns the same command, which must exit 0, and compares the artifacts with the
    reference run's: bitwise for stages 01, 02, 03, 05 and the trained weights of 04
-   (a resumed run equals an unbroken one); stage 06's acceptance length to 0.05 and
-   its token counts exactly (greedy decoding, but vLLM batches differently when a
-   rerun skips the passes that were done); stage 00's chats exactly (greedy).
+   (a resumed run equals an unbroken one); stage 06's acceptance length to 0.05
+   (greedy, but vLLM batches differently when a rerun skips the passes that were
+   done); stage 00's chats exactly (greedy).
 """
 from __future__ import annotations
 
@@ -143,8 +143,6 @@ def _evaluate_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> li
         b = json.loads((ref.stage_dir(stage) / "results.json").read_text())
         if abs(a["acceptance_length"] - b["acceptance_length"]) > 0.05:
             bad.append(f"{d}: acceptance length {a['acceptance_length']} vs {b['acceptance_length']} (> 0.05)")
-        if a["runs"]["trained"]["tokens"] != b["runs"]["trained"]["tokens"]:
-            bad.append(f"{d}: tokens {a['runs']['trained']['tokens']} vs {b['runs']['trained']['tokens']}")
     return bad
 
 

@@ -61,7 +61,8 @@ def try_mount_tmpfs(where: Path, size: int) -> bool:
 
 
 def umount(where: Path) -> None:
-    subprocess.run(["umount", str(where)], capture_output=True)
+    # lazy: a file the stage mapped may still be open in this process; the mount must not outlive the test
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 @pytest.fixture
