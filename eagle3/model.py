@@ -1,7 +1,7 @@
 """The one-layer EAGLE-3 drafter: modules only (no file I/O, no data, no target).
 
 `Eagle3Drafter` holds exactly the tensors that SGLang's and vLLM's
-`LlamaForCausalLMEagle3` load (DESIGN.md convention 6), under the same names and
+`LlamaForCausalLMEagle3` load (docs/CONVENTIONS.md §6), under the same names and
 with no prefix, so export is a dtype cast plus a save:
 
     fc.weight                                  [H, A*H_t]   fuses the A aux layers
@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cpu import bf16_fused_attention_ok
 from .errors import PipelineError
 
 # rope_scaling types this module implements; anything else is refused rather than
@@ -397,9 +398,12 @@ class _MergedTTTAttention(torch.autograd.Function):
 def _ttt_attention_sdpa(q: Tensor, cache: TTTCache, runs: Runs, scale: float) -> Tensor:
     """The default: q [B, nh, T, D] -> [B, nh, T, D], saved state O(T) per step."""
     dtype = q.dtype
+    if q.device.type == "cpu" and dtype == torch.bfloat16 and not bf16_fused_attention_ok():
+        dtype = torch.float32  # the fused CPU kernel refuses bf16 here (eagle3/cpu.py)
     ks = [k.to(dtype) for k in cache.keys]
     vs = [v.to(dtype) for v in cache.values]
-    return _MergedTTTAttention.apply(q, ks[0], vs[0], scale, runs, *ks[1:], *vs[1:])
+    out = _MergedTTTAttention.apply(q.to(dtype), ks[0], vs[0], scale, runs, *ks[1:], *vs[1:])
+    return out.to(q.dtype)
 
 
 def _allowed_mask(B: int, T: int, attention_mask: Tensor | None, segment_ids: Tensor | None,

@@ -20,7 +20,8 @@ prompt with newlines. 150 steps (loss ~0.46) give a served acceptance length of
 end-to-end test, which trains 60 steps.
 
 Sizes are chosen so vLLM's CPU build runs them too (head_dim 64; MLA with
-kv_lora_rank 512 and qk_rope_head_dim 64; noaux_tc routing): see DESIGN.md.
+kv_lora_rank 512 and qk_rope_head_dim 64; noaux_tc routing): other MLA
+sizes fail at engine start on the CPU build.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import logging
 from pathlib import Path
 
 from .atomic import atomic_path
+from .cpu import bf16_pays
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +156,6 @@ def packed_rows(seqs: list[list[int]], seq_len: int):
     return torch.tensor(stream[: n * seq_len], dtype=torch.long).view(n, seq_len)  # [n, seq_len]
 
 
-def _fast_bf16_cpu() -> bool:
-    """bf16 autocast pays on CPUs with AMX or AVX512-BF16 (~1.4x here); elsewhere it is slower."""
-    import torch
-
-    try:
-        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-    except AttributeError:  # private helpers; absent in some torch builds
-        return False
-
-
 def train_on_chats(model, tok, steps: int, seed: int = 0, chats: Path = DEMO_CHATS,
                    batch_size: int = TRAIN_RECIPE["batch_size"], seq_len: int = TRAIN_RECIPE["seq_len"],
                    lr: float = TRAIN_RECIPE["lr"]) -> list[float]:
@@ -188,7 +180,7 @@ def train_on_chats(model, tok, steps: int, seed: int = 0, chats: Path = DEMO_CHA
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    bf16 = _fast_bf16_cpu()
+    bf16 = bf16_pays()
     order: list[int] = []
     losses = []
     model.train()

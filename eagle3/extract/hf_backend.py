@@ -12,14 +12,16 @@ weights under `language_model.`) are loaded as their text model alone.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
-from ..batching import group_by_padded_tokens
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
+from ..batching import group_by_padded_tokens
+from ..cpu import bf16_fused_attention_ok
 from ..errors import PipelineError
 from ..store import FileLayout, write_sample_states
 from ..target import TargetInfo
@@ -64,6 +66,15 @@ def _load_nested_text_model(info: TargetInfo, dtype: torch.dtype, trust_remote_c
                             f"{prefix!r} in the checkpoint.")
     model.load_state_dict(state, strict=True)
     return model
+
+
+def _attention_kernels(device: str | torch.device, dtype: torch.dtype):
+    """The math attention kernel where the fused CPU one refuses bf16 (eagle3/cpu.py)."""
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not bf16_fused_attention_ok():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.MATH])
+    return contextlib.nullcontext()
 
 
 def load_model(info: TargetInfo, dtype: str, device: str, trust_remote_code: bool):
@@ -119,8 +130,9 @@ class HFBackend:
         for b, x in enumerate(input_ids):
             ids[b, : lengths[b]] = torch.as_tensor(np.asarray(x), dtype=torch.long)
             mask[b, : lengths[b]] = 1
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         output_hidden_states=True, use_cache=False, logits_to_keep=1)
+        with _attention_kernels(self.device, self.model.dtype):
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                             output_hidden_states=True, use_cache=False, logits_to_keep=1)
         aux = torch.stack([out.hidden_states[k] for k in self.aux_layers], dim=2)  # [B, T, A, H]
         pre = self._prenorm  # [B, T, H]
         assert pre is not None and pre.shape[:2] == (B, T)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..cpu import bf16_pays
 from ..config import identity_params
 from ..errors import PipelineError
 from ..extract.target_head import _candidates, load_lm_head, load_tensors
@@ -203,14 +204,9 @@ def fmt(split: str, step: int, total: int, m: dict, extra: str = "") -> str:
 
 
 def bf16_autocast_pays(device: torch.device) -> bool:
-    """`precision: auto`: bf16 autocast on GPU, and on CPUs with AMX or AVX512-BF16 (bf16
-    matmuls in hardware); elsewhere fp32, where emulated bf16 is slower than fp32."""
-    if device.type == "cuda":
-        return True
-    try:
-        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-    except AttributeError:  # private helpers; absent in some torch builds
-        return False
+    """`precision: auto`: bf16 autocast on GPU, and on CPUs with bf16 matmuls in hardware
+    (eagle3/cpu.py); elsewhere fp32, where emulated bf16 is slower than fp32."""
+    return device.type == "cuda" or bf16_pays()
 
 
 # -- the stage ---------------------------------------------------------------------
