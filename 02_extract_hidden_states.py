@@ -1,7 +1,7 @@
 """Stage 02: run the target over stage 01's samples and store its hidden states.
 
 Stores, per token, the aux hidden states of the configured layers (default
-[2, N//2, N-3], DESIGN.md convention 1), the target's final-norm hidden state and
+[2, N//2, N-3], docs/CONVENTIONS.md §1), the target's final-norm hidden state and
 its argmax, in WORK/02_hidden_states/ (format: eagle3/store.py).
 
     python 02_extract_hidden_states.py --config configs/tiny-llama.yaml

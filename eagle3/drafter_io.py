@@ -1,6 +1,6 @@
 """The drafter folder format: the one module that reads and writes drafter folders.
 
-A drafter folder (DESIGN.md convention 6) is
+A drafter folder (docs/CONVENTIONS.md §6) is
 
     config.json         LlamaForCausalLMEagle3 config (see `hf_config_from_drafter_config`)
     model.safetensors   unprefixed tensors: fc.weight, midlayer.*, norm.weight, lm_head.weight,

@@ -5,7 +5,7 @@ tensor); no file I/O, no engine import. Export (eagle3/export.py), the drafter
 folder writer (eagle3/drafter_io.py) and `python -m eagle3.diagnose inspect` all
 judge a drafter with the same rules, so what export refuses is what inspect flags.
 
-Aux layer ids (DESIGN.md conventions 1 and 7). Each engine reads them its own way:
+Aux layer ids (docs/CONVENTIONS.md §1 and §7). Each engine reads them its own way:
 
     vllm             vLLM's V1 model runner (what the CPU build runs; on GPUs with
                      VLLM_USE_V2_MODEL_RUNNER=0): top-level
@@ -153,7 +153,7 @@ def default_layers(num_layers: int) -> list[int]:
 def aux_layer_config(layers: Iterable[int]) -> dict[str, Any]:
     """The config.json keys that make every engine capture `layers` (convention 1 ids).
 
-    This is the one translation (DESIGN.md convention 7): vLLM's top-level ids are the
+    This is the one translation (docs/CONVENTIONS.md §7): vLLM's top-level ids are the
     layers themselves; SGLang's nested ids are one less, because SGLang adds one.
     """
     layers = [int(k) for k in layers]

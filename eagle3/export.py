@@ -5,7 +5,7 @@ Reads
     WORK/04_train/...                      the checkpoint (default: the best one)
     WORK/01_dataset/token_freq_*.npy       (optional) for the draft vocab coverage
     the target's config.json               sizes, max_position_embeddings, family
-writes (DESIGN.md conventions 6 and 7)
+writes (docs/CONVENTIONS.md §6 and §7)
     OUT/config.json, OUT/model.safetensors         OUT = --out-dir, default WORK/05_export
     WORK/05_export/export_report.json, export_report.md, manifest.json
 

@@ -2,7 +2,7 @@
 
 Reads the target's `config.json` (sizes under `text_config` for multimodal targets
 such as Kimi-K2.5), its tokenizer, and fingerprints of both. Also owns the aux
-layer convention (DESIGN.md convention 1): "layer k" is the residual stream after
+layer convention (docs/CONVENTIONS.md §1): "layer k" is the residual stream after
 k decoder layers, default ids `[2, N//2, N-3]`.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Reads nothing from disk. The training loop (eagle3 train stage) builds one batch
 of target outputs, turns them into labels with `target_draft_distribution`, and
 calls `ttt_loss`, which runs the drafter K times over the batch in one visible
-loop and returns the differentiable loss plus per-step metrics (DESIGN.md
-conventions 4 and 5).
+loop and returns the differentiable loss plus per-step metrics
+(docs/CONVENTIONS.md §4 and §5).
 
 Index arithmetic (b = row, t = drafter position, k = step, p = t + 1 + k):
 

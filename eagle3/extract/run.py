@@ -350,7 +350,7 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     rejected = {e["name"]: [e["sample_ids"][i] for i in e["rejected"]] for e in entries if e["rejected"]}
     extra = {
         "aux_layers": p.aux_layers,
-        "layer_ids": "convention 1 (DESIGN.md): id k = residual stream after k decoder layers",
+        "layer_ids": "docs/CONVENTIONS.md §1: id k = residual stream after k decoder layers",
         "hidden_size": p.info.hidden_size, "num_layers": p.info.num_layers, "vocab_size": p.info.vocab_size,
         "dtype": store.STORE_DTYPE, "store_format": store.STORE_FORMAT,
         "tokenizer_fingerprint": p.identity["tokenizer_fingerprint"],

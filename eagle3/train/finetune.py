@@ -1,7 +1,7 @@
 """Starting from an existing drafter (`--init-from DIR`) without scrambling its labels.
 
 Row i of a drafter's lm_head predicts target token `i + d2t[i]` of *its own*
-mapping (DESIGN.md convention 3). Loading its weights under another mapping
+mapping (docs/CONVENTIONS.md §3). Loading its weights under another mapping
 silently relabels almost every row (31,748 of 32,000 positions differed for the
 K2 drafter against a K2.5 mapping). So a fine-tune either
 
