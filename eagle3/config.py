@@ -66,6 +66,28 @@ def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = Tru
     return dataclasses.field(default=default, **kw)
 
 
+# One spelling of a dtype: the names transformers and vLLM use. The short names are
+# accepted as aliases in YAML and flags (`dtype: bf16`) and stored in the long form.
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)
+
+
+def dtype_name(name: str) -> str:
+    """The one spelling of a dtype name ('bf16' -> 'bfloat16')."""
+    name = DTYPE_ALIASES.get(str(name), str(name))
+    if name not in DTYPES:
+        raise PipelineError(f"dtype {name!r} is not one of {', '.join(DTYPE_CHOICES)}{closest(name, DTYPE_CHOICES)}.")
+    return name
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a dtype name or alias."""
+    import torch
+
+    return getattr(torch, dtype_name(name))
+
+
 def identity_params(cfg) -> dict:
     """The fields that define a stage's output: what the manifest records."""
     out = {}
@@ -183,6 +205,21 @@ def check_params(cfg) -> None:
     """Check every field of a built config against its declared choices and ranges."""
     for f in dataclasses.fields(cfg):
         check_value(f, getattr(cfg, f.name), type(cfg).__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class StageConfig:
+    """The settings every stage shares. A stage's config subclasses it (declare the
+    subclass `@dataclass(kw_only=True)` as well) and may redeclare a field to change its
+    default or help; `__post_init__` checks the declared choices and ranges."""
+
+    work_dir: Path = param(help="work directory (one folder per stage inside)")
+    target_model: str = param(help="target model: a local folder or a model id")
+    trust_remote_code: bool = param(False, help="allow the target's custom code (only if you trust it)")
+    force: bool = param(False, identity=False, help="redo the stage even if it is complete")
+
+    def __post_init__(self):
+        check_params(self)
 
 
 def stage_configs() -> dict[str, type | None]:

@@ -43,6 +43,7 @@ from .engine_rules import (RULES, VERSION_RULES, TargetFacts, VersionRule, captu
                            d2t_summary, errors, implied_head_dim, intended_layers, rules_for, sglang_name,
                            vllm_name)
 from .errors import PipelineError
+from .vocab import VocabMapping, compare_mappings, target_ids
 from .workdir import WorkDir
 
 log = logging.getLogger(__name__)
@@ -132,26 +133,13 @@ def format_inspect(r: dict[str, Any]) -> str:
 
 # =========================================================================== compare-vocab
 
-@dataclass
-class VocabMapping:
-    """A draft vocabulary: target id of each draft position (convention 2 order)."""
-
-    source: str
-    target_ids: np.ndarray  # int64 [draft_vocab]
-    vocab_size: int | None
-
-    @property
-    def draft_vocab_size(self) -> int:
-        return len(self.target_ids)
-
-
 def _ids_from_array(a: np.ndarray, source: str) -> np.ndarray:
     a = np.asarray(a)
     if a.dtype == bool:
         return np.flatnonzero(a).astype(np.int64)  # a t2d
     if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
         raise PipelineError(f"{source}: expected a 1-D integer d2t or a bool t2d, got {a.dtype} {a.shape}.")
-    return a.astype(np.int64) + np.arange(len(a), dtype=np.int64)
+    return target_ids(a)
 
 
 def _load_array(path: Path) -> np.ndarray:
@@ -204,22 +192,6 @@ def load_mapping(path: Path | str) -> VocabMapping:
                 return VocabMapping(str(folder / name), ids, V)
     raise PipelineError(f"{path} holds no drafter ({CONFIG_NAME}), no d2t.npy/d2t.pt, and no "
                         f"{WorkDir(path).stage_dir('vocab').name}/ folder.")
-
-
-def compare_mappings(a: VocabMapping, b: VocabMapping) -> dict[str, Any]:
-    """Positions differing (i: a's id != b's id), tokens shared, tokens only in a or b."""
-    n = min(a.draft_vocab_size, b.draft_vocab_size)
-    differing = int((a.target_ids[:n] != b.target_ids[:n]).sum()) + abs(a.draft_vocab_size - b.draft_vocab_size)
-    sa, sb = set(a.target_ids.tolist()), set(b.target_ids.tolist())
-    return {
-        "a": {"source": a.source, "draft_vocab_size": a.draft_vocab_size, "vocab_size": a.vocab_size},
-        "b": {"source": b.source, "draft_vocab_size": b.draft_vocab_size, "vocab_size": b.vocab_size},
-        "positions_compared": max(a.draft_vocab_size, b.draft_vocab_size),
-        "positions_differing": differing,
-        "tokens_shared": len(sa & sb),
-        "only_in_a": len(sa - sb),
-        "only_in_b": len(sb - sa),
-    }
 
 
 def mapping_coverage(m: VocabMapping, freq: np.ndarray) -> float:

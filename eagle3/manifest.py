@@ -174,6 +174,16 @@ def completed(wd: WorkDir, stage: str, params: dict, inputs: dict) -> Manifest |
     return m
 
 
+def already_complete(wd: WorkDir, stage: str, params: dict, inputs: dict, *, force: bool) -> Manifest | None:
+    """`completed(...)` unless `force`, saying so in the log: every stage's first check."""
+    done = completed(wd, stage, params, inputs)
+    if done is None or force:
+        return None
+    log.info("stage %s already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
+             wd.number(stage), done.path)
+    return done
+
+
 def _jsonable(obj):
     return json.loads(json.dumps(obj, default=str))
 

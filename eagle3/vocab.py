@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,7 +58,7 @@ def mapping_from_ids(draft_ids: np.ndarray, target_vocab_size: int) -> tuple[np.
     """(d2t int64 [draft], t2d bool [target]) for sorted, unique `draft_ids`."""
     draft_ids = np.asarray(draft_ids, dtype=np.int64)
     assert np.all(np.diff(draft_ids) > 0), "draft ids must be strictly ascending"
-    d2t = draft_ids - np.arange(len(draft_ids), dtype=np.int64)
+    d2t = d2t_from_ids(draft_ids)
     t2d = np.zeros(target_vocab_size, dtype=bool)
     t2d[draft_ids] = True
     return d2t, t2d
@@ -67,6 +68,59 @@ def coverage(freq: np.ndarray, t2d: np.ndarray) -> float:
     """Share of (assistant) token occurrences whose id is in the draft vocabulary."""
     total = int(np.asarray(freq).sum())
     return float(np.asarray(freq)[t2d].sum() / total) if total else float("nan")
+
+
+def target_ids(d2t):
+    """The target id of each draft position: i + d2t[i] (numpy or torch, int64)."""
+    try:
+        import torch
+        if isinstance(d2t, torch.Tensor):
+            return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t.reshape(-1).to(torch.int64)
+    except ImportError:  # numpy-only callers
+        pass
+    d2t = np.asarray(d2t)
+    return np.arange(d2t.size, dtype=np.int64) + d2t.reshape(-1).astype(np.int64)
+
+
+def d2t_from_ids(ids):
+    """The offsets d2t[i] = ids[i] - i for sorted target ids (the inverse of `target_ids`)."""
+    try:
+        import torch
+        if isinstance(ids, torch.Tensor):
+            return ids.to(torch.int64) - torch.arange(ids.numel(), dtype=torch.int64, device=ids.device)
+    except ImportError:
+        pass
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids - np.arange(len(ids), dtype=np.int64)
+
+
+@dataclass
+class VocabMapping:
+    """A draft vocabulary: target id of each draft position (convention 2 order)."""
+
+    source: str
+    target_ids: np.ndarray  # int64 [draft_vocab]
+    vocab_size: int | None
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return len(self.target_ids)
+
+
+def compare_mappings(a: VocabMapping, b: VocabMapping) -> dict[str, Any]:
+    """Positions differing (i: a's id != b's id), tokens shared, tokens only in a or b."""
+    n = min(a.draft_vocab_size, b.draft_vocab_size)
+    differing = int((a.target_ids[:n] != b.target_ids[:n]).sum()) + abs(a.draft_vocab_size - b.draft_vocab_size)
+    sa, sb = set(a.target_ids.tolist()), set(b.target_ids.tolist())
+    return {
+        "a": {"source": a.source, "draft_vocab_size": a.draft_vocab_size, "vocab_size": a.vocab_size},
+        "b": {"source": b.source, "draft_vocab_size": b.draft_vocab_size, "vocab_size": b.vocab_size},
+        "positions_compared": max(a.draft_vocab_size, b.draft_vocab_size),
+        "positions_differing": differing,
+        "tokens_shared": len(sa & sb),
+        "only_in_a": len(sa - sb),
+        "only_in_b": len(sb - sa),
+    }
 
 
 # -- the stage -------------------------------------------------------------------

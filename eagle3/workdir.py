@@ -15,6 +15,7 @@ Every other module asks a `WorkDir` for a path instead of spelling it.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,11 @@ class WorkDir:
     @staticmethod
     def script(stage: str) -> str:
         return STAGES[stage][1]
+
+    @staticmethod
+    def number(stage: str) -> str:
+        """'04' for "train": the prefix of the stage's folder and script."""
+        return STAGES[stage][0][:2]
 
     # -- stage 00: generate ---------------------------------------------------
     def generate_identity(self) -> Path:
@@ -92,6 +98,12 @@ class WorkDir:
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints() / f"step-{step:07d}.pt"
+
+    @staticmethod
+    def checkpoint_step(path: Path | str) -> int | None:
+        """The step a `checkpoint(step)` file was written at; None for any other name."""
+        m = re.fullmatch(r"step-(\d+)\.pt", Path(path).name)
+        return int(m.group(1)) if m else None
 
     def best_checkpoint(self) -> Path:
         return self.checkpoints() / "best.pt"

@@ -5,7 +5,7 @@ the input of the final norm in transformers). Stage 02 then applies the target's
 RMSNorm itself and takes the full-vocab argmax in chunks, so the store holds the
 normed final state and the argmax, and stage 04 never needs the whole lm_head
 (163840 x 7168 for Kimi-K2.5): it loads only the draft vocabulary's rows with
-`load_lm_head(target, rows=draft_ids)`.
+`load_lm_head(target, rows=draft_ids)`. `load_embedding` reads the input embedding.
 
 Reads `model.safetensors` / `model.safetensors.index.json` of a local folder or a
 hub id (hub: downloads only the files holding these two tensors).
@@ -91,6 +91,16 @@ def load_lm_head(info: TargetInfo, rows: Sequence[int] | torch.Tensor | None = N
         names = _candidates(info, "model.embed_tokens.weight") + names
     w = load_tensors(info.source, {"lm_head": names})["lm_head"]
     return w if rows is None else w[torch.as_tensor(rows, dtype=torch.long)]
+
+
+def load_embedding(info: TargetInfo) -> torch.Tensor:
+    """The target's input embedding [V, H], checkpoint dtype (stage 04's frozen
+    embedding; stage 05's `--include-embed-tokens`)."""
+    emb = load_tensors(info.source, {"embed_tokens": _candidates(info, "model.embed_tokens.weight")})["embed_tokens"]
+    if tuple(emb.shape) != (info.vocab_size, info.hidden_size):
+        raise PipelineError(f"{info.source}: embed_tokens has shape {tuple(emb.shape)}, expected "
+                            f"({info.vocab_size}, {info.hidden_size}) from its config.json.")
+    return emb
 
 
 class TargetHead:
