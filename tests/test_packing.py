@@ -143,7 +143,7 @@ def kimi_info(**text):
 
 def test_mla_targets_default_to_head_dim_128_unless_the_user_sets_the_shape():
     from eagle3.train.config import TrainConfig
-    from eagle3.train.loop import drafter_config_for_target
+    from eagle3.drafter_io import drafter_config_for_target
 
     base = dict(work_dir="w", target_model="x")
     d = drafter_config_for_target(kimi_info(), TrainConfig(**base), 32000)
