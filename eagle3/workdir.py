@@ -8,7 +8,7 @@ Layout (one folder per stage, each finished by a manifest written last):
     WORK/03_vocab/          d2t.pt d2t.npy t2d.pt t2d.npy
     WORK/04_train/          checkpoints/, metrics.jsonl
     WORK/05_export/         config.json model.safetensors export_report.json
-    WORK/06_evaluate/       results.json and plots
+    WORK/06_evaluate/       results.json evaluate.png untrained_drafter/ runs/ logs/
     WORK/*/manifest.json
 
 Every other module asks a `WorkDir` for a path instead of spelling it.
@@ -124,3 +124,24 @@ class WorkDir:
     # -- stage 06: evaluate --------------------------------------------------
     def evaluate_dir(self) -> Path:
         return self.stage_dir("evaluate")
+
+    def evaluate_results(self) -> Path:
+        """Every figure stage 06 measured (eagle3/evaluate/report.py)."""
+        return self.stage_dir("evaluate") / "results.json"
+
+    def evaluate_plot(self) -> Path:
+        return self.stage_dir("evaluate") / "evaluate.png"
+
+    def untrained_drafter(self) -> Path:
+        """The baseline drafter folder: the exported config and mapping, fresh weights."""
+        return self.stage_dir("evaluate") / "untrained_drafter"
+
+    def engine_request(self, run: str) -> Path:
+        """What one stage-06 engine run ("plain", "trained", "untrained") is asked."""
+        return self.stage_dir("evaluate") / "runs" / f"{run}.request.json"
+
+    def engine_result(self, run: str) -> Path:
+        return self.stage_dir("evaluate") / "runs" / f"{run}.result.json"
+
+    def engine_log(self, run: str) -> Path:
+        return self.stage_dir("evaluate") / "logs" / f"{run}.log"
