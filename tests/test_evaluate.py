@@ -19,9 +19,9 @@ from eagle3.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter
 from eagle3.errors import PipelineError
 from eagle3.evaluate import (EvaluateConfig, assistant_turns, evaluate_drafter, held_out_prompts, report_lines,
                              summarise, training_expectation, write_untrained_drafter)
-from eagle3.evaluate_figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
+from eagle3.evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
                                      timing_problems)
-from eagle3.evaluate_prompts import Prompt, categories, file_prompts, timing_subset
+from eagle3.evaluate.prompts import Prompt, categories, file_prompts, timing_subset
 from eagle3.model import DrafterConfig, Eagle3Drafter
 from eagle3.workdir import WorkDir
 
@@ -355,7 +355,7 @@ def test_evaluate_refuses_another_target(tmp_path, prepared_llama, tiny_llama):
 
 
 def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama, monkeypatch):
-    import eagle3.evaluate as ev
+    import eagle3.evaluate.run as ev
 
     drafter = write_drafter(tmp_path / "d")
     monkeypatch.setattr(ev, "_worker_cmd", lambda req, out: [
@@ -397,7 +397,7 @@ def test_timings_disturbed_by_other_load_are_flagged():
 
 
 def test_per_token_expansion_used_for_sampled_verification():
-    from eagle3.evaluate import _expand_per_token
+    from eagle3.evaluate.run import _expand_per_token
 
     # Request temperatures spread over their draft tokens (2, 3 and 1 of them).
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)

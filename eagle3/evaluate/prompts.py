@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from .chats import ROLES, BadRecord, _content_text, iter_records
-from .errors import PipelineError
-from .workdir import WorkDir
+from ..chats import ROLES, BadRecord, _content_text, iter_records
+from ..errors import PipelineError
+from ..workdir import WorkDir
 
 
 @dataclass
@@ -135,7 +135,7 @@ def file_prompts(source: str, split: str, tok, prompt_field: str, category_field
     every prompt of it is meant to count. Prompts longer than `max_prompt_len` are
     skipped (and counted).
     """
-    from .loss_mask import render
+    from ..loss_mask import render
 
     local = Path(source).suffix in (".json", ".jsonl")
     if local and not Path(source).is_file():

@@ -62,14 +62,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import check_params, identity_params, param
-from .errors import PipelineError
-from .evaluate_figures import (acceptance_figures, counter_diff, outputs_match, report_lines,
+from ..config import check_params, identity_params, param
+from ..errors import PipelineError
+from .figures import (acceptance_figures, counter_diff, outputs_match, report_lines,
                                summarise, timing_figures, timing_problems, write_plot)
-from .evaluate_prompts import Prompt, assistant_turns, categories, file_prompts, held_out_prompts, timing_subset
-from .manifest import (Manifest, completed, manifest_fingerprint, read_manifest, sha256_file, sha256_json,
+from .prompts import Prompt, assistant_turns, categories, file_prompts, held_out_prompts, timing_subset
+from ..manifest import (Manifest, completed, manifest_fingerprint, read_manifest, sha256_file, sha256_json,
                        write_manifest)
-from .workdir import WorkDir
+from ..workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ UNTRAINED_DIR = "untrained_drafter"
 RUNS_DIR = "runs"
 LOGS_DIR = "logs"
 RUN_NAMES = ("plain", "trained", "untrained")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parent.parent.parent
 STAGE_SCRIPT = WorkDir.script("evaluate")
 DTYPES = ("bfloat16", "float16", "float32")
 WARMUP_TOKENS = 8  # a warmup request only needs to reach the decode path
@@ -163,9 +163,9 @@ def write_untrained_drafter(drafter_dir: Path, out_dir: Path, seed: int) -> Path
     """
     import torch
 
-    from .drafter_io import drafter_config_from_hf_config, load_drafter_dir, save_drafter_dir
-    from .engine_rules import D2T, T2D
-    from .model import DrafterConfig, Eagle3Drafter
+    from ..drafter_io import drafter_config_from_hf_config, load_drafter_dir, save_drafter_dir
+    from ..engine_rules import D2T, T2D
+    from ..model import DrafterConfig, Eagle3Drafter
 
     hf, tensors = load_drafter_dir(drafter_dir)
     dc = DrafterConfig.from_dict(drafter_config_from_hf_config(hf, tensors, source=str(drafter_dir)))
@@ -353,8 +353,8 @@ def serve_and_measure(req: dict) -> dict:
 
 def _serve_main(argv: list[str]) -> int:
     """`python -m eagle3.evaluate --serve REQUEST.json RESULT.json` (the worker entry point)."""
-    from .atomic import write_json
-    from .logs import setup_logging
+    from ..atomic import write_json
+    from ..logs import setup_logging
 
     setup_logging()
     req_path, out_path = Path(argv[0]), Path(argv[1])
@@ -377,7 +377,7 @@ def _worker_cmd(req_path: Path, out_path: Path) -> list[str]:
 
 
 def _run_engine(name: str, req: dict, stage_dir: Path, cfg: EvaluateConfig) -> dict:
-    from .atomic import write_json
+    from ..atomic import write_json
 
     runs, logs = stage_dir / RUNS_DIR, stage_dir / LOGS_DIR
     runs.mkdir(parents=True, exist_ok=True)
@@ -450,7 +450,7 @@ def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest |
     """(drafter folder, stage 05 manifest, export report); the last two are None when the
     drafter is not this work dir's export, so no training figures of another drafter are
     set beside its measurement."""
-    from .export import REPORT_JSON
+    from ..export import REPORT_JSON
 
     if cfg.drafter_dir is None:
         export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
@@ -472,7 +472,7 @@ def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest |
 def _check_target(cfg: EvaluateConfig, prep: Manifest | None, drafter_cfg: dict, drafter_dir: Path):
     """The target's info and tokenizer, checked against the drafter and (for stage 01's
     prompts, which are token ids) against stage 01's tokenizer."""
-    from .target import load_tokenizer, read_target_info, tokenizer_fingerprint
+    from ..target import load_tokenizer, read_target_info, tokenizer_fingerprint
 
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     if int(drafter_cfg.get("vocab_size", info.vocab_size)) != info.vocab_size:
@@ -511,7 +511,7 @@ def _load_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, max_prompt: int,
 
 def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     """Stage 06: serve plain / trained / untrained, write results.json, the plot and the manifest."""
-    from .atomic import write_json
+    from ..atomic import write_json
 
     wd = WorkDir(cfg.work_dir)
     stage_dir = wd.stage_dir("evaluate")
@@ -519,7 +519,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     prep = (read_manifest(wd, "prepare", needed_by=STAGE_SCRIPT)
             if cfg.prompts is None or wd.manifest("prepare").is_file() else None)
     drafter_dir, export_m, export_report = _resolve_drafter(wd, cfg)
-    from .drafter_io import CONFIG_NAME
+    from ..drafter_io import CONFIG_NAME
 
     cfg_file = drafter_dir / CONFIG_NAME
     if not cfg_file.is_file():
@@ -644,10 +644,3 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
         (log.warning if line.startswith("UNRELIABLE") else log.info)("%s", line)
     log.info("stage 06: results -> %s, plot -> %s", stage_dir / RESULTS_JSON, stage_dir / PLOT_PNG)
     return results
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-        sys.exit(_serve_main(sys.argv[2:]))
-    sys.exit("usage: python -m eagle3.evaluate --serve REQUEST.json RESULT.json "
-             "(internal; run stage 06 with 06_evaluate_drafter.py)")

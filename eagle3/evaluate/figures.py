@@ -399,7 +399,7 @@ def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
     matplotlib.use("Agg")  # no display on a server
     import matplotlib.pyplot as plt
 
-    from .atomic import atomic_path
+    from ..atomic import atomic_path
 
     K = r["num_speculative_tokens"]
     rows = r.get("acceptance") or []
