@@ -222,6 +222,14 @@ class StageConfig:
         check_params(self)
 
 
+def data_sources(data: list[str] | str, section: str) -> list[str]:
+    """A stage's `data` setting as a list (one YAML string is one source); empty is refused."""
+    data = [data] if isinstance(data, str) else list(data or [])
+    if not data:
+        raise PipelineError(f"{section}.data is empty; pass --data FILE.jsonl (or a datasets id).")
+    return data
+
+
 def stage_configs() -> dict[str, type | None]:
     """Section -> config class for every registered stage (None: its module is not in this tree)."""
     out: dict[str, type | None] = {}

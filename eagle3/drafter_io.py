@@ -29,6 +29,7 @@ import torch
 from .atomic import atomic_path
 from .engine_rules import (ARCHITECTURE, CAPTURE_TOPIC, D2T, EMBED_NAME, KNOWN_NAMES, T2D, Finding,
                            TargetFacts, aux_layer_config, check_drafter, errors, intended_layers)
+from .config import dtype_name, torch_dtype
 from .errors import PipelineError
 
 if TYPE_CHECKING:
@@ -41,23 +42,23 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 PICKLED_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.bin", "model.pt", "model.pth")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise PipelineError(f"dtype {dtype!r} is not one of {sorted(DTYPES)} (--dtype); use bf16 for serving.")
-    return DTYPES[dtype]
+    """A weight dtype: a torch dtype, or a name of eagle3/config.py's table (`bf16` or `bfloat16`)."""
+    return dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
+
+
+def _dtype_text(dtype: str | torch.dtype) -> str:
+    """The config.json spelling ('bfloat16') of a weight dtype."""
+    return dtype_name(str(resolve_dtype(dtype)).removeprefix("torch."))
 
 
 # --------------------------------------------------------------------------- config mapping
 
 def hf_config_from_drafter_config(drafter_config: Mapping[str, Any] | Any, aux_layers: list[int], *,
                                   max_position_embeddings: int | None = None,
-                                  dtype: str | torch.dtype = "bf16") -> dict[str, Any]:
+                                  dtype: str | torch.dtype = "bfloat16") -> dict[str, Any]:
     """The engines' config.json for a drafter (a `DrafterConfig` or its `to_dict()`).
 
     `aux_layers`: convention 1 ids the drafter was trained on, written for both engines
@@ -95,7 +96,7 @@ def hf_config_from_drafter_config(drafter_config: Mapping[str, Any] | Any, aux_l
         "vocab_size": int(d["target_vocab_size"]),
         "draft_vocab_size": int(d["draft_vocab_size"]),
         "tie_word_embeddings": False,
-        "torch_dtype": _HF_DTYPE_NAMES[resolve_dtype(dtype)],
+        "torch_dtype": _dtype_text(dtype),
     }
     if d.get("rope_scaling"):
         cfg["rope_scaling"] = dict(d["rope_scaling"])
@@ -291,7 +292,7 @@ def load_drafter_dir(path: Path | str) -> tuple[dict[str, Any], dict[str, torch.
 # --------------------------------------------------------------------------- writing
 
 def prepare_tensors(state_dict: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
-                    dtype: str | torch.dtype = "bf16", include_embed_tokens: bool = False
+                    dtype: str | torch.dtype = "bfloat16", include_embed_tokens: bool = False
                     ) -> dict[str, torch.Tensor]:
     """The tensors exactly as they will be saved: known names only, weights in `dtype`,
     d2t int64 and t2d bool, contiguous CPU copies; d2t dropped when the draft vocab is
@@ -323,7 +324,7 @@ def prepare_tensors(state_dict: Mapping[str, torch.Tensor], config: Mapping[str,
 
 
 def save_drafter_dir(out_dir: Path | str, state_dict: Mapping[str, torch.Tensor], config_dict: Mapping[str, Any],
-                     *, dtype: str | torch.dtype = "bf16", include_embed_tokens: bool = False,
+                     *, dtype: str | torch.dtype = "bfloat16", include_embed_tokens: bool = False,
                      overwrite: bool = False, target: TargetFacts | None = None,
                      allow_engine_mismatch: bool = False) -> list[Finding]:
     """Write config.json + model.safetensors into `out_dir`, atomically.
@@ -356,7 +357,7 @@ def save_drafter_dir(out_dir: Path | str, state_dict: Mapping[str, torch.Tensor]
         tmp.mkdir()
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
         (tmp / CONFIG_NAME).write_text(json.dumps(dict(config_dict), indent=2) + "\n")
-    log.info("wrote drafter %s (%d tensors, %s)", out_dir, len(tensors), _HF_DTYPE_NAMES[resolve_dtype(dtype)])
+    log.info("wrote drafter %s (%d tensors, %s)", out_dir, len(tensors), _dtype_text(dtype))
     return findings
 
 

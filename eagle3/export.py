@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from .atomic import atomic_path, write_json
-from .config import check_params, identity_params, param
-from .drafter_io import (CONFIG_NAME, WEIGHTS_NAME, DTYPES, hf_config_from_drafter_config,
+from .config import DTYPE_CHOICES, StageConfig, dtype_name, identity_params, param
+from .drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config,
                          save_drafter_dir)
 from .engine_rules import (RULES, TargetFacts, captured_layers, d2t_summary, rules_for, translation_problems)
 from .errors import PipelineError
-from .manifest import (Manifest, completed, manifest_fingerprint, read_manifest, sha256_file, sha256_json,
+from .manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file, sha256_json,
                        write_manifest)
 from .target import TargetInfo, read_target_info, validate_aux_layers
 from .workdir import WorkDir
@@ -42,21 +42,22 @@ REPORT_MD = "export_report.md"
 STAGE_SCRIPT = WorkDir.script("export")
 
 
-@dataclass
-class ExportConfig:
+@dataclass(kw_only=True)
+class ExportConfig(StageConfig):
     work_dir: Path = param(help="work directory (stages 02 and 04 must have run in it)")
     target_model: str = param(help="target model folder or hub id the drafter will serve with")
     checkpoint: Path | None = param(None, help="stage 04 checkpoint to export (default: the best one)")
     out_dir: Path | None = param(None, help="drafter folder to write (default: WORK/05_export)")
     include_embed_tokens: bool = param(False, help="also write the target's embedding as embed_tokens "
                                                    "(the engines use the target's when it is absent)")
-    dtype: str = param("bf16", choices=tuple(sorted(DTYPES)), help="weight dtype (bf16 is what the engines serve)")
+    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="weight dtype (bfloat16 is what the engines serve)")
     allow_engine_mismatch: bool = param(False, identity=False, help="export even when an engine rule would "
                                         "capture other layers than training used (the report says which)")
     force: bool = param(False, identity=False, help="redo the export even if it is complete")
 
     def __post_init__(self):
-        check_params(self)  # the choices and ranges declared with the fields
+        super().__post_init__()  # the choices and ranges declared with the fields
+        self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16
 
 
 # --------------------------------------------------------------------------- stage 04's checkpoint
@@ -296,10 +297,7 @@ def export_drafter(cfg: ExportConfig) -> Path:
     inputs = {"checkpoint": sha256_file(ckpt_path) if ckpt_path.is_file() else str(ckpt_path),
               "extract": manifest_fingerprint(extract_m),
               "target_config": sha256_json(info.text_config)}
-    done = completed(wd, "export", params, inputs)
-    if done and not cfg.force and _drafter_intact(out_dir, done):
-        log.info("stage 05 already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
-                 done.path)
+    if already_complete(wd, "export", params, inputs, force=cfg.force, intact=lambda m: _drafter_intact(out_dir, m)):
         return out_dir
 
     drafter_cfg, state, meta = read_training_checkpoint(ckpt_path)

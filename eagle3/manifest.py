@@ -27,7 +27,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from .atomic import write_json
 from .errors import PipelineError
@@ -174,10 +174,15 @@ def completed(wd: WorkDir, stage: str, params: dict, inputs: dict) -> Manifest |
     return m
 
 
-def already_complete(wd: WorkDir, stage: str, params: dict, inputs: dict, *, force: bool) -> Manifest | None:
-    """`completed(...)` unless `force`, saying so in the log: every stage's first check."""
+def already_complete(wd: WorkDir, stage: str, params: dict, inputs: dict, *, force: bool,
+                     intact: Callable[[Manifest], bool] | None = None) -> Manifest | None:
+    """`completed(...)` unless `force`, saying so in the log: every stage's first check.
+
+    `intact(manifest)`: the stage's own check that what the manifest lists is still whole
+    and finished (a store's checksums, a drafter folder's files); False means redo.
+    """
     done = completed(wd, stage, params, inputs)
-    if done is None or force:
+    if done is None or force or (intact is not None and not intact(done)):
         return None
     log.info("stage %s already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
              wd.number(stage), done.path)

@@ -26,7 +26,7 @@ import logging
 import multiprocessing as mp
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +34,11 @@ from tqdm import tqdm
 
 from .atomic import atomic_path, save_numpy
 from .chats import BadRecord, RawRecord, iter_records, normalize, sample_id
-from .config import check_params, identity_params, param
+from .config import StageConfig, data_sources, identity_params, param
 from .errors import PipelineError
 from .loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
-from .manifest import Manifest, check_same, completed, manifest_fingerprint, read_manifest, sha256_file, write_manifest
+from .manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest, sha256_file,
+                       write_manifest)
 from .target import (chat_template_fingerprint, load_tokenizer, read_target_info,
                      tokenizer_fingerprint)
 from .workdir import SPLITS, WorkDir
@@ -47,9 +48,8 @@ log = logging.getLogger(__name__)
 GENERATED = "generated"  # `--data generated`: stage 00's output in this work directory
 
 
-@dataclass
-class PrepareConfig:
-    work_dir: Path = param(help="work directory; each stage writes one folder in it")
+@dataclass(kw_only=True)
+class PrepareConfig(StageConfig):
     target_model: str = param(help="target model folder or hub id (its tokenizer and chat template are used)")
     data: list[str] = param(help="chat files (.json/.jsonl, ShareGPT or OpenAI messages), datasets ids, or "
                                  "`generated` for stage 00's regenerated chats (00_generate/)")
@@ -61,14 +61,10 @@ class PrepareConfig:
     strict: bool = param(False, help="stop at the first bad record instead of counting it")
     num_workers: int = param(0, identity=False, help="tokenizer processes (0 = auto: CPUs - 1, max 16, "
                                                     "one per 5000 records)")
-    force: bool = param(False, identity=False, help="redo the stage even if it is complete")
 
     def __post_init__(self):
-        if isinstance(self.data, str):
-            self.data = [self.data]
-        if not self.data:
-            raise PipelineError("prepare.data is empty; pass --data FILE.jsonl (or a datasets id).")
-        check_params(self)  # the choices and ranges declared with the fields
+        self.data = data_sources(self.data, "prepare")
+        super().__post_init__()  # the choices and ranges declared with the fields
 
 
 @dataclass
@@ -250,10 +246,8 @@ def prepare_dataset(cfg: PrepareConfig):
     gen = generated_manifest(cfg, tok) if uses_generated(cfg) else None
     template_kwargs = gen.extra.get("chat_template_kwargs") if gen else None
     params, inputs = identity_params(cfg), _input_fingerprints(cfg, tok, gen)
-    done = completed(wd, "prepare", params, inputs)
-    if done and not cfg.force:
-        log.info("stage 01 already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
-                 done.path)
+    done = already_complete(wd, "prepare", params, inputs, force=cfg.force)
+    if done:
         return done
     if len(tok) > info.vocab_size:
         raise PipelineError(

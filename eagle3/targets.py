@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .atomic import atomic_path
+from .config import torch_dtype
 from .errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -151,11 +152,10 @@ def is_built(out: Path, spec: TargetSpec) -> bool:
 
 def convert_gguf(gguf: Path, out: Path, spec: TargetSpec) -> None:
     """Dequantise `gguf` with transformers and write a plain folder at `out`, atomically."""
-    import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    dtype = getattr(torch, spec.dtype)
+    dtype = torch_dtype(spec.dtype)
     folder, name = str(gguf.parent), gguf.name
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(

@@ -18,25 +18,21 @@ from typing import Any
 import numpy as np
 
 from .atomic import save_numpy, save_torch
-from .config import check_params, identity_params, param
+from .config import StageConfig, identity_params, param
 from .errors import PipelineError
-from .manifest import completed, manifest_fingerprint, read_manifest, write_manifest
+from .manifest import already_complete, manifest_fingerprint, read_manifest, write_manifest
 from .target import load_tokenizer, tokenizer_fingerprint
 from .workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class VocabConfig:
+@dataclass(kw_only=True)
+class VocabConfig(StageConfig):
     work_dir: Path = param(help="work directory (stage 01 must have run in it)")
     target_model: str | None = param(None, help="target model; when given, its tokenizer must be stage 01's")
     trust_remote_code: bool = param(False, help="allow the tokenizer's custom code")
     draft_vocab_size: int = param(32000, min=1, help="number of target tokens the drafter predicts")
-    force: bool = param(False, identity=False, help="redo the stage even if it is complete")
-
-    def __post_init__(self):
-        check_params(self)  # the choices and ranges declared with the fields
 
 
 # -- pure core -------------------------------------------------------------------
@@ -152,10 +148,8 @@ def build_vocab_mapping(cfg: VocabConfig):
     params = identity_params(cfg)
     params.pop("target_model")  # checked above; the identity is stage 01's manifest
     inputs = {"prepare": manifest_fingerprint(prep)}
-    done = completed(wd, "vocab", params, inputs)
-    if done and not cfg.force:
-        log.info("stage 03 already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
-                 done.path)
+    done = already_complete(wd, "vocab", params, inputs, force=cfg.force)
+    if done:
         return done
 
     draft_ids = select_draft_ids(freqs["train"], cfg.draft_vocab_size)

@@ -9,22 +9,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import check_params, param
+from ..config import DTYPE_CHOICES, StageConfig, dtype_name, param
 from ..errors import PipelineError
 
 BACKENDS = ("vllm", "hf")
-DTYPES = ("bfloat16", "float16", "float32")
 
 
-@dataclass
-class ExtractConfig:
+@dataclass(kw_only=True)
+class ExtractConfig(StageConfig):
     work_dir: Path = param(help="work directory (stage 01 output in it; the store goes to 02_hidden_states/)")
     target_model: str = param(help="target model folder or hub id (the one served, same tokenizer as stage 01)")
     trust_remote_code: bool = param(False, help="allow the target's custom code (Kimi's tokenizer needs it)")
     backend: str = param("vllm", choices=BACKENDS, help="vllm (GPU box, tensor/data parallel) or hf (transformers; CPU "
                                       "reference and small targets)")
     aux_layers: list[int] | None = param(None, help="aux layer ids, convention 1 (default [2, N//2, N-3])")
-    dtype: str = param("bfloat16", choices=DTYPES, help="dtype the target runs in (the store is always bf16)")
+    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="dtype the target runs in (the store is always bf16)")
     samples_per_file: int = param(256, min=1, help="samples per store file: the unit of resume and of multi-box "
                                             "splitting")
     # --- how the work is done (not part of the store's identity) ---
@@ -50,7 +49,8 @@ class ExtractConfig:
                                                     "folder) and start over")
 
     def __post_init__(self):
-        check_params(self)  # the choices and ranges declared with the fields
+        super().__post_init__()  # the choices and ranges declared with the fields
+        self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16
         if not self.shard_index < self.num_shards:
             raise PipelineError(f"--shard-index {self.shard_index} with --num-shards {self.num_shards}: "
                                 f"need 0 <= shard_index < num_shards.")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..batching import group_by_padded_tokens
+from ..config import torch_dtype
 from ..cpu import bf16_fused_attention_ok
 from ..errors import PipelineError
 from ..store import FileLayout, write_sample_states
@@ -29,7 +30,6 @@ from .target_head import PREFIXES
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _load_nested_text_model(info: TargetInfo, dtype: torch.dtype, trust_remote_code: bool):
@@ -80,7 +80,7 @@ def _attention_kernels(device: str | torch.device, dtype: torch.dtype):
 def load_model(info: TargetInfo, dtype: str, device: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM
 
-    td = DTYPES[dtype]
+    td = torch_dtype(dtype)
     if info.text_config_key is not None:
         model = _load_nested_text_model(info, td, trust_remote_code)
     else:

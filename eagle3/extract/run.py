@@ -40,7 +40,7 @@ from tqdm import tqdm
 from .. import store
 from ..config import identity_params
 from ..errors import PipelineError
-from ..manifest import (Manifest, check_same, completed, manifest_fingerprint, read_manifest, sha256_json,
+from ..manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest, sha256_json,
                         write_manifest)
 from ..target import (TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint, validate_aux_layers,
                       weights_fingerprint)
@@ -380,18 +380,25 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     return m
 
 
+def store_intact(d: Path, m: Manifest, *, verify_checksums: bool) -> bool:
+    """A finished store whose every file is still there, whole (and, when asked, with its checksum)."""
+    if not m.extra.get("complete"):
+        return False
+    entries = json.loads((d / store.INDEX_JSON).read_text())["splits"]
+    bad = [store.file_problem(d, e, verify_checksum=verify_checksums)
+           for info in entries.values() for e in info["files"]]
+    if any(bad):
+        log.warning("stage 02's store is damaged (%s); redoing the damaged files", next(b for b in bad if b))
+    return not any(bad)
+
+
 def extract_hidden_states(cfg: ExtractConfig) -> Manifest:
     p = validate(cfg)
     d = p.wd.store()
-    done = completed(p.wd, "extract", p.params, p.inputs)
-    if done and not cfg.force and done.extra.get("complete"):
-        entries = json.loads((d / store.INDEX_JSON).read_text())["splits"]
-        bad = [store.file_problem(d, e, verify_checksum=cfg.verify_checksums)
-               for info in entries.values() for e in info["files"]]
-        if not any(bad):
-            log.info("stage 02 already complete (%s); nothing to do. Pass --force to redo it.", done.path)
-            return done
-        log.warning("stage 02's store is damaged (%s); redoing the damaged files", next(b for b in bad if b))
+    done = already_complete(p.wd, "extract", p.params, p.inputs, force=cfg.force,
+                            intact=lambda m: store_intact(d, m, verify_checksums=cfg.verify_checksums))
+    if done:
+        return done
     check_store_identity(p, cfg.force)
 
     plan = plan_files(p.num_samples, cfg.samples_per_file)

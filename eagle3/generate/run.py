@@ -45,7 +45,7 @@ from ..chats import RawRecord, iter_records
 from ..config import identity_params
 from ..errors import PipelineError
 from ..loss_mask import assistant_suffix
-from ..manifest import Manifest, completed, sha256_file, sha256_json, write_manifest
+from ..manifest import Manifest, already_complete, sha256_file, sha256_json, write_manifest
 from ..target import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
 from ..workdir import WorkDir
 from .config import GenerateConfig
@@ -360,9 +360,9 @@ def generate_responses(cfg: GenerateConfig, engine: Engine | None = None) -> Man
     """Run stage 00. `engine`: an engine already started (tests and the benchmark share one);
     by default this starts its own (one per data-parallel rank) and closes it."""
     p = plan(cfg)
-    done = completed(p.wd, "generate", p.params, p.inputs)
-    if done and not cfg.force and done.extra.get("complete"):
-        log.info("stage 00 already complete (%s); nothing to do. Pass --force to redo it.", done.path)
+    done = already_complete(p.wd, "generate", p.params, p.inputs, force=cfg.force,
+                            intact=lambda m: bool(m.extra.get("complete")))  # every box's chunks are in
+    if done:
         return done
     check_identity(p, cfg.force)
     mine = list(range(p.num_chunks))[cfg.shard_index::cfg.num_shards]
