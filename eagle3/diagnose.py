@@ -31,7 +31,7 @@ import argparse
 import json
 import logging
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -182,16 +182,14 @@ def load_mapping(path: Path | str) -> VocabMapping:
             ids = np.arange(int(files.config.get("draft_vocab_size") or V), dtype=np.int64)
         return VocabMapping(str(path), ids, int(V) if V else None)
     wd = WorkDir(path)
-    for folder in (path, wd.stage_dir("vocab")):
-        for name in ("d2t.npy", "d2t.pt"):
-            if (folder / name).is_file():
-                ids = _ids_from_array(_load_array(folder / name), str(folder / name))
-                V = None
-                if (folder / "t2d.npy").is_file():
-                    V = int(np.load(folder / "t2d.npy").shape[0])
-                return VocabMapping(str(folder / name), ids, V)
-    raise PipelineError(f"{path} holds no drafter ({CONFIG_NAME}), no d2t.npy/d2t.pt, and no "
-                        f"{WorkDir(path).stage_dir('vocab').name}/ folder.")
+    for folder in (path, wd.stage_dir("vocab")):  # a stage 03 folder, or a work dir holding one
+        for d2t in (folder / wd.d2t(suffix).name for suffix in ("npy", "pt")):
+            if d2t.is_file():
+                t2d = folder / wd.t2d("npy").name
+                V = int(np.load(t2d).shape[0]) if t2d.is_file() else None
+                return VocabMapping(str(d2t), _ids_from_array(_load_array(d2t), str(d2t)), V)
+    raise PipelineError(f"{path} holds no drafter ({CONFIG_NAME}), no {wd.d2t('npy').name}/{wd.d2t('pt').name}, "
+                        f"and no {wd.stage_dir('vocab').name}/ folder.")
 
 
 def mapping_coverage(m: VocabMapping, freq: np.ndarray) -> float:

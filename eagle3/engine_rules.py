@@ -56,6 +56,9 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from .target import default_aux_layers
+from .vocab import target_ids
+
 # --------------------------------------------------------------------------- names
 
 VLLM = "vllm"  # the V1 model runner (the key predates V2 in reports and manifests)
@@ -145,11 +148,6 @@ VERSION_RULES: tuple[VersionRule, ...] = (
 
 # --------------------------------------------------------------------------- layer ids
 
-def default_layers(num_layers: int) -> list[int]:
-    """Both engines' default when a drafter config names no layers: [2, N//2, N-3]."""
-    return [2, num_layers // 2, num_layers - 3]
-
-
 def aux_layer_config(layers: Iterable[int]) -> dict[str, Any]:
     """The config.json keys that make every engine capture `layers` (convention 1 ids).
 
@@ -190,7 +188,7 @@ def captured_layers(rule: str, config: Mapping[str, Any], num_target_layers: int
     else:
         raise ValueError(f"unknown engine rule {rule!r}; one of {list(RULES)}")
     if ids is None and num_target_layers is not None:
-        ids = default_layers(num_target_layers)
+        ids = default_aux_layers(num_target_layers)  # both engines' default is the pipeline's [2, N//2, N-3]
     return ids
 
 
@@ -385,7 +383,7 @@ class TargetFacts:
 
 def d2t_summary(d2t: torch.Tensor, vocab_size: int | None) -> dict[str, Any]:
     """Sanity of a d2t: target ids `i + d2t[i]` unique, ascending, in range."""
-    ids = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.reshape(-1).to(torch.int64)
+    ids = target_ids(d2t)
     out: dict[str, Any] = {"size": int(d2t.numel()), "dtype": str(d2t.dtype).replace("torch.", "")}
     if ids.numel() == 0:
         return {**out, "duplicates": 0, "ascending": True, "out_of_range": 0}
@@ -591,7 +589,7 @@ class _Check:
         t2d_raw = self.loaded.get(T2D) or next((r for r in self.t if sglang_name(r)[1] == T2D), None)
         if t2d_raw is not None and not s["out_of_range"]:
             t2d = self.t[t2d_raw]
-            ids = torch.arange(d2t.numel()) + d2t.to(torch.int64)
+            ids = target_ids(d2t)
             if t2d.shape != (V,) or t2d.dtype != torch.bool or int(t2d.sum()) != d2t.numel() \
                     or not bool(t2d[ids].all()):
                 add("warning", "pipeline", "t2d", "t2d disagrees with d2t (both engines ignore t2d, but this "
@@ -606,7 +604,7 @@ class _Check:
         if layers is not None:
             for p in layer_range_problems(layers, N):
                 self.add("error", "both", "layers", f"{where} = {layers}: {p}")
-        ref = layers if layers is not None else (default_layers(N) if N else None)
+        ref = layers if layers is not None else (default_aux_layers(N) if N else None)
         for rule in rules_for(target.family if target else None):
             got = captured_layers(rule, cfg, N)
             if got is None or ref is None or got == ref:

@@ -28,17 +28,17 @@ from .atomic import atomic_path, write_json
 from .config import DTYPE_CHOICES, StageConfig, dtype_name, identity_params, param
 from .drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config,
                          save_drafter_dir)
-from .engine_rules import (RULES, TargetFacts, captured_layers, d2t_summary, rules_for, translation_problems)
+from .engine_rules import (D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for, translation_problems)
 from .errors import PipelineError
 from .manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file, sha256_json,
                        write_manifest)
 from .target import TargetInfo, read_target_info, validate_aux_layers
-from .workdir import WorkDir
+from .workdir import MANIFEST_NAME, WorkDir
 
 log = logging.getLogger(__name__)
 
-REPORT_JSON = "export_report.json"
-REPORT_MD = "export_report.md"
+# The report's file names, for readers that look for them in another folder (WorkDir spells them).
+REPORT_JSON, REPORT_MD = WorkDir(Path()).export_report("json").name, WorkDir(Path()).export_report("md").name
 STAGE_SCRIPT = WorkDir.script("export")
 
 
@@ -157,12 +157,12 @@ def expected_accept_length(meta: dict, train_m: Manifest | None) -> tuple[float 
 
 def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> dict[str, Any]:
     """Share of stage 01's assistant tokens (per split) the exported draft vocab can predict."""
-    from .vocab import coverage
+    from .vocab import coverage, target_ids
 
     out: dict[str, Any] = {}
     if d2t is None:
         return {"note": "draft vocab = target vocab (no d2t): coverage 100%"}
-    ids = (torch.arange(d2t.numel()) + d2t.to(torch.int64)).numpy()
+    ids = target_ids(d2t).numpy()
     t2d = np.zeros(vocab_size, dtype=bool)
     t2d[ids[(ids >= 0) & (ids < vocab_size)]] = True
     for split in ("train", "eval"):
@@ -187,7 +187,7 @@ def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> di
             out["stage03_manifest"] = {"note": str(e)}
     if wd.d2t("npy").is_file():
         s03 = np.load(wd.d2t("npy"))
-        ids03 = s03 + np.arange(len(s03))
+        ids03 = target_ids(s03)
         out["vs_stage03"] = {
             "positions_differing": int((ids03 != ids).sum()) if len(ids03) == len(ids) else None,
             "tokens_shared": int(len(np.intersect1d(ids03, ids))),
@@ -196,27 +196,15 @@ def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> di
     return out
 
 
-def target_embedding(info: TargetInfo) -> torch.Tensor:
-    """The target's input embedding [V, H], read from its safetensors without loading the model."""
-    from safetensors import safe_open
+def embed_tokens(info: TargetInfo) -> torch.Tensor:
+    """The target's input embedding [V, H] for `--include-embed-tokens`."""
+    from .extract.target_head import load_embedding
 
-    folder = Path(info.source)
-    if not folder.is_dir():
-        from huggingface_hub import snapshot_download
-
-        folder = Path(snapshot_download(info.source, allow_patterns=["*.json", "*.safetensors"]))
-    files = sorted(folder.glob("*.safetensors"))
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                if name.endswith("embed_tokens.weight"):
-                    emb = st.get_tensor(name)
-                    if tuple(emb.shape) != (info.vocab_size, info.hidden_size):
-                        continue
-                    log.info("embed_tokens from %s [%s]", f.name, name)
-                    return emb
-    raise PipelineError(f"no embed_tokens.weight of shape ({info.vocab_size}, {info.hidden_size}) in "
-                        f"{folder}/*.safetensors; export without --include-embed-tokens.")
+    try:
+        return load_embedding(info)
+    except PipelineError as e:
+        raise PipelineError(f"--include-embed-tokens: {e} Export without --include-embed-tokens: the engines "
+                            f"then use the target's own embedding.") from e
 
 
 # --------------------------------------------------------------------------- the report
@@ -280,123 +268,173 @@ def report_markdown(r: dict) -> str:
 
 # --------------------------------------------------------------------------- the stage
 
-def export_drafter(cfg: ExportConfig) -> Path:
-    """Stage 05: write the drafter folder, the export report and the manifest; return the folder."""
+@dataclass
+class ExportInputs:
+    """What stage 05 reads before writing anything, and the identity it records."""
+
+    wd: WorkDir
+    info: TargetInfo
+    facts: TargetFacts
+    layers: list[int]  # convention 1 ids stage 02 extracted
+    extract_m: Manifest
+    ckpt_path: Path
+    train_m: Manifest | None
+    out_dir: Path
+    params: dict
+    inputs: dict
+
+    @property
+    def in_stage_dir(self) -> bool:
+        """The drafter goes inside WORK/05_export (then its files are the manifest's outputs too)."""
+        stage_dir, out = self.wd.export_dir().resolve(), self.out_dir.resolve()
+        return out == stage_dir or stage_dir in out.parents
+
+
+def export_inputs(cfg: ExportConfig) -> ExportInputs:
+    """The target, stage 02's layer ids, the checkpoint and the output folder, checked."""
     wd = WorkDir(cfg.work_dir)
-    info = read_target_info(cfg.target_model)
-    facts = TargetFacts.from_info(info)
+    info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     layers, extract_m = aux_layers_from_extract(wd)
     validate_aux_layers(layers, info.num_layers, source=f"aux layers of {extract_m.path}")
     ckpt_path, train_m = resolve_checkpoint(wd, cfg.checkpoint)
     out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else wd.export_dir()
-    stage_dir = wd.stage_dir("export")
-    in_stage = out_dir.resolve() == stage_dir.resolve() or stage_dir.resolve() in out_dir.resolve().parents
-
-    params = identity_params(cfg)
-    params["out_dir"] = str(out_dir)
+    params = {**identity_params(cfg), "out_dir": str(out_dir)}
     inputs = {"checkpoint": sha256_file(ckpt_path) if ckpt_path.is_file() else str(ckpt_path),
               "extract": manifest_fingerprint(extract_m),
               "target_config": sha256_json(info.text_config)}
-    if already_complete(wd, "export", params, inputs, force=cfg.force, intact=lambda m: _drafter_intact(out_dir, m)):
-        return out_dir
+    return ExportInputs(wd, info, TargetFacts.from_info(info), layers, extract_m, ckpt_path, train_m, out_dir,
+                        params, inputs)
 
-    drafter_cfg, state, meta = read_training_checkpoint(ckpt_path)
+
+def checked_checkpoint(x: ExportInputs):
+    """(DrafterConfig, state dict, metadata) of the checkpoint, refused when it was trained for
+    another target or on other layers than stage 02 extracted."""
     from .model import DrafterConfig
 
+    drafter_cfg, state, meta = read_training_checkpoint(x.ckpt_path)
     dc = DrafterConfig.from_dict(drafter_cfg)  # validates the sizes
-    fix = f"export with the target the drafter was trained for (--target-model), or retrain (stage 04)"
-    for what, ours, theirs in (("target hidden size", dc.target_hidden_size, info.hidden_size),
-                               ("target vocab size", dc.target_vocab_size, info.vocab_size),
-                               ("number of aux layers", dc.num_aux_layers, len(layers))):
+    fix = "export with the target the drafter was trained for (--target-model), or retrain (stage 04)"
+    for what, ours, theirs in (("target hidden size", dc.target_hidden_size, x.info.hidden_size),
+                               ("target vocab size", dc.target_vocab_size, x.info.vocab_size),
+                               ("number of aux layers", dc.num_aux_layers, len(x.layers))):
         if ours != theirs:
-            raise PipelineError(f"{what} mismatch: {ours} ({ckpt_path} drafter_config) vs {theirs} "
-                                f"({cfg.target_model} / {extract_m.path}); {fix}.")
-    if meta.get("aux_layers") is not None and [int(k) for k in meta["aux_layers"]] != layers:
-        raise PipelineError(f"aux layers mismatch: {list(meta['aux_layers'])} ({ckpt_path}) vs {layers} "
-                            f"({extract_m.path}); the checkpoint was trained on another extraction; export in "
+            raise PipelineError(f"{what} mismatch: {ours} ({x.ckpt_path} drafter_config) vs {theirs} "
+                                f"({x.info.source} / {x.extract_m.path}); {fix}.")
+    if meta.get("aux_layers") is not None and [int(k) for k in meta["aux_layers"]] != x.layers:
+        raise PipelineError(f"aux layers mismatch: {list(meta['aux_layers'])} ({x.ckpt_path}) vs {x.layers} "
+                            f"({x.extract_m.path}); the checkpoint was trained on another extraction; export in "
                             f"the work dir it was trained in.")
-    if dc.max_position_embeddings < info.max_position_embeddings:
+    if dc.max_position_embeddings < x.info.max_position_embeddings:
         log.info("raising max_position_embeddings from %d (drafter) to the target's %d: SGLang refuses a "
-                 "shorter draft context", dc.max_position_embeddings, info.max_position_embeddings)
+                 "shorter draft context", dc.max_position_embeddings, x.info.max_position_embeddings)
+    return dc, state, meta
 
-    problems = translation_problems(layers, facts.family)
+
+def layer_problems(layers: list[int], family: str | None, allow_engine_mismatch: bool) -> list[str]:
+    """Why some engine serving this target family would capture other layers (refused unless allowed)."""
+    problems = translation_problems(layers, family)
     if problems:
-        msg = (f"aux layers {layers} cannot be written so that every engine serving this {facts.family}-family "
+        msg = (f"aux layers {layers} cannot be written so that every engine serving this {family}-family "
                f"target captures them: " + "; ".join(problems) + ". Layer choices starting at 2 (the default "
                f"[2, N//2, N-3]) work everywhere; re-extract (stage 02) with such ids, or pass "
                f"--allow-engine-mismatch if you serve only with an engine that reads them right.")
-        if not cfg.allow_engine_mismatch:
+        if not allow_engine_mismatch:
             raise PipelineError(msg)
         log.warning("%s", msg)
+    return problems
 
-    hf = hf_config_from_drafter_config(dc, layers, max_position_embeddings=info.max_position_embeddings,
-                                       dtype=cfg.dtype)
-    if cfg.include_embed_tokens:
-        state = {**state, "embed_tokens.weight": target_embedding(info)}
-    _check_out_dir(out_dir, stage_dir, cfg.force)
-    findings = save_drafter_dir(out_dir, state, hf, dtype=cfg.dtype, include_embed_tokens=cfg.include_embed_tokens,
-                                overwrite=True, target=facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
 
-    # -- report ---------------------------------------------------------------------
+def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, meta: dict, problems: list[str],
+                 findings: list) -> dict:
+    """The export report: what was written, the layers each engine captures, coverage, quality."""
     from safetensors import safe_open
 
-    with safe_open(str(out_dir / WEIGHTS_NAME), framework="pt") as st:
+    with safe_open(str(x.out_dir / WEIGHTS_NAME), framework="pt") as st:
         saved = {n: st.get_slice(n) for n in st.keys()}
         tensors = {n: {"shape": list(s.get_shape()), "dtype": s.get_dtype()} for n, s in saved.items()}
-        d2t = st.get_tensor("d2t") if "d2t" in saved else None
-    eal, eal_src = expected_accept_length(meta, train_m)
-    report = {
-        "out_dir": str(out_dir),
+        d2t = st.get_tensor(D2T) if D2T in saved else None
+    eal, eal_src = expected_accept_length(meta, x.train_m)
+    info = x.info
+    return {
+        "out_dir": str(x.out_dir),
         "dtype": cfg.dtype,
         "include_embed_tokens": cfg.include_embed_tokens,
-        "checkpoint": {"path": str(ckpt_path), "sha256": inputs["checkpoint"], "step": meta.get("step")},
-        "target": {"source": info.source, "architecture": info.architecture, "family": facts.family,
+        "checkpoint": {"path": str(x.ckpt_path), "sha256": x.inputs["checkpoint"], "step": meta.get("step")},
+        "target": {"source": info.source, "architecture": info.architecture, "family": x.facts.family,
                    "num_layers": info.num_layers, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
                    "max_position_embeddings": info.max_position_embeddings},
         "drafter_config": dc.to_dict(),
         "config": hf,
         "layers": {
-            "trained": layers,
+            "trained": x.layers,
             "config_top_level": hf["eagle_aux_hidden_state_layer_ids"],
             "config_nested": hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
-            "captured": {rule: captured_layers(rule, hf, info.num_layers) for rule in rules_for(facts.family)},
+            "captured": {rule: captured_layers(rule, hf, info.num_layers) for rule in rules_for(x.facts.family)},
             "problems": problems,
         },
-        "vocab": vocab_coverage(wd, d2t, info.vocab_size),
+        "vocab": vocab_coverage(x.wd, d2t, info.vocab_size),
         "d2t": d2t_summary(d2t, info.vocab_size) if d2t is not None else None,
         "expected_accept_length": {"value": eal, "source": eal_src},
         "tensors": tensors,
-        "files": {name: sha256_file(out_dir / name) for name in (CONFIG_NAME, WEIGHTS_NAME)},
+        "files": {name: sha256_file(x.out_dir / name) for name in (CONFIG_NAME, WEIGHTS_NAME)},
         "findings": [f.line() for f in findings if f.level != "info"],
     }
-    stage_dir.mkdir(parents=True, exist_ok=True)
-    write_json(stage_dir / REPORT_JSON, report)
-    with atomic_path(stage_dir / REPORT_MD) as tmp:
-        tmp.write_text(report_markdown(report))
 
-    outputs = [stage_dir / REPORT_JSON, stage_dir / REPORT_MD]
-    if in_stage:
+
+def write_report_and_manifest(x: ExportInputs, report: dict) -> Manifest:
+    """The report (json and md) and stage 05's manifest, written last."""
+    wd, out_dir = x.wd, x.out_dir
+    wd.export_dir().mkdir(parents=True, exist_ok=True)
+    write_json(wd.export_report("json"), report)
+    with atomic_path(wd.export_report("md")) as tmp:
+        tmp.write_text(report_markdown(report))
+    outputs = [wd.export_report("json"), wd.export_report("md")]
+    if x.in_stage_dir:
         outputs += [out_dir / CONFIG_NAME, out_dir / WEIGHTS_NAME]
-    counts = {"tensors": len(tensors), "draft_vocab_size": dc.draft_vocab_size,
+    counts = {"tensors": len(report["tensors"]), "draft_vocab_size": report["drafter_config"]["draft_vocab_size"],
               "bytes": sum((out_dir / n).stat().st_size for n in (CONFIG_NAME, WEIGHTS_NAME))}
-    m = write_manifest(wd, "export", params=params, inputs=inputs, counts=counts, outputs=outputs,
-                       extra={"drafter_dir": str(out_dir), "drafter_files": report["files"],
-                              "aux_layers": layers, "expected_accept_length": eal})
-    cov = report["vocab"].get("eval", {}).get("coverage") if isinstance(report["vocab"].get("eval"), dict) else None
+    return write_manifest(wd, "export", params=x.params, inputs=x.inputs, counts=counts, outputs=outputs,
+                          extra={"drafter_dir": str(out_dir), "drafter_files": report["files"],
+                                 "aux_layers": x.layers,
+                                 "expected_accept_length": report["expected_accept_length"]["value"]})
+
+
+def export_drafter(cfg: ExportConfig) -> Path:
+    """Stage 05: write the drafter folder, the export report and the manifest; return the folder."""
+    x = export_inputs(cfg)
+    if already_complete(x.wd, "export", x.params, x.inputs, force=cfg.force,
+                        intact=lambda m: _drafter_intact(x.out_dir, m)):
+        return x.out_dir
+    dc, state, meta = checked_checkpoint(x)
+    problems = layer_problems(x.layers, x.facts.family, cfg.allow_engine_mismatch)
+
+    hf = hf_config_from_drafter_config(dc, x.layers, max_position_embeddings=x.info.max_position_embeddings,
+                                       dtype=cfg.dtype)
+    if cfg.include_embed_tokens:
+        state = {**state, "embed_tokens.weight": embed_tokens(x.info)}
+    _check_out_dir(x.out_dir, x.wd.export_dir(), cfg.force)
+    findings = save_drafter_dir(x.out_dir, state, hf, dtype=cfg.dtype, include_embed_tokens=cfg.include_embed_tokens,
+                                overwrite=True, target=x.facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
+
+    report = build_report(x, cfg, dc, hf, meta, problems, findings)
+    m = write_report_and_manifest(x, report)
+    eval_cov = report["vocab"].get("eval")
+    cov = eval_cov.get("coverage") if isinstance(eval_cov, dict) else None
+    eal = report["expected_accept_length"]["value"]
     log.info("stage 05: exported %s -> %s; layers %s (vLLM top-level %s, SGLang nested %s); eval coverage %s; "
-             "expected accept length %s; report %s", ckpt_path, out_dir, layers,
+             "expected accept length %s; report %s", x.ckpt_path, x.out_dir, x.layers,
              report["layers"]["config_top_level"], report["layers"]["config_nested"],
              f"{100 * cov:.2f}%" if cov is not None else "n/a", eal if eal is not None else "n/a",
-             stage_dir / REPORT_MD)
+             x.wd.export_report("md"))
     log.debug("manifest %s", m.path)
-    return out_dir
+    return x.out_dir
 
 
 def _check_out_dir(out_dir: Path, stage_dir: Path, force: bool) -> None:
     """Replace `out_dir` only when it holds a previous export (or --force): never a user's folder."""
     if not out_dir.exists() or not any(out_dir.iterdir()):
         return
-    ours = {CONFIG_NAME, WEIGHTS_NAME, REPORT_JSON, REPORT_MD, "manifest.json"}
+    ours = {CONFIG_NAME, WEIGHTS_NAME, REPORT_JSON, REPORT_MD, MANIFEST_NAME}
     others = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
     if others and not force and out_dir.resolve() != stage_dir.resolve():
         raise PipelineError(f"--out-dir {out_dir} holds other files ({others[:5]}); it would be replaced as a whole. "

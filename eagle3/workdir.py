@@ -121,6 +121,11 @@ class WorkDir:
     def export_dir(self) -> Path:
         return self.stage_dir("export")
 
+    def export_report(self, suffix: str = "json") -> Path:
+        """Stage 05's report: `json` (what stage 06 reads) or `md` (for people)."""
+        assert suffix in ("json", "md"), suffix
+        return self.stage_dir("export") / f"export_report.{suffix}"
+
     # -- stage 06: evaluate --------------------------------------------------
     def evaluate_dir(self) -> Path:
         return self.stage_dir("evaluate")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from eagle3 import engine_rules as er
+from eagle3.target import default_aux_layers
 
 
 # -- the translation (docs/CONVENTIONS.md §7) ------------------------------------------
@@ -86,7 +87,7 @@ def test_sglang_deepseek_rule_adds_one_only_when_first_id_is_1():
 
 def test_default_layers_translate_for_every_engine_and_family():
     for n in (8, 16, 32, 61, 80):
-        layers = er.default_layers(n)
+        layers = default_aux_layers(n)
         for family in ("llama", "deepseek", None):
             assert er.translation_problems(layers, family) == [], (n, family)
 

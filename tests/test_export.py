@@ -207,6 +207,15 @@ def test_export_refuses_inconsistent_inputs(tmp_path):
         ExportConfig(work_dir=wd.root, target_model=str(target), dtype="int8")
 
 
+def test_include_embed_tokens_without_target_weights_says_how_to_export(tmp_path):
+    target = fake_target(tmp_path / "target")  # config.json only: no embedding to copy
+    wd = make_work_dir(tmp_path / "w", random_drafter())
+    with pytest.raises(PipelineError, match=r"--include-embed-tokens: .*model\.safetensors.*Export without "
+                                            r"--include-embed-tokens"):
+        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target), include_embed_tokens=True))
+    assert not wd.manifest("export").exists()
+
+
 def test_export_refuses_layers_the_sglang_deepseek_rule_reads_differently(tmp_path):
     m = random_drafter()
     target = fake_target(tmp_path / "ds", architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
