@@ -26,7 +26,7 @@ import logging
 import multiprocessing as mp
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -239,6 +239,78 @@ def token_frequencies(samples: list[PreparedSample], vocab_size: int) -> np.ndar
     return freq
 
 
+def read_records(cfg: PrepareConfig, wd: WorkDir, gen: Manifest | None) -> list[RawRecord]:
+    """Every input record: stage 00's regenerated chats, or the chat files / datasets ids."""
+    for src in cfg.data:
+        if Path(src).suffix in (".json", ".jsonl") and not Path(src).is_file():
+            raise PipelineError(f"data file {src} does not exist; check --data.")
+    if gen is not None:
+        records = list(generated_records(wd, gen))
+        log.info("read %d regenerated records from %s", len(records), wd.generate_chunks())
+    else:
+        records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
+        log.info("read %d records from %s", len(records), ", ".join(cfg.data))
+    return records
+
+
+@dataclass
+class Tally:
+    """What tokenizing the records counted (the manifest's counts)."""
+
+    bad: Counter = field(default_factory=Counter)  # reason -> records skipped
+    truncated: int = 0
+    trimmed: int = 0  # trailing user turns trimmed
+    fuzzy: int = 0  # assistant turns without the template's suffix
+    generated_turns: int = 0
+    reencode_differs: int = 0
+
+    def add(self, s: PreparedSample) -> None:
+        self.truncated += s.truncated
+        self.trimmed += s.trimmed_user_turn
+        self.fuzzy += s.fuzzy_ends
+        self.generated_turns += s.generated_turns
+        self.reencode_differs += s.reencode_differs
+
+
+def tokenize_and_split(cfg: PrepareConfig, records: list[RawRecord], vocab_size: int,
+                       template_kwargs: dict | None) -> tuple[dict[str, list[PreparedSample]], Tally]:
+    """Tokenize every record and assign it to train or eval by its conversation's hash."""
+    tally = Tally()
+    split: dict[str, list[PreparedSample]] = {s: [] for s in SPLITS}
+    for raw, out in zip(records, _tokenize_all(cfg, records, template_kwargs)):
+        if isinstance(out, BadRecord):
+            if cfg.strict:
+                raise PipelineError(
+                    f"{raw.where}: bad record ({out}); fix or remove it, or drop --strict to count "
+                    f"and skip such records.")
+            tally.bad[out.reason] += 1
+            continue
+        if int(out.input_ids.max()) >= vocab_size:
+            raise PipelineError(f"{raw.where}: token id {int(out.input_ids.max())} >= vocab_size {vocab_size}.")
+        tally.add(out)
+        split["eval" if is_eval(out.sample_id, cfg.seed, cfg.eval_fraction) else "train"].append(out)
+    if not split["train"]:
+        raise PipelineError(
+            f"no usable training sample in {cfg.data} (bad records: {dict(tally.bad) or 'none'}); "
+            f"check the data format (ShareGPT `conversations` or OpenAI `messages`).")
+    return split, tally
+
+
+def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]], vocab_size: int,
+                 counts: dict) -> list[Path]:
+    """Each split's dataset and token frequencies; adds their sizes to `counts`, returns the paths."""
+    outputs = []
+    for name, samples in split.items():
+        freq = token_frequencies(samples, vocab_size)
+        counts[f"{name}_samples"] = len(samples)
+        counts[f"{name}_tokens"] = int(sum(len(s.input_ids) for s in samples))
+        counts[f"{name}_assistant_tokens"] = int(freq.sum())
+        _save_split(wd.dataset(name), samples)
+        save_numpy(wd.token_freq(name), freq)
+        outputs += [wd.dataset(name), wd.token_freq(name)]
+    return outputs
+
+
 def prepare_dataset(cfg: PrepareConfig):
     wd = WorkDir(cfg.work_dir)
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
@@ -254,55 +326,14 @@ def prepare_dataset(cfg: PrepareConfig):
             f"tokenizer of {cfg.target_model} has {len(tok)} tokens but the model's vocab_size is "
             f"{info.vocab_size}; tokenizer and model do not belong together.")
 
-    for src in cfg.data:
-        if Path(src).suffix in (".json", ".jsonl") and not Path(src).is_file():
-            raise PipelineError(f"data file {src} does not exist; check --data.")
+    records = read_records(cfg, wd, gen)
+    split, t = tokenize_and_split(cfg, records, info.vocab_size, template_kwargs)
+    counts: dict = {"records": len(records), "bad_records": dict(sorted(t.bad.items())),
+                    "truncated": t.truncated, "trailing_user_turns_trimmed": t.trimmed,
+                    "assistant_turns_without_template_suffix": t.fuzzy}
     if gen is not None:
-        records = list(generated_records(wd, gen))
-        log.info("read %d regenerated records from %s", len(records), wd.generate_chunks())
-    else:
-        records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
-        log.info("read %d records from %s", len(records), ", ".join(cfg.data))
-
-    bad: Counter[str] = Counter()
-    split: dict[str, list[PreparedSample]] = {s: [] for s in SPLITS}
-    truncated = trimmed = fuzzy = gen_turns = differs = 0
-    for raw, out in zip(records, _tokenize_all(cfg, records, template_kwargs)):
-        if isinstance(out, BadRecord):
-            if cfg.strict:
-                raise PipelineError(
-                    f"{raw.where}: bad record ({out}); fix or remove it, or drop --strict to count "
-                    f"and skip such records.")
-            bad[out.reason] += 1
-            continue
-        if int(out.input_ids.max()) >= info.vocab_size:
-            raise PipelineError(f"{raw.where}: token id {int(out.input_ids.max())} >= vocab_size {info.vocab_size}.")
-        truncated += out.truncated
-        trimmed += out.trimmed_user_turn
-        fuzzy += out.fuzzy_ends
-        gen_turns += out.generated_turns
-        differs += out.reencode_differs
-        split["eval" if is_eval(out.sample_id, cfg.seed, cfg.eval_fraction) else "train"].append(out)
-    if not split["train"]:
-        raise PipelineError(
-            f"no usable training sample in {cfg.data} (bad records: {dict(bad) or 'none'}); "
-            f"check the data format (ShareGPT `conversations` or OpenAI `messages`).")
-
-    counts: dict = {"records": len(records), "bad_records": dict(sorted(bad.items())),
-                    "truncated": truncated, "trailing_user_turns_trimmed": trimmed,
-                    "assistant_turns_without_template_suffix": fuzzy}
-    if gen is not None:
-        counts.update(generated_turns=gen_turns, generated_turns_reencode_differs=differs)
-    outputs = []
-    for name, samples in split.items():
-        freq = token_frequencies(samples, info.vocab_size)
-        counts[f"{name}_samples"] = len(samples)
-        counts[f"{name}_tokens"] = int(sum(len(s.input_ids) for s in samples))
-        counts[f"{name}_assistant_tokens"] = int(freq.sum())
-        _save_split(wd.dataset(name), samples)
-        save_numpy(wd.token_freq(name), freq)
-        outputs += [wd.dataset(name), wd.token_freq(name)]
-
+        counts.update(generated_turns=t.generated_turns, generated_turns_reencode_differs=t.reencode_differs)
+    outputs = write_splits(wd, split, info.vocab_size, counts)
     m = write_manifest(wd, "prepare", params=params, inputs=inputs, counts=counts, outputs=outputs, extra={
         "tokenizer_fingerprint": inputs["tokenizer"],
         "chat_template_fingerprint": chat_template_fingerprint(tok),
@@ -312,16 +343,21 @@ def prepare_dataset(cfg: PrepareConfig):
         "chat_template_kwargs": template_kwargs or {},
         "data_from": "00_generate" if gen is not None else "chat files",
     })
-    bad_txt = ", ".join(f"{k}={v}" for k, v in sorted(bad.items())) or "none"
-    log.info("stage 01: %d train / %d eval samples, %d / %d tokens (%d / %d assistant); truncated %d; "
-             "bad records skipped: %s -> %s", counts["train_samples"], counts["eval_samples"],
-             counts["train_tokens"], counts["eval_tokens"], counts["train_assistant_tokens"],
-             counts["eval_assistant_tokens"], truncated, bad_txt, wd.stage_dir("prepare"))
-    if gen is not None:
-        log.info("stage 01: %d regenerated assistant turns taken as the target's own ids; re-tokenizing their "
-                 "decoded text would have changed %d of them (%.1f%%)", gen_turns, differs,
-                 100.0 * differs / max(gen_turns, 1))
-    if fuzzy:
-        log.warning("%d assistant turns did not end with the template's probed suffix %s; they are masked "
-                    "to the end of their rendering", fuzzy, m.extra["assistant_suffix"])
+    _log_summary(wd, m, t, generated=gen is not None)
     return m
+
+
+def _log_summary(wd: WorkDir, m: Manifest, t: Tally, *, generated: bool) -> None:
+    c = m.counts
+    bad_txt = ", ".join(f"{k}={v}" for k, v in sorted(t.bad.items())) or "none"
+    log.info("stage 01: %d train / %d eval samples, %d / %d tokens (%d / %d assistant); truncated %d; "
+             "bad records skipped: %s -> %s", c["train_samples"], c["eval_samples"], c["train_tokens"],
+             c["eval_tokens"], c["train_assistant_tokens"], c["eval_assistant_tokens"], t.truncated, bad_txt,
+             wd.stage_dir("prepare"))
+    if generated:
+        log.info("stage 01: %d regenerated assistant turns taken as the target's own ids; re-tokenizing their "
+                 "decoded text would have changed %d of them (%.1f%%)", t.generated_turns, t.reencode_differs,
+                 100.0 * t.reencode_differs / max(t.generated_turns, 1))
+    if t.fuzzy:
+        log.warning("%d assistant turns did not end with the template's probed suffix %s; they are masked "
+                    "to the end of their rendering", t.fuzzy, m.extra["assistant_suffix"])
