@@ -194,16 +194,11 @@ def normalize(record: Any) -> tuple[list[dict], bool]:
         turns = _turns_from_columns(turns)
     messages = []
     for t in turns:
-        if not isinstance(t, dict):
-            raise BadRecord("not_an_object", f"turn {t!r:.60}")
-        raw_role = t.get(role_key, t.get("role", t.get("from")))
-        role = ROLES.get(str(raw_role).lower())
-        if role is None:
-            raise BadRecord("unknown_role", f"role {raw_role!r}")
-        text = _check_encodable(_content_text(t.get(text_key, t.get("content", t.get("value")))), role)
-        if not text.strip():
-            raise BadRecord("empty_content", f"empty {role} turn")
-        messages.append({"role": role, "content": text})
+        m = chat_turn(t, role_key, text_key)
+        m["content"] = _check_encodable(m["content"], m["role"])
+        if not m["content"].strip():
+            raise BadRecord("empty_content", f"empty {m['role']} turn")
+        messages.append(m)
     body = messages[1:] if messages and messages[0]["role"] == "system" else messages
     for i, m in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
@@ -215,6 +210,20 @@ def normalize(record: Any) -> tuple[list[dict], bool]:
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_assistant_turn")
     return messages, trimmed
+
+
+def chat_turn(turn, role_key: str = "role", text_key: str = "content") -> dict[str, str]:
+    """One turn of a chat record as `{"role", "content"}`: the role normalised (ShareGPT's
+    `human`/`gpt` -> user/assistant), the text flattened from content parts. `role_key` and
+    `text_key` are the record format's (`role`/`content` for OpenAI messages, `from`/`value`
+    for ShareGPT); the other format's keys are accepted too. Raises BadRecord."""
+    if not isinstance(turn, dict):
+        raise BadRecord("not_an_object", f"turn {turn!r:.60}")
+    raw_role = turn.get(role_key, turn.get("role", turn.get("from")))
+    role = ROLES.get(str(raw_role).lower())
+    if role is None:
+        raise BadRecord("unknown_role", f"role {raw_role!r}")
+    return {"role": role, "content": _content_text(turn.get(text_key, turn.get("content", turn.get("value"))))}
 
 
 def _turns_from_columns(columns: dict) -> list:
