@@ -163,10 +163,17 @@ class FileLayout:
                 header = json.loads(f.read(n))
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise PipelineError(f"{path} has a corrupt header ({e}); rerun stage 02 to redo it.") from e
-        meta = header.pop("__metadata__", {})
-        aux, offs = header["aux"]["shape"], header["sample_offsets"]["shape"]
-        lay = cls(offs[0] - 1, aux[0], header["final"]["shape"][1], aux[1] // header["final"]["shape"][1], 8 + n)
-        assert lay.spans() == {k: tuple(v["data_offsets"]) for k, v in header.items()}, f"{path}: unexpected layout"
+        meta = header.pop("__metadata__", {}) if isinstance(header, dict) else {}
+        try:
+            aux, offs, final = header["aux"]["shape"], header["sample_offsets"]["shape"], header["final"]["shape"]
+            lay = cls(offs[0] - 1, aux[0], final[1], aux[1] // final[1], 8 + n)
+            laid_out = lay.spans() == {k: tuple(v["data_offsets"]) for k, v in header.items()}
+        except (KeyError, IndexError, TypeError, ZeroDivisionError):
+            laid_out = False
+        if not laid_out:  # a file of another format version, or a header damaged into other valid JSON
+            raise PipelineError(f"{path}: its header does not lay out a store file of this format "
+                                f"(tensors {sorted(header) if isinstance(header, dict) else type(header).__name__}); "
+                                f"rerun stage 02 to redo it.")
         return lay, meta
 
 

@@ -162,6 +162,19 @@ def test_header_garbage_is_a_clear_error(tmp_path):
         store.FileLayout.read(bad)
 
 
+def test_header_of_another_layout_is_a_clear_error(tmp_path):
+    # Valid JSON, but not this format's tensors (another format version, or a foreign file).
+    for header in ({"weights": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, [1, 2]):
+        raw = json.dumps(header).encode()
+        bad = tmp_path / "x.safetensors"
+        bad.write_bytes(len(raw).to_bytes(8, "little") + raw)
+        with pytest.raises(PipelineError, match=r"x\.safetensors: its header does not lay out a store file.*"
+                                                r"rerun stage 02"):
+            store.FileLayout.read(bad)
+    _, _, path, _ = _build(tmp_path, [3, 2])  # a real file still reads
+    assert store.FileLayout.read(path)[0].num_samples == 2
+
+
 def test_collate_pads_right(tmp_path):
     _, entry, _, _ = _build(tmp_path, [3, 5])
     split = _reader(tmp_path, [entry], 2).split("train")
