@@ -172,6 +172,7 @@ def _nested_ids(config: Mapping[str, Any]) -> list[int] | None:
 def captured_layers(rule: str, config: Mapping[str, Any], num_target_layers: int | None) -> list[int] | None:
     """The target layers (convention 1 ids, in config order) that `rule` captures for
     this drafter config; None when that depends on a target that was not given."""
+    assert rule in RULES, f"unknown engine rule {rule!r}; one of {list(RULES)}"  # callers pass RULES' keys
     nested = _nested_ids(config)
     if rule == VLLM:
         top = config.get("eagle_aux_hidden_state_layer_ids")
@@ -183,10 +184,8 @@ def captured_layers(rule: str, config: Mapping[str, Any], num_target_layers: int
         ids = [int(k) for k in top] if top else ([int(k) for k in v2_nested] if v2_nested else None)
     elif rule == SGLANG:
         ids = None if nested is None else [k + 1 for k in nested]
-    elif rule == SGLANG_DEEPSEEK:
+    else:  # SGLANG_DEEPSEEK
         ids = None if nested is None else ([k + 1 for k in nested] if nested and nested[0] == 1 else nested)
-    else:
-        raise ValueError(f"unknown engine rule {rule!r}; one of {list(RULES)}")
     if ids is None and num_target_layers is not None:
         ids = default_aux_layers(num_target_layers)  # both engines' default is the pipeline's [2, N//2, N-3]
     return ids

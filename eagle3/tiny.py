@@ -232,8 +232,7 @@ def save_target(kind: str, model, tok, out: Path, recipe: dict, report: dict | N
 
 def build_tiny_target(kind: str, out: Path | str, seed: int = 0, force: bool = False,
                       train_steps: int = 0) -> Path:
-    if kind not in KINDS:
-        raise ValueError(f"unknown tiny target kind {kind!r}; choose one of {KINDS}")
+    assert kind in KINDS, f"unknown tiny target kind {kind!r}; one of {KINDS}"  # the CLI offers KINDS only
     out = Path(out)
     marker = out / "TINY_TARGET.json"
     recipe = {"kind": kind, "seed": seed, "train_steps": train_steps}
