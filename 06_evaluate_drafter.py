@@ -10,7 +10,7 @@ is measured over all prompts at once, at each --temperature (default greedy and 
 tokens/s, the speedup and the break-even acceptance length single-stream on a subset
 of --timing-prompts prompts. Prompts: stage 01's held-out turns, or a file / datasets
 id (--prompts). Writes WORK/06_evaluate/results.json, evaluate.png and the manifest
-(see eagle3/evaluate.py).
+(see eagle3/evaluate/).
 """
 from eagle3.cli import run_stage
 from eagle3.evaluate import EvaluateConfig, evaluate_drafter

@@ -91,9 +91,7 @@ def summary_text(work_dir: Path | str, elapsed_s: float | None = None, goal: flo
     vocab = read_manifest(wd, "vocab", needed_by=need)
     train = read_manifest(wd, "train", needed_by=need)
     ev = read_manifest(wd, "evaluate", needed_by=need)
-    from .evaluate import RESULTS_JSON, PLOT_PNG
-
-    results = json.loads((wd.stage_dir("evaluate") / RESULTS_JSON).read_text())
+    results = json.loads(wd.evaluate_results().read_text())
     metrics = [json.loads(line) for line in wd.train_metrics().read_text().splitlines() if line.strip()] \
         if wd.train_metrics().is_file() else []
 
@@ -146,7 +144,7 @@ def summary_text(work_dir: Path | str, elapsed_s: float | None = None, goal: flo
         lines.append(f"wall time {_mmss(elapsed_s)} for the whole run (target build to stage 06)")
     if stage_times:
         lines.append("  per stage  " + "  ".join(f"{name} {_mmss(sec)}" for name, sec in stage_times))
-    lines += [f"files     {wd.stage_dir('evaluate') / RESULTS_JSON}, {wd.stage_dir('evaluate') / PLOT_PNG}, "
+    lines += [f"files     {wd.evaluate_results()}, {wd.evaluate_plot()}, "
               f"drafter {ev.extra.get('drafter_dir')}", ""]
     return "\n".join(lines)
 

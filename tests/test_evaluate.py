@@ -355,7 +355,7 @@ def test_evaluate_refuses_another_target(tmp_path, prepared_llama, tiny_llama):
 
 
 def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama, monkeypatch):
-    import eagle3.evaluate.run as ev
+    import eagle3.evaluate.engine as ev
 
     drafter = write_drafter(tmp_path / "d")
     monkeypatch.setattr(ev, "_worker_cmd", lambda req, out: [
@@ -397,7 +397,7 @@ def test_timings_disturbed_by_other_load_are_flagged():
 
 
 def test_per_token_expansion_used_for_sampled_verification():
-    from eagle3.evaluate.run import _expand_per_token
+    from eagle3.evaluate.engine import _expand_per_token
 
     # Request temperatures spread over their draft tokens (2, 3 and 1 of them).
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)

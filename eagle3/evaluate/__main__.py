@@ -2,9 +2,9 @@
 process (started by the stage; see eagle3/evaluate/engine.py)."""
 import sys
 
-from .run import _serve_main
+from .engine import serve_main
 
 if len(sys.argv) == 4 and sys.argv[1] == "--serve":
-    sys.exit(_serve_main(sys.argv[2:]))
+    sys.exit(serve_main(sys.argv[2:]))
 sys.exit("usage: python -m eagle3.evaluate --serve REQUEST.json RESULT.json "
          "(internal; run stage 06 with 06_evaluate_drafter.py)")
