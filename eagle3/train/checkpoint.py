@@ -11,7 +11,8 @@ One file per checkpoint, a dict saved with `torch.save` and read with
     eval             the held-out metrics at this step (when evaluated)
     best             the best held-out expected accept length so far and its step
 
-File names come from WorkDir (step-NNNNNNN.pt, best.pt, latest.json).
+File names come from WorkDir: one per saved step, the best one, and a JSON pointer
+to the latest (what a resume reads).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def save_checkpoint(wd: WorkDir, ckpt: dict, *, keep: int, is_best: bool) -> Pat
     if is_best:
         save_torch(wd.best_checkpoint(), ckpt)
     write_json(wd.latest_checkpoint(), {"step": ckpt["step"], "file": path.name, "identity": ckpt["identity"]})
-    steps = sorted(int(p.stem.split("-")[1]) for p in wd.checkpoints().glob("step-*.pt"))
+    steps = sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
     for s in steps[:-keep] if keep > 0 else []:
         wd.checkpoint(s).unlink(missing_ok=True)
     return path
@@ -72,7 +73,7 @@ def latest_checkpoint(wd: WorkDir, identity: str) -> dict | None:
             f"{pointer} belongs to a run with other parameters or inputs (identity {info['identity'][:12]}, "
             f"this run {identity[:12]}); pass --force to discard its checkpoints and start over, or use "
             f"another --work-dir.")
-    path = pointer.parent / info["file"]
+    path = wd.checkpoint(info["step"])
     if not path.is_file():
         raise PipelineError(f"{pointer} names {path}, which is missing; pass --force to start over.")
     return load_checkpoint(path)

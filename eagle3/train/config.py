@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import check_params, param
+from ..config import StageConfig, param
 from ..errors import PipelineError
 
 VOCAB_MODES = ("keep", "remap")
@@ -12,11 +12,10 @@ PRECISIONS = ("auto", "bf16", "fp32")
 ATTENTIONS = ("sdpa", "reference")
 
 
-@dataclass
-class TrainConfig:
+@dataclass(kw_only=True)
+class TrainConfig(StageConfig):
     work_dir: Path = param(help="work directory (stages 01-03 must have run in it)")
     target_model: str = param(help="target model folder or hub id (its embedding and lm_head rows are read)")
-    trust_remote_code: bool = param(False, help="allow the target's custom code")
     # drafter shape; None = take the target's value
     num_attention_heads: int | None = param(None, help="drafter attention heads (default: the target's)")
     num_key_value_heads: int | None = param(None, help="drafter kv heads (default: the target's, or heads)")
@@ -54,7 +53,7 @@ class TrainConfig:
     eval_every: int = param(100, identity=False, help="steps between held-out evaluations")
     eval_batches: int | None = param(None, identity=False, help="cap on held-out batches per evaluation")
     save_every: int = param(200, identity=False, help="steps between checkpoints")
-    keep_checkpoints: int = param(2, identity=False, help="step checkpoints kept besides best.pt")
+    keep_checkpoints: int = param(2, identity=False, help="step checkpoints kept besides the best one")
     # fine-tuning an existing drafter
     init_from: str | None = param(None, help="start from this drafter folder (SGLang/EAGLE format)")
     vocab_mode: str = param("keep", choices=VOCAB_MODES, help="with --init-from: keep the drafter's own d2t, or "
@@ -68,7 +67,7 @@ class TrainConfig:
     force: bool = param(False, identity=False, help="discard existing checkpoints and train from scratch")
 
     def __post_init__(self):
-        check_params(self)  # the choices and ranges declared with the fields
+        super().__post_init__()  # the choices and ranges declared with the fields
         if self.vocab_mode == "remap" and not self.init_from:
             raise PipelineError("vocab_mode = 'remap' only applies with --init-from DRAFTER_DIR.")
         if self.batch_tokens < self.max_seq_len:

@@ -32,11 +32,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..diagnose import VocabMapping, compare_mappings
 from ..drafter_io import drafter_config_from_hf_config, load_drafter_dir
 from ..engine_rules import EMBED_NAME, intended_layers
 from ..errors import PipelineError
 from ..target import default_aux_layers
+from ..vocab import VocabMapping, compare_mappings, d2t_from_ids, target_ids
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def load_initial_drafter(
 
     V = cfg["target_vocab_size"]
     if "d2t" in tensors:
-        their_ids = tensors["d2t"].numpy().astype(np.int64) + np.arange(cfg["draft_vocab_size"])
+        their_ids = target_ids(tensors["d2t"].numpy())
     else:  # both engines then use the identity
         their_ids = np.arange(cfg["draft_vocab_size"], dtype=np.int64)
     cmp = compare_mappings(VocabMapping(str(path), their_ids, V), VocabMapping("stage 03", our_ids, V))
@@ -144,7 +144,7 @@ def load_initial_drafter(
         cfg["draft_vocab_size"] = len(our_ids)
         log.info("vocab mode 'remap': %d lm_head rows permuted into stage 03's mapping, %d new rows initialised "
                  "from the target's lm_head", report.rows_copied, report.rows_new)
-    d2t = torch.from_numpy(ids - np.arange(len(ids)))
+    d2t = torch.from_numpy(d2t_from_ids(ids))
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.from_numpy(ids)] = True
     tensors["d2t"], tensors["t2d"] = d2t, t2d

@@ -2,15 +2,21 @@
 
 Reads stage 02's store (aux states, the target's normed final state and argmax),
 stage 03's mapping, and the target's embedding and draft-vocab lm_head rows
-(from its safetensors, never the whole model). Writes (see eagle3/workdir.py):
+(from its safetensors, never the whole model). Writes (names from eagle3/workdir.py):
 
-    04_train/checkpoints/step-NNNNNNN.pt, best.pt, latest.json
-    04_train/metrics.jsonl      one JSON line per log interval and evaluation
+    04_train/checkpoints/       one file per saved step, the best one, a pointer to the latest
+    04_train/metrics.jsonl      one JSON line per log interval and evaluation (eagle3/train/metrics.py)
     04_train/tensorboard/       when tensorboard is installed
     04_train/manifest.json      best held-out expected accept length and its checkpoint
 
 Run: `python 04_train_drafter.py --config configs/tiny-llama.yaml`, or on 8 GPUs
 `torchrun --nproc-per-node 8 04_train_drafter.py --config configs/kimi-k2.5.yaml`.
+
+Reading order: `train_drafter` (the stage) -> `read_inputs` (checked inputs and the
+run's identity) -> `Trainer`: `__init__` builds the drafter, the frozen target
+weights, the optimizer and the schedule; `train_step` is one optimizer step;
+`evaluate` the held-out metrics; `state_dict`/`load_state_dict` what a checkpoint
+holds; `fit` the loop; `finish` the manifest.
 """
 from __future__ import annotations
 
@@ -24,26 +30,28 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config import identity_params
 from ..cpu import bf16_pays
 from ..drafter_io import drafter_config_for_target
-from ..config import identity_params
 from ..errors import PipelineError
-from ..extract.target_head import _candidates, load_lm_head, load_tensors
-from ..manifest import completed, manifest_fingerprint, read_manifest, sha256_file, sha256_json, write_manifest
+from ..extract.target_head import load_embedding, load_lm_head
+from ..manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file, sha256_json,
+                        write_manifest)
 from ..model import DrafterConfig, Eagle3Drafter
 from ..store import HiddenStateStore
 from ..target import TargetInfo, read_target_info
 from ..ttt import TTTConfig, TTTModel, target_draft_distribution
+from ..vocab import target_ids
 from ..workdir import WorkDir
 from .checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import TrainConfig
 from .data import Batching, epoch_batches, load_batch, rank_batches
-from .finetune import load_initial_drafter
+from .finetune import InitReport, load_initial_drafter
 from .memory import GIB, predict_peak
+from .metrics import MetricSum, MetricsLog, fmt
 
 log = logging.getLogger(__name__)
 
@@ -89,138 +97,10 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
     return f
 
 
-# -- metrics -----------------------------------------------------------------------
-class MetricSum:
-    """Sums of per-batch metrics weighted by each batch's valid-position count.
-
-    full_acc_k are exact over the summed positions; cond_acc_k is then derived
-    from them (full_k / full_{k-1}); loss_k is the valid-weighted mean.
-    """
-
-    def __init__(self, K: int):
-        self.K = K
-        self.v = torch.zeros(2 * K + 1, dtype=torch.float64)  # loss_k*n, full_k*n, n
-
-    def add(self, m: dict) -> None:
-        n = m["num_valid"]
-        self.v += torch.tensor([m[f"loss_{k}"] * n for k in range(self.K)]
-                               + [m[f"full_acc_{k}"] * n for k in range(self.K)] + [n], dtype=torch.float64)
-
-    def all_reduce(self, d: Dist) -> None:
-        if d.world > 1:
-            dist.all_reduce(self.v)
-
-    def result(self) -> dict:
-        K, n = self.K, float(self.v[-1])
-        out: dict = {"num_valid": n}
-        full = [float(self.v[K + k]) / n if n else 0.0 for k in range(K)]
-        for k in range(K):
-            out[f"loss_{k}"] = float(self.v[k]) / n if n else float("nan")
-            out[f"full_acc_{k}"] = full[k]
-            prev = 1.0 if k == 0 else full[k - 1]
-            out[f"cond_acc_{k}"] = full[k] / prev if prev > 0 else 0.0
-        out["expected_accept_length"] = 1.0 + sum(full)
-        return out
-
-
-class MetricsLog:
-    """Rank 0: metrics.jsonl (appended; resumed runs continue it) and TensorBoard if installed."""
-
-    def __init__(self, wd: WorkDir, d: Dist, resume_step: int):
-        self.enabled = d.main
-        self.path = wd.train_metrics()
-        self.tb = None
-        if not self.enabled:
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.is_file():  # drop lines past the checkpoint we resume from
-            keep = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(k + "\n" for k in keep))
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(wd.tensorboard_dir()))
-        except ImportError:
-            log.info("tensorboard is not installed; metrics go to %s only", self.path)
-
-    def write(self, split: str, step: int, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"split": split, "step": step, **metrics}) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{split}/{k}", v, step)
-
-    def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
-
-
-def fmt(split: str, step: int, total: int, m: dict, extra: str = "") -> str:
-    K = sum(1 for k in m if k.startswith("full_acc_"))
-    accs = " ".join(f"{m[f'full_acc_{k}']:.3f}" for k in range(K))
-    return (f"{split:5s} step {step:6d}/{total} | loss_0 {m['loss_0']:.4f} | full_acc {accs} | "
-            f"accept_len {m['expected_accept_length']:.3f}{extra}")
-
-
 def bf16_autocast_pays(device: torch.device) -> bool:
     """`precision: auto`: bf16 autocast on GPU, and on CPUs with bf16 matmuls in hardware
     (eagle3/cpu.py); elsewhere fp32, where emulated bf16 is slower than fp32."""
     return device.type == "cuda" or bf16_pays()
-
-
-# -- the stage ---------------------------------------------------------------------
-class Trainer:
-    def __init__(self, cfg: TrainConfig, wd: WorkDir, store: HiddenStateStore, drafter: Eagle3Drafter,
-                 embed: torch.Tensor, lm_rows: torch.Tensor, device: torch.device, d: Dist):
-        self.cfg, self.wd, self.store, self.device, self.d = cfg, wd, store, device, d
-        self.drafter = drafter.to(device)
-        self.embed = embed.to(device)  # [V_t, H] frozen
-        self.lm_rows = lm_rows.to(device)  # [V_d, H] target lm_head rows of the draft vocab
-        self.local_ids = torch.arange(lm_rows.shape[0], device=device)
-        self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
-                             checkpoint_steps=cfg.checkpoint_steps)
-        model = TTTModel(self.drafter, self.ttt)
-        if d.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        self.model = model
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(device))
-        self.autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if bf16 else nullcontext
-        self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
-
-    def load(self, split, indices: list[int]) -> dict:
-        return load_batch(split, indices, self.cfg.max_seq_len, packed=self.cfg.packing)
-
-    def forward(self, batch: dict):
-        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
-        probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
-                                             lm_head_weight=self.lm_rows, target_argmax=amax)
-        with self.autocast():
-            return self.model(b["aux"], b["input_ids"], self.embed, probs, amax, b["loss_mask"],
-                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"))
-
-    @torch.no_grad()
-    def evaluate(self) -> dict:
-        split = self.store.split("eval")
-        if len(split) == 0:
-            split = self.store.split("train")
-            log.warning("the held-out split is empty; evaluating on train batches (rerun stage 01 with a "
-                        "larger --eval-fraction for an honest figure)")
-        batches = rank_batches(epoch_batches(split.lengths(), self.batching, None), self.d.rank, self.d.world)
-        if self.cfg.eval_batches:
-            batches = batches[: self.cfg.eval_batches]
-        self.model.eval()
-        acc = MetricSum(self.ttt.num_steps)
-        for idx in batches:
-            acc.add(self.forward(self.load(split, idx)).metrics)
-        acc.all_reduce(self.d)
-        self.model.train()
-        return acc.result()
 
 
 def log_memory_prediction(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device, d: Dist) -> None:
@@ -241,22 +121,25 @@ def log_memory_prediction(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.d
                         "--checkpoint-steps", est.total / GIB, total / GIB)
 
 
-def _target_embedding(info: TargetInfo) -> torch.Tensor:
-    return load_tensors(info.source, {"embedding": _candidates(info, "model.embed_tokens.weight")})["embedding"]
+# -- inputs ------------------------------------------------------------------------
+@dataclass
+class StageInputs:
+    """What stage 04 reads, checked against each other, and the run's identity."""
+
+    info: TargetInfo
+    store: HiddenStateStore
+    d2t: torch.Tensor  # [V_d] int64, stage 03 (docs/CONVENTIONS.md §2)
+    t2d: torch.Tensor  # [V_t] bool
+    params: dict  # the config's identity fields
+    inputs: dict  # fingerprints of the upstream manifests (and of --init-from's files)
+
+    @property
+    def identity(self) -> str:
+        """A checkpoint resumes only a run of the same identity (eagle3/train/checkpoint.py)."""
+        return sha256_json({"params": self.params, "inputs": self.inputs})
 
 
-def train_drafter(cfg: TrainConfig):
-    wd = WorkDir(cfg.work_dir)
-    device = pick_device(cfg.device)
-    d = init_distributed(device)
-    try:
-        return _train(cfg, wd, device, d)
-    finally:
-        if d.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
+def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     prep = read_manifest(wd, "prepare", needed_by="stage 04 (train)")
     vocab_m = read_manifest(wd, "vocab", needed_by="stage 04 (train)")
@@ -271,194 +154,342 @@ def _train(cfg: TrainConfig, wd: WorkDir, device: torch.device, d: Dist):
     if t2d.shape[0] != info.vocab_size:
         raise PipelineError(f"{wd.t2d()} covers {t2d.shape[0]} target ids, {cfg.target_model} has "
                             f"{info.vocab_size}; rerun stage 03 for this target.")
-    our_ids = (d2t + torch.arange(len(d2t))).numpy()
-
-    params = identity_params(cfg)
     inputs = {"extract": manifest_fingerprint(store.manifest), "vocab": manifest_fingerprint(vocab_m)}
     if cfg.init_from:
         inputs["init_from"] = {p.name: sha256_file(p) for p in sorted(Path(cfg.init_from).iterdir())
                                if p.suffix in (".json", ".safetensors")}
-    identity = sha256_json({"params": params, "inputs": inputs})
-    done = completed(wd, "train", params, inputs)
-    if done and not cfg.force:
-        log.info("stage 04 already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
-                 done.path)
-        return done
-    if cfg.force and d.main and wd.stage_dir("train").exists():
-        shutil.rmtree(wd.stage_dir("train"))
-    if d.world > 1:
-        dist.barrier()
+    return StageInputs(info, store, d2t, t2d, identity_params(cfg), inputs)
 
-    # -- drafter -----------------------------------------------------------------
-    torch.manual_seed(cfg.seed)
-    init_report = None
+
+def build_drafter(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, InitReport | None]:
+    """A fresh drafter shaped after the target over stage 03's mapping, or `--init-from`'s."""
+    torch.manual_seed(cfg.seed)  # the initial weights are a function of --seed
     if cfg.init_from:
-        def target_rows(ids: np.ndarray) -> torch.Tensor:
-            return load_lm_head(info, rows=torch.from_numpy(ids))
+        return drafter_from(cfg, src)
+    dcfg = drafter_config_for_target(src.info, cfg, len(src.d2t))
+    dcfg.num_aux_layers = src.store.num_aux  # what stage 02 captured, whatever the target's default
+    drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
+    drafter.set_vocab_mapping(src.d2t, src.t2d)
+    return drafter, None
 
-        dcfg_dict, state, init_report = load_initial_drafter(
-            cfg.init_from, aux_layers=store.aux_layers, num_target_layers=info.num_layers,
-            target_hidden=info.hidden_size,
-            target_vocab=info.vocab_size, our_ids=our_ids, mode=cfg.vocab_mode, target_rows=target_rows,
-            expected_from=str(store.manifest.path))
-        dcfg_dict["max_position_embeddings"] = max(dcfg_dict["max_position_embeddings"], info.max_position_embeddings)
-        dcfg = DrafterConfig.from_dict(dcfg_dict)
-        drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
-        missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                       for k, v in state.items()}, strict=False)
-        if missing or unexpected:
-            raise PipelineError(f"{cfg.init_from}: tensors missing {missing} / unexpected {unexpected} for a "
-                                f"convention-6 drafter.")
-    else:
-        dcfg = drafter_config_for_target(info, cfg, len(d2t))
-        if dcfg.num_aux_layers != store.num_aux:
-            dcfg.num_aux_layers = store.num_aux
-        drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
-        drafter.set_vocab_mapping(d2t, t2d)
-    draft_ids = drafter.draft_ids().cpu()
-    embed = _target_embedding(info)
-    if embed.shape != (info.vocab_size, dcfg.hidden_size):
+
+def drafter_from(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, InitReport]:
+    """The drafter at `--init-from`, under its own mapping or remapped into stage 03's (finetune.py)."""
+    info, store = src.info, src.store
+    dcfg_dict, state, report = load_initial_drafter(
+        cfg.init_from, aux_layers=store.aux_layers, num_target_layers=info.num_layers,
+        target_hidden=info.hidden_size, target_vocab=info.vocab_size, our_ids=target_ids(src.d2t).numpy(),
+        mode=cfg.vocab_mode, target_rows=lambda ids: load_lm_head(info, rows=torch.from_numpy(ids)),
+        expected_from=str(store.manifest.path))
+    dcfg_dict["max_position_embeddings"] = max(dcfg_dict["max_position_embeddings"], info.max_position_embeddings)
+    drafter = Eagle3Drafter(DrafterConfig.from_dict(dcfg_dict), attention=cfg.attention)
+    missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                   for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise PipelineError(f"{cfg.init_from}: tensors missing {missing} / unexpected {unexpected} for a "
+                            f"drafter in the export format (docs/CONVENTIONS.md §6).")
+    return drafter, report
+
+
+def frozen_target_weights(cfg: TrainConfig, info: TargetInfo, drafter: Eagle3Drafter,
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding [V_t, H] and its lm_head rows of the draft vocab [V_d, H] (labels)."""
+    embed = load_embedding(info)
+    if embed.shape[1] != drafter.config.hidden_size:
         raise PipelineError(f"{cfg.target_model}: embedding {tuple(embed.shape)} does not match vocab "
-                            f"{info.vocab_size} x hidden {dcfg.hidden_size}.")
-    emb_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lm_rows = load_lm_head(info, rows=draft_ids).to(emb_dtype)
-    trainer = Trainer(cfg, wd, store, drafter, embed.to(emb_dtype), lm_rows, device, d)
-    if d.main:
-        log_memory_prediction(cfg, dcfg, device, d)
+                            f"{info.vocab_size} x hidden {drafter.config.hidden_size}.")
+    # bf16 halves the [V_t, H] table on GPU; the labels' softmax upcasts to fp32 either way.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lm_rows = load_lm_head(info, rows=drafter.draft_ids().cpu())
+    return embed.to(dtype).to(device), lm_rows.to(dtype).to(device)
 
-    # -- schedule ----------------------------------------------------------------
-    train = store.split("train")
-    lengths = train.lengths()
-    per_epoch = len(rank_batches(epoch_batches(lengths, trainer.batching, 0), d.rank, d.world)) // cfg.grad_accum
-    if per_epoch == 0:
-        raise PipelineError(f"the train split ({len(train)} samples) gives no full step of {cfg.grad_accum} "
-                            f"micro-batch(es) on each of {d.world} process(es); lower --grad-accum or --batch-tokens.")
-    total = cfg.max_steps or cfg.epochs * per_epoch
-    params_to_train = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params_to_train, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                            betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(min(cfg.warmup_steps, total), total, cfg.min_lr_ratio))
 
-    step, best = 0, {"expected_accept_length": -1.0, "step": None}
-    ckpt = latest_checkpoint(wd, identity)
-    if ckpt is not None:
-        drafter.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        sched.load_state_dict(ckpt["scheduler"])
-        set_rng_state(ckpt["rng"])
-        step, best = ckpt["step"], ckpt["best"]
-        log.info("resuming from %s at step %d of %d", wd.checkpoint(step), step, total)
-    mlog = MetricsLog(wd, d, step)
+# -- the trainer ---------------------------------------------------------------------
+class Trainer:
+    """One stage-04 run on this process: built from the checked inputs, driven by `fit`."""
 
-    def checkpoint(is_best: bool, eval_metrics: dict | None) -> None:
-        if not d.main:
-            return
-        save_checkpoint(wd, {
-            "model": drafter.state_dict(), "drafter_config": dcfg.to_dict(), "aux_layers": store.aux_layers,
-            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "step": step,
-            "epoch": step // per_epoch, "batch_in_epoch": step % per_epoch, "rng": rng_state(),
-            "train_config": json.loads(json.dumps(params, default=str)), "identity": identity,
-            "eval": eval_metrics or {}, "best": best,
-        }, keep=cfg.keep_checkpoints, is_best=is_best)
+    def __init__(self, cfg: TrainConfig, wd: WorkDir, src: StageInputs, device: torch.device, d: Dist):
+        self.cfg, self.wd, self.src, self.device, self.d = cfg, wd, src, device, d
+        self.store = src.store
 
-    def evaluate_and_track() -> dict:
-        m = trainer.evaluate()
-        mlog.write("eval", step, m)
-        improved = m["expected_accept_length"] > best["expected_accept_length"]
+        # The drafter and the frozen target weights each step reads.
+        drafter, self.init_report = build_drafter(cfg, src)
+        self.drafter = drafter.to(device)
+        self.dcfg = drafter.config
+        self.embed, self.lm_rows = frozen_target_weights(cfg, src.info, drafter, device)  # [V_t, H], [V_d, H]
+        self.local_ids = torch.arange(self.lm_rows.shape[0], device=device)  # lm_rows is already the draft vocab
+        self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
+                             checkpoint_steps=cfg.checkpoint_steps)
+        self.model = TTTModel(self.drafter, self.ttt)  # one forward = the whole K-step unroll (what DDP wraps)
+        if d.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(device))
+        if d.main:
+            log_memory_prediction(cfg, self.dcfg, device, d)
+
+        # The schedule: optimizer steps of grad_accum micro-batches per process.
+        self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
+        self.train_split = self.store.split("train")
+        self.lengths = self.train_split.lengths()
+        self.per_epoch = self.steps_per_epoch()
+        self.total = cfg.max_steps or cfg.epochs * self.per_epoch
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                     betas=(0.9, 0.95))
+        warmup = min(cfg.warmup_steps, self.total)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.total, cfg.min_lr_ratio))
+
+        # Progress: with the weights, optimizer and RNG, what a checkpoint holds.
+        self.step = 0
+        self.best: dict = {"expected_accept_length": -1.0, "step": None}
+        self.last_eval: dict | None = None
+        self._epoch: dict[int, list[list[int]]] = {}  # the current epoch's batches (see micro_batches)
+        self.metrics: MetricsLog | None = None
+
+    # -- batches -----------------------------------------------------------------
+    def steps_per_epoch(self) -> int:
+        batches = rank_batches(epoch_batches(self.lengths, self.batching, 0), self.d.rank, self.d.world)
+        n = len(batches) // self.cfg.grad_accum
+        if n == 0:
+            raise PipelineError(f"the train split ({len(self.train_split)} samples) gives no full step of "
+                                f"{self.cfg.grad_accum} micro-batch(es) on each of {self.d.world} process(es); "
+                                f"lower --grad-accum or --batch-tokens.")
+        return n
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This process's micro-batches (sample indices) of optimizer step `step`.
+
+        An epoch's order is a function of (seed, epoch) only, so a resumed run reads
+        what an unbroken one would have. Building it shuffles and packs the whole
+        split, so it is cached, one epoch at a time.
+        """
+        epoch, b = divmod(step, self.per_epoch)
+        if epoch not in self._epoch:
+            self._epoch = {epoch: rank_batches(epoch_batches(self.lengths, self.batching, epoch),
+                                               self.d.rank, self.d.world)}
+        A = self.cfg.grad_accum
+        return self._epoch[epoch][b * A:(b + 1) * A]
+
+    def load(self, split, indices: list[int]) -> dict:
+        return load_batch(split, indices, self.cfg.max_seq_len, packed=self.cfg.packing)
+
+    def forward(self, batch: dict):
+        """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics)."""
+        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
+        probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
+                                             lm_head_weight=self.lm_rows, target_argmax=amax)  # [B, T, V_d]
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            return self.model(b["aux"], b["input_ids"], self.embed, probs, amax, b["loss_mask"],
+                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"))
+
+    # -- one optimizer step --------------------------------------------------------
+    def train_step(self) -> float:
+        """One optimizer step over grad_accum micro-batches; returns the gradient norm.
+
+        Nothing is updated unless the loss of every micro-batch and the gradient norm
+        are finite: a NaN stops the run here, before `opt.step`, so the weights and
+        the last checkpoint stay those of the last good step.
+        """
+        micro = self.micro_batches(self.step)
+        self.opt.zero_grad(set_to_none=True)
+        for i, idx in enumerate(micro):
+            batch = self.load(self.train_split, idx)
+            self.window_tokens += int(batch["attention_mask"].sum())
+            # DDP all-reduces gradients during backward. Accumulating micro-batches needs
+            # that once per step, so no_sync skips it on all but the last micro-batch.
+            last = i == len(micro) - 1
+            with nullcontext() if (self.d.world == 1 or last) else self.model.no_sync():
+                out = self.forward(batch)
+                # One host sync per micro-batch. Under torchrun, the other ranks are
+                # stopped by the launcher when this one exits.
+                if not torch.isfinite(out.loss):
+                    raise PipelineError(
+                        f"non-finite loss {float(out.loss.detach())} at step {self.step} (micro-batch {i}); "
+                        f"nothing was updated. Lower --learning-rate, check the store with `python -m "
+                        f"eagle3.diagnose`, or resume from an earlier checkpoint.")
+                # Each micro-batch's loss is a mean over its positions; dividing by the
+                # count makes the summed gradients the step's mean, whatever grad_accum is.
+                (out.loss / len(micro)).backward()
+            self.window.add(out.metrics)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)  # the norm before clipping
+        if not torch.isfinite(gnorm):
+            raise PipelineError(f"non-finite gradient norm at step {self.step}; nothing was updated. Lower "
+                                f"--learning-rate or --grad-clip, or resume from an earlier checkpoint.")
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return float(gnorm)
+
+    # -- held-out metrics ------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        split = self.store.split("eval")
+        if len(split) == 0:
+            split = self.store.split("train")
+            log.warning("the held-out split is empty; evaluating on train batches (rerun stage 01 with a "
+                        "larger --eval-fraction for an honest figure)")
+        batches = rank_batches(epoch_batches(split.lengths(), self.batching, None), self.d.rank, self.d.world)
+        if self.cfg.eval_batches:
+            batches = batches[: self.cfg.eval_batches]
+        self.model.eval()
+        acc = MetricSum(self.ttt.num_steps)
+        for idx in batches:
+            acc.add(self.forward(self.load(split, idx)).metrics)
+        acc.all_reduce(self.d.world)
+        self.model.train()
+        return acc.result()
+
+    def evaluate_and_track(self) -> bool:
+        """Evaluate, log, and keep the best; True when this step is the best so far."""
+        m = self.last_eval = self.evaluate()
+        self.metrics.write("eval", self.step, m)
+        improved = m["expected_accept_length"] > self.best["expected_accept_length"]
         if improved:
-            best.update(expected_accept_length=m["expected_accept_length"], step=step, metrics=m)
-        log.info(fmt("eval", step, total, m, " (best)" if improved else ""))
-        return m
+            self.best = {"expected_accept_length": m["expected_accept_length"], "step": self.step, "metrics": m}
+        log.info(fmt("eval", self.step, self.total, m, " (best)" if improved else ""))
+        return improved
 
-    # -- starting point: held-out metrics before any update --------------------------
-    if step == 0:
-        start = trainer.evaluate()
-        mlog.write("eval", 0, start)
-        uniform = math.log(dcfg.draft_vocab_size)
-        log.info(fmt("start", 0, total, start, f" | uniform loss ln({dcfg.draft_vocab_size}) = {uniform:.3f}"))
+    def check_start(self) -> None:
+        """Held-out metrics before any update (logged as step 0), and the start gates.
+
+        A fresh drafter starts near the uniform loss ln(V_d). A fine-tuned one must
+        start below it: above it, its lm_head rows almost surely predict other tokens
+        than this mapping says (see finetune.py), and training would first unlearn.
+        """
+        start = self.evaluate()
+        self.metrics.write("eval", 0, start)
+        V = self.dcfg.draft_vocab_size
+        uniform = math.log(V)
+        log.info(fmt("start", 0, self.total, start, f" | uniform loss ln({V}) = {uniform:.3f}"))
         if start["num_valid"] == 0:
             raise PipelineError(
                 f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
-                f"of {dcfg.draft_vocab_size} tokens, or the loss mask is empty. Check the mapping "
-                f"({cfg.init_from or wd.d2t()}) against this target, and stage 01's loss mask.")
-        if cfg.init_from and not start["loss_0"] <= uniform:
-            msg = (f"the starting held-out loss_0 {start['loss_0']:.3f} of {cfg.init_from} is worse than uniform "
-                   f"over the draft vocab (ln {dcfg.draft_vocab_size} = {uniform:.3f}): its weights do not fit "
-                   f"this data. Usual causes: an lm_head read under another token mapping (try --vocab-mode "
-                   f"keep or remap; see the d2t comparison above) or other aux layer ids than the drafter was "
-                   f"trained on. Pass --allow-bad-start to train anyway.")
-            if not cfg.allow_bad_start:
+                f"of {V} tokens, or the loss mask is empty. Check the mapping "
+                f"({self.cfg.init_from or self.wd.d2t()}) against this target, and stage 01's loss mask.")
+        if self.cfg.init_from and not start["loss_0"] <= uniform:
+            msg = (f"the starting held-out loss_0 {start['loss_0']:.3f} of {self.cfg.init_from} is worse than "
+                   f"uniform over the draft vocab (ln {V} = {uniform:.3f}): its weights do not fit this data. "
+                   f"Usual causes: an lm_head read under another token mapping (try --vocab-mode keep or remap; "
+                   f"see the d2t comparison above) or other aux layer ids than the drafter was trained on. "
+                   f"Pass --allow-bad-start to train anyway.")
+            if not self.cfg.allow_bad_start:
                 raise PipelineError(msg)
             log.warning(msg)
 
-    # -- the loop ------------------------------------------------------------------
-    from tqdm import tqdm
+    # -- logging and checkpoints ----------------------------------------------------
+    def new_window(self) -> None:
+        """Start a log interval: its metric sums, token count and clock."""
+        self.window, self.window_tokens, self.window_t0 = MetricSum(self.cfg.ttt_steps), 0, time.perf_counter()
 
-    drafter.train()
-    bar = tqdm(total=total, initial=step, desc="train", unit="step", disable=not d.main)
-    window, t0, tokens = MetricSum(cfg.ttt_steps), time.perf_counter(), 0
-    epoch_cache: dict[int, list[list[int]]] = {}
-    last_eval = None
-    while step < total:
-        epoch, b = divmod(step, per_epoch)
-        if epoch not in epoch_cache:
-            epoch_cache = {epoch: rank_batches(epoch_batches(lengths, trainer.batching, epoch), d.rank, d.world)}
-        micro = epoch_cache[epoch][b * cfg.grad_accum:(b + 1) * cfg.grad_accum]
-        opt.zero_grad(set_to_none=True)
-        for i, idx in enumerate(micro):
-            batch = trainer.load(train, idx)
-            tokens += int(batch["attention_mask"].sum())
-            sync = nullcontext() if (d.world == 1 or i == len(micro) - 1) else trainer.model.no_sync()
-            with sync:
-                out = trainer.forward(batch)
-                if not torch.isfinite(out.loss):
-                    raise PipelineError(f"non-finite loss {float(out.loss)} at step {step} (epoch {epoch}, batch "
-                                        f"{b}); lower --learning-rate, check the store with `python -m "
-                                        f"eagle3.diagnose`, or resume from an earlier checkpoint.")
-                (out.loss / len(micro)).backward()
-            window.add(out.metrics)
-        gnorm = torch.nn.utils.clip_grad_norm_(params_to_train, cfg.grad_clip)
-        if not torch.isfinite(gnorm):
-            raise PipelineError(f"non-finite gradient norm at step {step}; lower --learning-rate or --grad-clip, "
-                                f"or resume from an earlier checkpoint.")
-        opt.step()
-        sched.step()
-        step += 1
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == total:
-            window.all_reduce(d)
-            m = window.result()
-            dt = time.perf_counter() - t0
-            m.update(lr=sched.get_last_lr()[0], grad_norm=float(gnorm), tokens_per_s=tokens * d.world / dt)
-            mlog.write("train", step, m)
-            log.info(fmt("train", step, total, m, f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
-                                                  f"{m['tokens_per_s']:.0f} tok/s"))
-            window, t0, tokens = MetricSum(cfg.ttt_steps), time.perf_counter(), 0
-        is_best = False
-        if step % cfg.eval_every == 0 or step == total:
-            prev_best = best["expected_accept_length"]
-            last_eval = evaluate_and_track()
-            is_best = best["expected_accept_length"] > prev_best
-        if is_best or step % cfg.save_every == 0 or step == total:
-            checkpoint(is_best, last_eval if is_best else None)
-        if cfg.stop_after is not None and step >= cfg.stop_after and step < total:
-            log.warning("--stop-after %d: stopping here as if killed; rerun without it to resume", cfg.stop_after)
+    def log_train(self, gnorm: float) -> None:
+        self.window.all_reduce(self.d.world)
+        m = self.window.result()
+        dt = time.perf_counter() - self.window_t0
+        m.update(lr=self.sched.get_last_lr()[0], grad_norm=gnorm,
+                 tokens_per_s=self.window_tokens * self.d.world / dt)
+        self.metrics.write("train", self.step, m)
+        log.info(fmt("train", self.step, self.total, m, f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+                                                        f"{m['tokens_per_s']:.0f} tok/s"))
+        self.new_window()
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs (the keys are listed in eagle3/train/checkpoint.py)."""
+        return {
+            "model": self.drafter.state_dict(), "drafter_config": self.dcfg.to_dict(),
+            "aux_layers": self.store.aux_layers, "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.step // self.per_epoch,
+            "batch_in_epoch": self.step % self.per_epoch, "rng": rng_state(),
+            "train_config": json.loads(json.dumps(self.src.params, default=str)), "identity": self.src.identity,
+            "best": self.best,
+        }
+
+    def load_state_dict(self, ckpt: dict) -> None:
+        self.drafter.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        set_rng_state(ckpt["rng"])
+        self.step, self.best = ckpt["step"], ckpt["best"]
+
+    def save(self, is_best: bool) -> None:
+        if self.d.main:  # the ranks hold the same weights (DDP)
+            ckpt = {**self.state_dict(), "eval": self.last_eval if is_best else {}}
+            save_checkpoint(self.wd, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best)
+
+    def resume(self) -> None:
+        ckpt = latest_checkpoint(self.wd, self.src.identity)
+        if ckpt is not None:
+            self.load_state_dict(ckpt)
+            log.info("resuming from %s at step %d of %d", self.wd.checkpoint(self.step), self.step, self.total)
+
+    # -- the loop ----------------------------------------------------------------------
+    def fit(self) -> Manifest | None:
+        """Train to `total` steps from the last checkpoint; the manifest, or None on --stop-after."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.resume()
+        self.metrics = MetricsLog(self.wd, self.d.main, self.step)  # drops lines past the resumed step
+        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", disable=not self.d.main)
+        try:
+            if self.step == 0:
+                self.check_start()
+            self.drafter.train()
+            self.new_window()
+            while self.step < self.total:
+                gnorm = self.train_step()
+                bar.update(1)
+                end = self.step == self.total
+                if self.step % cfg.log_every == 0 or end:
+                    self.log_train(gnorm)
+                is_best = (self.step % cfg.eval_every == 0 or end) and self.evaluate_and_track()
+                if is_best or self.step % cfg.save_every == 0 or end:
+                    self.save(is_best)
+                if cfg.stop_after is not None and cfg.stop_after <= self.step < self.total:
+                    log.warning("--stop-after %d: stopping here as if killed; rerun without it to resume",
+                                cfg.stop_after)
+                    return None
+        finally:
             bar.close()
-            mlog.close()
-            return None
-    bar.close()
-    mlog.close()
+            self.metrics.close()
+        return self.finish()
 
-    if not d.main:
-        return None
-    counts = {"steps": step, "steps_per_epoch": per_epoch, "processes": d.world,
-              "best_step": best["step"], "best_expected_accept_length": best["expected_accept_length"],
-              "final_eval": last_eval, "best_eval": best.get("metrics")}
-    extra = {"best_checkpoint": wd.best_checkpoint().relative_to(wd.stage_dir("train")).as_posix(),
-             "drafter_config": dcfg.to_dict(), "aux_layers": store.aux_layers,
-             "init_from": init_report.to_json() if init_report else None}
-    m = write_manifest(wd, "train", params=params, inputs=inputs, counts=counts,
-                       outputs=[wd.best_checkpoint(), wd.train_metrics()], extra=extra, hash_outputs=False)
-    log.info("stage 04: %d steps; best held-out expected accept length %.3f at step %s -> %s", step,
-             best["expected_accept_length"], best["step"], wd.best_checkpoint())
-    return m
+    def finish(self) -> Manifest | None:
+        """The stage's manifest (rank 0): the best held-out figures and where its checkpoint is."""
+        if not self.d.main:
+            return None
+        wd, best = self.wd, self.best
+        counts = {"steps": self.step, "steps_per_epoch": self.per_epoch, "processes": self.d.world,
+                  "best_step": best["step"], "best_expected_accept_length": best["expected_accept_length"],
+                  "final_eval": self.last_eval, "best_eval": best.get("metrics")}
+        extra = {"best_checkpoint": wd.best_checkpoint().relative_to(wd.stage_dir("train")).as_posix(),
+                 "drafter_config": self.dcfg.to_dict(), "aux_layers": self.store.aux_layers,
+                 "init_from": self.init_report.to_json() if self.init_report else None}
+        m = write_manifest(wd, "train", params=self.src.params, inputs=self.src.inputs, counts=counts,
+                           outputs=[wd.best_checkpoint(), wd.train_metrics()], extra=extra, hash_outputs=False)
+        log.info("stage 04: %d steps; best held-out expected accept length %.3f at step %s -> %s", self.step,
+                 best["expected_accept_length"], best["step"], wd.best_checkpoint())
+        return m
+
+
+# -- the stage -------------------------------------------------------------------------
+def train_drafter(cfg: TrainConfig) -> Manifest | None:
+    """Stage 04's entry point: the manifest, or None on a rank other than 0 or on --stop-after."""
+    wd = WorkDir(cfg.work_dir)
+    device = pick_device(cfg.device)
+    d = init_distributed(device)
+    try:
+        src = read_inputs(cfg, wd)
+        done = already_complete(wd, "train", src.params, src.inputs, force=cfg.force)
+        if done:
+            return done
+        if cfg.force and d.main and wd.stage_dir("train").exists():
+            shutil.rmtree(wd.stage_dir("train"))
+        if d.world > 1:
+            dist.barrier()  # no rank may read a checkpoint rank 0 is deleting
+        return Trainer(cfg, wd, src, device, d).fit()
+    finally:
+        if d.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
