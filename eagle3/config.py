@@ -222,6 +222,24 @@ class StageConfig:
         check_params(self)
 
 
+@dataclasses.dataclass(kw_only=True)
+class ShardedStageConfig(StageConfig):
+    """A stage that runs target engines and can split its work over boxes and engines
+    (stages 00 and 02). None of this changes what the stage writes (identity=False)."""
+
+    num_shards: int = param(1, min=1, identity=False, help="number of boxes splitting the work")
+    shard_index: int = param(0, min=0, identity=False, help="this box's index in [0, num_shards)")
+    tensor_parallel_size: int = param(1, min=1, identity=False, help="GPUs per engine (8 for Kimi-K2.5)")
+    data_parallel_size: int = param(1, min=1, identity=False, help="engines on this box (for targets that fit "
+                                                                  "tensor_parallel_size GPUs), one process each")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.shard_index < self.num_shards:
+            raise PipelineError(f"--shard-index {self.shard_index} with --num-shards {self.num_shards}: "
+                                f"need 0 <= shard_index < num_shards.")
+
+
 def data_sources(data: list[str] | str, section: str) -> list[str]:
     """A stage's `data` setting as a list (one YAML string is one source); empty is refused."""
     data = [data] if isinstance(data, str) else list(data or [])

@@ -57,7 +57,6 @@ class PrepareConfig(StageConfig):
     max_length: int = param(4096, min=8, help="truncate samples to this many tokens")
     eval_fraction: float = param(0.02, min=0.0, lt=1.0, help="share of conversations held out for evaluation")
     seed: int = param(0, help="seed of the train/eval split (by conversation)")
-    trust_remote_code: bool = param(False, help="allow the tokenizer's custom code (Kimi needs it)")
     strict: bool = param(False, help="stop at the first bad record instead of counting it")
     num_workers: int = param(0, identity=False, help="tokenizer processes (0 = auto: CPUs - 1, max 16, "
                                                     "one per 5000 records)")

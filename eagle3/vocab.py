@@ -31,7 +31,6 @@ log = logging.getLogger(__name__)
 class VocabConfig(StageConfig):
     work_dir: Path = param(help="work directory (stage 01 must have run in it)")
     target_model: str | None = param(None, help="target model; when given, its tokenizer must be stage 01's")
-    trust_remote_code: bool = param(False, help="allow the tokenizer's custom code")
     draft_vocab_size: int = param(32000, min=1, help="number of target tokens the drafter predicts")
 
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import DTYPE_CHOICES, StageConfig, dtype_name, param
-from ..errors import PipelineError
+from ..config import DTYPE_CHOICES, ShardedStageConfig, dtype_name, param
 
 BACKENDS = ("vllm", "hf")
 
 
 @dataclass(kw_only=True)
-class ExtractConfig(StageConfig):
+class ExtractConfig(ShardedStageConfig):
     work_dir: Path = param(help="work directory (stage 01 output in it; the store goes to 02_hidden_states/)")
     target_model: str = param(help="target model folder or hub id (the one served, same tokenizer as stage 01)")
-    trust_remote_code: bool = param(False, help="allow the target's custom code (Kimi's tokenizer needs it)")
     backend: str = param("vllm", choices=BACKENDS, help="vllm (GPU box, tensor/data parallel) or hf (transformers; CPU "
                                       "reference and small targets)")
     aux_layers: list[int] | None = param(None, help="aux layer ids, convention 1 (default [2, N//2, N-3])")
@@ -27,11 +25,6 @@ class ExtractConfig(StageConfig):
     samples_per_file: int = param(256, min=1, help="samples per store file: the unit of resume and of multi-box "
                                             "splitting")
     # --- how the work is done (not part of the store's identity) ---
-    num_shards: int = param(1, min=1, identity=False, help="number of boxes splitting the work")
-    shard_index: int = param(0, min=0, identity=False, help="this box's index in [0, num_shards)")
-    tensor_parallel_size: int = param(1, min=1, identity=False, help="vllm: GPUs per engine (8 for Kimi-K2.5)")
-    data_parallel_size: int = param(1, min=1, identity=False, help="engines on this box (for targets that fit "
-                                                            "tensor_parallel_size GPUs), one process each")
     batch_tokens: int = param(16384, min=1, identity=False, help="tokens per forward batch (vllm: "
                                                           "max_num_batched_tokens, at least max_model_len)")
     max_model_len: int | None = param(None, identity=False, help="vllm: context length (default: longest "
@@ -51,6 +44,3 @@ class ExtractConfig(StageConfig):
     def __post_init__(self):
         super().__post_init__()  # the choices and ranges declared with the fields
         self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16
-        if not self.shard_index < self.num_shards:
-            raise PipelineError(f"--shard-index {self.shard_index} with --num-shards {self.num_shards}: "
-                                f"need 0 <= shard_index < num_shards.")

@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..config import DTYPE_CHOICES, StageConfig, data_sources, dtype_name, param
+from ..config import DTYPE_CHOICES, ShardedStageConfig, data_sources, dtype_name, param
 from ..errors import PipelineError
 
 
 @dataclass(kw_only=True)
-class GenerateConfig(StageConfig):
+class GenerateConfig(ShardedStageConfig):
     target_model: str = param(help="target model folder or hub id: the model the drafter will serve with")
     data: list[str] = param(help="chat files (.json/.jsonl, ShareGPT or OpenAI messages) or datasets ids: "
                                  "the same inputs as stage 01")
     data_split: str = param("train", help="split to read from datasets ids")
-    trust_remote_code: bool = param(False, help="allow the target's custom code (Kimi needs it)")
     chat_template_kwargs: dict | None = param(None, help="JSON object passed to the chat template, e.g. "
                                                          "'{\"thinking\": false}' (stage 01 uses the same)")
     temperature: float = param(0.0, min=0.0, help="sampling temperature; 0 = greedy, which matches greedy serving")
@@ -33,10 +32,6 @@ class GenerateConfig(StageConfig):
     chunk_size: int = param(256, min=1, help="conversations per output chunk: the unit of resume, of multi-box "
                                       "splitting, and of batching (all turn-k prompts of a chunk go together)")
     # --- how the work is done (not part of what is generated) ---
-    num_shards: int = param(1, min=1, identity=False, help="number of boxes splitting the work")
-    shard_index: int = param(0, min=0, identity=False, help="this box's index in [0, num_shards)")
-    tensor_parallel_size: int = param(1, min=1, identity=False, help="GPUs per engine (8 for Kimi-K2.5)")
-    data_parallel_size: int = param(1, min=1, identity=False, help="engines on this box, one process each")
     max_num_seqs: int = param(256, min=1, identity=False, help="vLLM: concurrent sequences per engine")
     gpu_memory_utilization: float | None = param(None, gt=0.0, max=1.0, identity=False,
                                                  help="share of GPU memory (on the CPU build: of RAM) the engine "
@@ -60,9 +55,6 @@ class GenerateConfig(StageConfig):
                                 f"object, e.g. '{{\"thinking\": false}}'.")
         super().__post_init__()  # the choices and ranges declared with the fields
         self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16
-        if not self.shard_index < self.num_shards:
-            raise PipelineError(f"--shard-index {self.shard_index} with --num-shards {self.num_shards}: "
-                                f"need 0 <= shard_index < num_shards.")
 
     @property
     def template_kwargs(self) -> dict:
