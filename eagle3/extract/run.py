@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
-import os
 import shutil
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +39,7 @@ from ..config import identity_params
 from ..errors import PipelineError
 from ..manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest, sha256_json,
                         write_manifest)
+from ..parallel import Reporter, run_data_parallel, use_gpu_group
 from ..target import (TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint, validate_aux_layers,
                       weights_fingerprint)
 from ..workdir import SPLITS, WorkDir
@@ -259,67 +257,17 @@ def run_files(cfg: ExtractConfig, p: Prepared, files: list[FileSpec], on_tokens:
         backend.close()
 
 
-def _dp_worker(cfg: ExtractConfig, files: list[FileSpec], rank: int, queue) -> None:
-    """One data-parallel engine in its own process (spawned: CUDA and vLLM start clean)."""
-    try:
-        from ..logs import setup_logging
+def _dp_worker(cfg: ExtractConfig, files: list[FileSpec], rank: int, report: Reporter) -> None:
+    """One engine of `run_data_parallel`, in its own process: its GPUs, its files."""
+    device = None
+    if cfg.backend == "vllm":
+        use_gpu_group(rank, cfg.tensor_parallel_size, cfg.data_parallel_size)
+    else:
+        import torch
 
-        setup_logging(logging.WARNING if rank else logging.INFO)
-        device = None
-        if cfg.backend == "vllm":
-            # Each engine sees only its own tensor-parallel group of GPUs.
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            gpus = visible.split(",") if visible else [str(i) for i in range(cfg.data_parallel_size
-                                                                              * cfg.tensor_parallel_size)]
-            tp = cfg.tensor_parallel_size
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * tp:(rank + 1) * tp])
-        else:
-            import torch
-
-            device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
-        p = validate(cfg)
-        run_files(cfg, p, files, lambda n: queue.put(("tokens", n)), device, lambda: queue.put(("ready", rank)))
-        queue.put(("done", rank))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        queue.put(("error", f"data-parallel rank {rank}:\n{traceback.format_exc()}"))
-
-
-def _run_data_parallel(cfg: ExtractConfig, todo: list[FileSpec], bar: tqdm) -> None:
-    dp = min(cfg.data_parallel_size, len(todo))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_dp_worker, args=(cfg, todo[r::dp], r, queue), daemon=False) for r in range(dp)]
-    for pr in procs:
-        pr.start()
-    running, error, ready = dp, None, False
-    try:
-        while running:
-            try:
-                kind, val = queue.get(timeout=5.0)
-            except Exception:  # queue.Empty: check nobody died silently (e.g. OOM-killed)
-                dead = [pr for pr in procs if pr.exitcode not in (None, 0)]
-                if dead:
-                    error = error or f"data-parallel worker(s) died with exit code {[pr.exitcode for pr in dead]}"
-                    break
-                continue
-            if kind == "ready":
-                if not ready:  # tokens/s and ETA from the first engine up, not from the start
-                    bar.reset(bar.total)
-                ready = True
-            elif kind == "tokens":
-                bar.update(val)
-            elif kind == "done":
-                running -= 1
-            else:
-                assert kind == "error", kind
-                error, running = val, running - 1
-    finally:
-        for pr in procs:
-            pr.join(timeout=None if error is None else 30)
-            if pr.is_alive():
-                pr.terminate()
-    if error:
-        raise RuntimeError(f"stage 02 failed in a data-parallel worker: {error}")
+        device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
+    p = validate(cfg)
+    run_files(cfg, p, files, report.progress, device, report.ready)
 
 
 # --------------------------------------------------------------------------- the stage
@@ -414,7 +362,9 @@ def extract_hidden_states(cfg: ExtractConfig) -> Manifest:
         total = sum(int(lengths[s.split][s.first:s.first + s.count].sum()) for s in todo)
         with tqdm(total=total, unit="tok", unit_scale=True, desc="extract", smoothing=0.05) as bar:
             if cfg.data_parallel_size > 1:
-                _run_data_parallel(cfg, todo, bar)
+                # tokens/s and ETA count from the first engine up, not from the start
+                run_data_parallel(_dp_worker, (cfg,), todo, cfg.data_parallel_size,
+                                  on_ready=lambda: bar.reset(bar.total), on_progress=bar.update, what="stage 02")
             else:
                 run_files(cfg, p, todo, bar.update, on_ready=lambda: bar.reset(total))
     return write_results(cfg, p, plan)

@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import shutil
 import time
-import traceback
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +44,7 @@ from ..config import identity_params
 from ..errors import PipelineError
 from ..loss_mask import assistant_suffix
 from ..manifest import Manifest, already_complete, sha256_file, sha256_json, write_manifest
+from ..parallel import Reporter, run_data_parallel, use_gpu_group
 from ..target import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
 from ..workdir import WorkDir
 from .config import GenerateConfig
@@ -242,64 +241,16 @@ def run_chunks(cfg: GenerateConfig, p: Plan, chunks: list[int], engine: Engine,
 
 # --------------------------------------------------------------------------- data parallel
 
-def _dp_worker(cfg: GenerateConfig, chunks: list[int], rank: int, queue) -> None:
-    """One engine in its own process (spawned: CUDA and vLLM start clean)."""
+def _dp_worker(cfg: GenerateConfig, chunks: list[int], rank: int, report: Reporter) -> None:
+    """One engine of `run_data_parallel`, in its own process: its tensor-parallel GPUs, its chunks."""
+    use_gpu_group(rank, cfg.tensor_parallel_size, cfg.data_parallel_size)
+    p = plan(cfg)
+    engine = make_engine(cfg, p)
+    report.ready()
     try:
-        import os
-
-        from ..logs import setup_logging
-
-        setup_logging(logging.WARNING if rank else logging.INFO)
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        tp = cfg.tensor_parallel_size
-        gpus = visible.split(",") if visible else [str(i) for i in range(cfg.data_parallel_size * tp)]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * tp:(rank + 1) * tp])
-        p = plan(cfg)
-        engine = make_engine(cfg, p)
-        queue.put(("ready", rank))
-        try:
-            run_chunks(cfg, p, chunks, engine, lambda turns, tokens: queue.put(("round", (turns, tokens))))
-        finally:
-            engine.close()
-        queue.put(("done", rank))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        queue.put(("error", f"data-parallel rank {rank}:\n{traceback.format_exc()}"))
-
-
-def _run_data_parallel(cfg: GenerateConfig, p: Plan, todo: list[int], progress: _Progress) -> None:
-    dp = min(cfg.data_parallel_size, len(todo))
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_dp_worker, args=(cfg, todo[r::dp], r, queue)) for r in range(dp)]
-    for pr in procs:
-        pr.start()
-    running, error, ready = dp, None, False
-    try:
-        while running:
-            try:
-                kind, val = queue.get(timeout=5.0)
-            except Exception:  # queue.Empty: check nobody died silently (e.g. OOM-killed)
-                dead = [pr for pr in procs if pr.exitcode not in (None, 0)]
-                if dead:
-                    error = error or f"data-parallel worker(s) died with exit code {[pr.exitcode for pr in dead]}"
-                    break
-                continue
-            if kind == "ready" and not ready:
-                progress.start()
-                ready = True
-            elif kind == "round":
-                progress(*val)
-            elif kind == "done":
-                running -= 1
-            elif kind == "error":
-                error, running = val, running - 1
+        run_chunks(cfg, p, chunks, engine, report.progress)
     finally:
-        for pr in procs:
-            pr.join(timeout=None if error is None else 30)
-            if pr.is_alive():
-                pr.terminate()
-    if error:
-        raise RuntimeError(f"stage 00 failed in a data-parallel worker: {error}")
+        engine.close()
 
 
 # --------------------------------------------------------------------------- the stage
@@ -373,7 +324,8 @@ def generate_responses(cfg: GenerateConfig, engine: Engine | None = None) -> Man
         progress = _Progress(_turns_in(p, todo))
         try:
             if cfg.data_parallel_size > 1 and engine is None:
-                _run_data_parallel(cfg, p, todo, progress)
+                run_data_parallel(_dp_worker, (cfg,), todo, cfg.data_parallel_size, on_ready=progress.start,
+                                  on_progress=progress, what="stage 00")
             else:
                 own = engine is None
                 eng = make_engine(cfg, p) if own else engine
