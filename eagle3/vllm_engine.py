@@ -1,0 +1,51 @@
+"""Starting a vLLM engine the way every stage that runs one does (stages 00 and 02).
+
+What the stages share: the CPU build's settings (a fixed KV cache size instead of
+vLLM's profiling), quiet engine processes unless -v, and one refusal naming the
+target and what to check when the engine does not start. Stopping one is
+eagle3/vllm_shutdown.py's `shutdown_llm`.
+
+`vllm` is imported only inside `start_llm`: this module is importable without it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from .errors import PipelineError
+
+log = logging.getLogger(__name__)
+
+CPU_KV_CACHE_GIB = 1.0  # a fixed size also skips the CPU build's profiling warm-up
+
+
+def on_cpu() -> bool:
+    """No CUDA device: the vLLM CPU build."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def kv_cache_kwargs(kv_cache_gib: float | None) -> dict:
+    """`kv_cache_memory_bytes` for `vllm.LLM` (on CPU, CPU_KV_CACHE_GIB unless given; on GPU, vLLM sizes it)."""
+    if kv_cache_gib is None and on_cpu():
+        kv_cache_gib = CPU_KV_CACHE_GIB
+    return {} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30))}
+
+
+def quiet_vllm() -> None:
+    """vLLM's engine processes log per weight and per step; keep progress bars readable unless -v.
+    vLLM reads this when first imported: call it before any `import vllm`."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
+
+
+def start_llm(engine_kw: dict, *, fix: str):
+    """`vllm.LLM(**engine_kw)`, or a PipelineError naming the model, vLLM's error and `fix`."""
+    quiet_vllm()
+    from vllm import LLM
+
+    try:
+        return LLM(**engine_kw)
+    except Exception as e:  # noqa: BLE001 - vLLM raises many types; the fix is the same
+        raise PipelineError(f"vLLM could not start {engine_kw['model']} ({type(e).__name__}: {e}); "
+                            f"{fix}.") from e
