@@ -43,7 +43,7 @@ STAGE_CONFIGS: dict[str, str] = {
     "vocab": "eagle3.vocab:VocabConfig",
     "train": "eagle3.train.config:TrainConfig",
     "export": "eagle3.export:ExportConfig",
-    "evaluate": "eagle3.evaluate:EvaluateConfig",
+    "evaluate": "eagle3.evaluate.config:EvaluateConfig",
 }
 
 
