@@ -37,6 +37,13 @@ def is_local_file_name(source: str) -> bool:
     return str(source).endswith(LOCAL_SUFFIXES)
 
 
+def check_local_files(sources: list[str]) -> None:
+    """Refuse a missing local chat file before any source is read (a datasets id may be slow)."""
+    for source in sources:
+        if is_local_file_name(source) and not Path(source).is_file():
+            raise PipelineError(f"data file {source} does not exist; check --data.")
+
+
 class BadRecord(Exception):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
@@ -56,11 +63,9 @@ class RawRecord:
 
 
 def iter_records(source: str, split: str = "train") -> Iterator[RawRecord]:
-    path = Path(source)
     if is_local_file_name(source):
-        if not path.is_file():
-            raise PipelineError(f"data file {source} does not exist; check --data.")
-        yield from _iter_local(path)
+        check_local_files([source])
+        yield from _iter_local(Path(source))
         return
     import datasets
 

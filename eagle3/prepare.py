@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .atomic import atomic_path, save_numpy
-from .chats import BadRecord, RawRecord, iter_records, normalize, sample_id
+from .chats import BadRecord, RawRecord, check_local_files, iter_records, normalize, sample_id
 from .config import StageConfig, data_sources, identity_params, param
 from .errors import PipelineError
 from .loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
@@ -240,9 +240,7 @@ def token_frequencies(samples: list[PreparedSample], vocab_size: int) -> np.ndar
 
 def read_records(cfg: PrepareConfig, wd: WorkDir, gen: Manifest | None) -> list[RawRecord]:
     """Every input record: stage 00's regenerated chats, or the chat files / datasets ids."""
-    for src in cfg.data:
-        if Path(src).suffix in (".json", ".jsonl") and not Path(src).is_file():
-            raise PipelineError(f"data file {src} does not exist; check --data.")
+    check_local_files(cfg.data)
     if gen is not None:
         records = list(generated_records(wd, gen))
         log.info("read %d regenerated records from %s", len(records), wd.generate_chunks())

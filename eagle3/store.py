@@ -374,7 +374,7 @@ def finalize_file(partial: Path, final_path: Path, *, split: str, file_no: int, 
     }
     os.replace(partial, final_path)
     # The entry is written after the rename: a file without an entry is incomplete.
-    write_json(final_path.with_suffix(".json"), entry)
+    write_json(final_path.parent / entry_name(split, file_no), entry)
     return entry
 
 

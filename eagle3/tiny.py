@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 KINDS = ("llama", "deepseek_v3", "kimi_k25")
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CHATS = REPO / "data" / "demo_chats.jsonl"
+MARKER = "TINY_TARGET.json"  # written last into a built target: its recipe (and final loss)
 
 BOS, EOT = "<|begin_of_text|>", "<|eot_id|>"
 SPECIAL_TOKENS = [BOS, "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", EOT, "<|pad|>"]
@@ -227,14 +228,14 @@ def save_target(kind: str, model, tok, out: Path, recipe: dict, report: dict | N
             model.save_pretrained(tmp, safe_serialization=True)
         # `recipe` alone decides whether a later build reuses this folder; `report` (the
         # final loss) is for reading only, so it stays out of the comparison.
-        (tmp / "TINY_TARGET.json").write_text(json.dumps({"kind": kind, "recipe": recipe, **(report or {})}) + "\n")
+        (tmp / MARKER).write_text(json.dumps({"kind": kind, "recipe": recipe, **(report or {})}) + "\n")
 
 
 def build_tiny_target(kind: str, out: Path | str, seed: int = 0, force: bool = False,
                       train_steps: int = 0) -> Path:
     assert kind in KINDS, f"unknown tiny target kind {kind!r}; one of {KINDS}"  # the CLI offers KINDS only
     out = Path(out)
-    marker = out / "TINY_TARGET.json"
+    marker = out / MARKER
     recipe = {"kind": kind, "seed": seed, "train_steps": train_steps}
     if train_steps:  # a changed recipe must rebuild a trained target, not reuse the old one
         recipe["train"] = TRAIN_RECIPE

@@ -39,7 +39,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..atomic import atomic_path, write_json
-from ..chats import RawRecord, iter_records
+from ..chats import RawRecord, check_local_files, iter_records
 from ..config import identity_params
 from ..errors import PipelineError
 from ..loss_mask import assistant_suffix
@@ -95,9 +95,7 @@ def plan(cfg: GenerateConfig) -> Plan:
     except TypeError as e:
         raise PipelineError(f"the chat template of {cfg.target_model} failed with --chat-template-kwargs "
                             f"{json.dumps(kw)} ({e}).") from e
-    for src in cfg.data:
-        if Path(src).suffix in (".json", ".jsonl") and not Path(src).is_file():
-            raise PipelineError(f"data file {src} does not exist; check --data.")
+    check_local_files(cfg.data)
     records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
     if not records:
         raise PipelineError(f"no records in {cfg.data}; check --data.")
