@@ -128,3 +128,24 @@ def test_help_shows_the_declared_choices_and_ranges():
     assert "--backend {vllm,hf}" in flat and "(one of vllm, hf) (default: vllm)" in flat
     assert "(in (0, 1]) (default: 0.85)" in flat and "(>= 1) (default: 256)" in flat
     assert allowed_text(next(f for f in fields(PrepareConfig) if f.name == "eval_fraction")) == "in [0.0, 1.0)"
+
+
+def test_one_dtype_spelling_whatever_the_yaml_says(tmp_path):
+    from eagle3.config import DTYPES, ShardedStageConfig, StageConfig
+    from eagle3.export import ExportConfig
+    from eagle3.generate.config import GenerateConfig
+
+    y = tmp_path / "c.yaml"
+    y.write_text("work_dir: w\ntarget_model: t\nexport:\n  dtype: bf16\nextract:\n  dtype: fp16\n"
+                 "generate:\n  data: a.jsonl\n  dtype: float32\n")
+    assert build_config(ExportConfig, "export", y).dtype == "bfloat16"  # stored, and recorded, in the long form
+    assert build_config(ExtractConfig, "extract", y).dtype == "float16"
+    assert build_config(GenerateConfig, "generate", y, {"dtype": "fp32"}).dtype == "float32"
+    assert identity_params(build_config(ExportConfig, "export", y))["dtype"] in DTYPES
+    with pytest.raises(PipelineError, match=r"`dtype` = 'bf61' is not allowed \(did you mean `bf16`\?\)"):
+        build_config(ExtractConfig, "extract", y, {"dtype": "bf61"})
+    # the shared fields come from one base: every stage config has them, declared once
+    for cls in (PrepareConfig, VocabConfig, ExtractConfig, GenerateConfig, ExportConfig):
+        assert issubclass(cls, StageConfig), cls
+        assert {"work_dir", "target_model", "trust_remote_code", "force"} <= {f.name for f in fields(cls)}
+    assert issubclass(ExtractConfig, ShardedStageConfig) and issubclass(GenerateConfig, ShardedStageConfig)
