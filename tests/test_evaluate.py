@@ -1,6 +1,8 @@
 """Stage 06 without an engine: prompts from stage 01, the figures and the break-even
 formula on fabricated engine results, the untrained baseline drafter, the training-time
-expectation, and the errors. (tests/test_pipeline_e2e.py serves real engines.)"""
+expectation, the errors, and the package's steps (run figures, engine shutdown, plot).
+(tests/test_pipeline_e2e.py serves real engines.) About 20 s on 2 cores, 7 s of it one
+test that imports vLLM without starting an engine."""
 from __future__ import annotations
 
 import json
@@ -406,3 +408,124 @@ def test_per_token_expansion_used_for_sampled_verification():
     # top-k: 0 ("off") replaced by the vocabulary size.
     assert _expand_per_token(torch.tensor([0, 5, 0]), cu, 6, replace_from=0, replace_to=960).tolist() == \
         [960, 960, 5, 5, 5, 960]
+
+
+# -- the package's steps (eagle3/evaluate/) ---------------------------------------------------
+
+def spec_pass(temperature: float, tokens: list[list[int]]) -> dict:
+    """One acceptance pass of a drafter run as `serve_and_measure` returns it (4 steps, 6 accepted)."""
+    return {"temperature": temperature, "wall_s": 1.0, "tokens": tokens, "counters": counters(4, [3, 2, 1]),
+            "histograms": None, "group_counters": None}
+
+
+def test_run_figures_compare_greedy_outputs_with_plain_and_check_the_teacher():
+    from eagle3.evaluate.figures import run_figures, teacher_check
+
+    plain = [[1, 2, 3], [4, 5], [6]]
+    raw = {"plain": {"init_s": 2.0, "acceptance": [{"temperature": 0.0, "wall_s": 0.5, "tokens": plain}],
+                     "timing": []},
+           "trained": {"init_s": 3.0, "per_request_metrics": False, "timing": [],
+                       "acceptance": [spec_pass(0.7, [[9]] * 3), spec_pass(0.0, [[1, 2, 3], [4, 5], [7]])]},
+           # The floor is served at the first temperature only: no greedy pass to compare.
+           "untrained": {"init_s": 3.0, "timing": [], "acceptance": [spec_pass(0.7, [[1]] * 3)]}}
+    runs = run_figures(raw, K, [None] * 3, [0.7, 0.0])
+    assert runs["trained"]["outputs_match_plain"] == pytest.approx(2 / 3)
+    assert "outputs_match_plain" not in runs["untrained"]
+    assert runs["plain"]["acceptance"] == [{"temperature": 0.0, "tokens": 6, "wall_s": 0.5}]
+    assert runs["plain"]["init_s"] == 2.0 and runs["plain"]["timing"] is None
+    assert [a["acceptance_length"] for a in runs["trained"]["acceptance"]] == pytest.approx([2.5, 2.5])
+    assert runs["trained"]["acceptance"][1]["tokens"] == 6
+    # Greedy first: every drafter run is compared with plain.
+    first = {**raw, "untrained": {"init_s": 3.0, "timing": [], "acceptance": [spec_pass(0.0, plain)]}}
+    assert run_figures(first, K, [None] * 3, [0.0, 0.7])["untrained"]["outputs_match_plain"] == 1.0
+    # The teacher check: the target's greedy answer starts with the dataset's answer.
+    assert teacher_check([[1, 2], None, [5, 5]], [[1, 2, 3], [4], [5, 6]]) == {"greedy_equals_dataset_answer": 0.5}
+    assert teacher_check([None, None], [[1], [2]]) == {"greedy_equals_dataset_answer": None}
+    assert teacher_check([[1]], None) == {"greedy_equals_dataset_answer": None}
+
+
+def test_config_shares_the_stage_fields_and_the_dtype_table():
+    from eagle3.config import StageConfig, build_config, identity_params
+
+    cfg = EvaluateConfig(work_dir=Path("w"), target_model="t", dtype="bf16")
+    assert isinstance(cfg, StageConfig) and cfg.dtype == "bfloat16" and cfg.force is False
+    assert identity_params(cfg)["dtype"] == "bfloat16"  # a YAML `bf16` and a flag `bfloat16` are one run
+    built = build_config(EvaluateConfig, "evaluate", None, {"work_dir": "w", "target_model": "t", "dtype": "fp32"})
+    assert built.dtype == "float32"
+    assert "force" not in identity_params(cfg) and identity_params(cfg)["trust_remote_code"] is False
+
+
+def test_stage_06_file_names_come_from_the_work_dir():
+    from eagle3.evaluate import PLOT_PNG, RESULTS_JSON
+
+    wd = WorkDir(Path("w"))
+    assert wd.evaluate_results() == Path("w/06_evaluate/results.json") and RESULTS_JSON == "results.json"
+    assert wd.evaluate_plot() == Path("w/06_evaluate/evaluate.png") and PLOT_PNG == "evaluate.png"
+    assert wd.engine_log("plain") == Path("w/06_evaluate/logs/plain.log")
+    assert wd.engine_request("trained").parent == wd.engine_result("trained").parent == Path("w/06_evaluate/runs")
+
+
+def test_engine_shutdown_is_best_effort():
+    from types import SimpleNamespace
+
+    from eagle3.vllm_shutdown import shutdown_llm
+
+    def fake_llm(shutdown):
+        return SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=shutdown)))
+
+    calls = []
+    shutdown_llm(fake_llm(lambda: calls.append("down")))
+    assert calls == ["down"]
+
+    def gone():
+        raise RuntimeError("engine core already gone")
+
+    shutdown_llm(fake_llm(gone))  # at exit a failed shutdown must not hide the result
+    shutdown_llm(None)
+
+
+def test_worker_shuts_the_engine_down_when_a_pass_fails(monkeypatch):
+    """The engine is shut down on the way out of `serve_and_measure`, also after an error.
+    (Imports vLLM's CPU build: ~5 s.)"""
+    from types import SimpleNamespace
+
+    import eagle3.evaluate.engine as engine
+
+    calls = []
+
+    def generate(*a, **k):
+        raise RuntimeError("pass failed")
+
+    llm = SimpleNamespace(generate=generate, get_metrics=lambda: [],
+                          llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: calls.append(1))))
+    monkeypatch.setattr(engine, "_start_engine", lambda *a: llm)
+    req = {"drafter": None, "gpu_memory_utilization": None, "enforce_eager": None, "num_speculative_tokens": K,
+           "seed": 0, "max_new_tokens": 4, "prompts": [[1, 2]], "groups": [[0]], "temperatures": [0.0],
+           "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
+    with pytest.raises(RuntimeError, match="pass failed"):
+        engine.serve_and_measure(req)
+    assert calls == [1]
+
+
+def test_plot_draws_positions_categories_and_training_curves(tmp_path):
+    from eagle3.evaluate.report import write_plot
+
+    block = {"acceptance_length": 2.0, "acceptance_per_position": [0.5, 0.3, 0.2], "ci95": 0.1,
+             "by_category": {"math": {"acceptance_length": 2.2, "ci95": 0.2}, "code": {"acceptance_length": 1.8}}}
+    r = {"num_speculative_tokens": K, "categories": {"field": "category", "names": ["math", "code"]},
+         "acceptance": [{"temperature": 0.0, "trained": block, "untrained": {"acceptance_length": 1.0}},
+                        {"temperature": 0.7, "trained": block, "untrained": None}],
+         "expected_accept_length_training": {"full_acc": [0.6, 0.4, 0.2]}}
+    curve = [{"split": s, "step": n, "full_acc_0": 0.1 * n, "full_acc_1": 0.05 * n} for n in (1, 2, 3)
+             for s in ("train", "eval")]
+
+    def png_width(path: Path) -> int:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+        return int.from_bytes(data[16:20], "big")  # IHDR width
+
+    write_plot(tmp_path / "cats.png", r, curve)
+    no_cats = {**r, "categories": {"field": None, "names": []}}
+    write_plot(tmp_path / "plain.png", no_cats, [])
+    assert png_width(tmp_path / "cats.png") == 15 * 110 and png_width(tmp_path / "plain.png") == 10 * 110
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cats.png", "plain.png"]  # no temporary file left

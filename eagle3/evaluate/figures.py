@@ -225,8 +225,8 @@ def run_figures(raw: dict[str, dict], K: int, prompt_categories: list[str | None
     """Engine results (`raw[name]`, one per run) -> the figures `summarise` reads, per run:
     acceptance per temperature, single-stream timing and, for drafter runs, the share of
     greedy outputs equal to the plain run's."""
-    greedy = 0.0 in temperatures
-    plain_greedy = raw["plain"]["acceptance"][0]["tokens"] if "plain" in raw and greedy else None
+    greedy = temperatures.index(0.0) if 0.0 in temperatures else None
+    plain_greedy = raw["plain"]["acceptance"][0]["tokens"] if "plain" in raw and greedy is not None else None
     runs: dict[str, dict] = {}
     for name, res in raw.items():
         speculative = name != "plain"
@@ -235,9 +235,9 @@ def run_figures(raw: dict[str, dict], K: int, prompt_categories: list[str | None
                 for p in res["acceptance"]])
         runs[name] = {"init_s": res["init_s"], "per_request_metrics": res.get("per_request_metrics"),
                       "acceptance": acc, "timing": timing_figures(res["timing"], K, speculative)}
-        if speculative and plain_greedy is not None:
-            mine = res["acceptance"][temperatures.index(0.0)]["tokens"]
-            runs[name]["outputs_match_plain"] = outputs_match(mine, plain_greedy)
+        # The untrained run is served at the first temperature only: no greedy pass when that is not 0.
+        if speculative and plain_greedy is not None and greedy < len(res["acceptance"]):
+            runs[name]["outputs_match_plain"] = outputs_match(res["acceptance"][greedy]["tokens"], plain_greedy)
     return runs
 
 

@@ -202,22 +202,10 @@ def report_lines(r: dict) -> list[str]:
 
 # --------------------------------------------------------------------------- plot
 
-def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
-    """Left: acceptance per draft position (trained at each temperature, untrained, training
-    full_acc_k). Middle (with categories): acceptance length per category and temperature.
-    Right: full_acc_k over stage 04's steps (held-out evals as markers, train windows as lines)."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a server
-    import matplotlib.pyplot as plt
-
-    from ..atomic import atomic_path
-
+def _plot_positions(a, r: dict) -> None:
+    """Acceptance per draft position: trained at each temperature, untrained, training full_acc_k."""
     K = r["num_speculative_tokens"]
     rows = r.get("acceptance") or []
-    cats = (r.get("categories") or {}).get("names") or []
-    fig, axes = plt.subplots(1, 3 if cats else 2, figsize=(15 if cats else 10, 3.8))
-    a, b = axes[0], axes[-1]
     x = np.arange(K)
     bars = [(f"trained {_temp(row['temperature'])} (L={_fmt(row['trained'].get('acceptance_length'))})",
              row["trained"].get("acceptance_per_position") or [0.0] * K) for row in rows]
@@ -239,24 +227,29 @@ def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
     a.set_title(f"served acceptance, K={K}")
     a.legend(fontsize=7)
 
-    if cats:
-        c = axes[1]
-        y = np.arange(len(cats))
-        h = 0.8 / max(1, len(rows))
-        for i, row in enumerate(rows):
-            vals = [(row["trained"]["by_category"].get(n) or {}).get("acceptance_length") or 0.0 for n in cats]
-            err = [(row["trained"]["by_category"].get(n) or {}).get("ci95") or 0.0 for n in cats]
-            c.barh(y - 0.4 + h * (i + 0.5), vals, h, xerr=err, label=_temp(row["temperature"]))
-        c.set_yticks(y, cats, fontsize=7)
-        c.set_xlabel(f"acceptance length (K={K}; bars: 95% interval over prompts)")
-        c.set_xlim(1, K + 1)
-        c.set_title(f"by {r['categories']['field']}")
-        c.legend(fontsize=7)
 
+def _plot_categories(c, r: dict, cats: list[str]) -> None:
+    """Acceptance length per category and temperature, with the 95% interval over prompts."""
+    K = r["num_speculative_tokens"]
+    rows = r.get("acceptance") or []
+    y = np.arange(len(cats))
+    h = 0.8 / max(1, len(rows))
+    for i, row in enumerate(rows):
+        vals = [(row["trained"]["by_category"].get(n) or {}).get("acceptance_length") or 0.0 for n in cats]
+        err = [(row["trained"]["by_category"].get(n) or {}).get("ci95") or 0.0 for n in cats]
+        c.barh(y - 0.4 + h * (i + 0.5), vals, h, xerr=err, label=_temp(row["temperature"]))
+    c.set_yticks(y, cats, fontsize=7)
+    c.set_xlabel(f"acceptance length (K={K}; bars: 95% interval over prompts)")
+    c.set_xlim(1, K + 1)
+    c.set_title(f"by {r['categories']['field']}")
+    c.legend(fontsize=7)
+
+
+def _plot_training(b, curve: list[dict], colors: list[str]) -> None:
+    """full_acc_k over stage 04's steps: held-out evals as markers, train windows as faint lines."""
     evals = [m for m in curve if m.get("split") == "eval"]
     trains = [m for m in curve if m.get("split") == "train"]
     n_steps = max((sum(1 for k in m if k.startswith("full_acc_")) for m in curve), default=0)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k in range(n_steps):
         col = colors[k % len(colors)]
         if trains:
@@ -272,6 +265,25 @@ def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
         b.legend(fontsize=7, ncol=2)
     else:
         b.text(0.5, 0.5, "no stage 04 metrics", ha="center", va="center", transform=b.transAxes)
+
+
+def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
+    """Left: acceptance per draft position (trained at each temperature, untrained, training
+    full_acc_k). Middle (with categories): acceptance length per category and temperature.
+    Right: full_acc_k over stage 04's steps (held-out evals as markers, train windows as lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server
+    import matplotlib.pyplot as plt
+
+    from ..atomic import atomic_path
+
+    cats = (r.get("categories") or {}).get("names") or []
+    fig, axes = plt.subplots(1, 3 if cats else 2, figsize=(15 if cats else 10, 3.8))
+    _plot_positions(axes[0], r)
+    if cats:
+        _plot_categories(axes[1], r, cats)
+    _plot_training(axes[-1], curve, plt.rcParams["axes.prop_cycle"].by_key()["color"])
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
