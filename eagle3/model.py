@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from .cpu import bf16_fused_attention_ok
 from .errors import PipelineError
+from .vocab import target_ids
 
 # rope_scaling types this module implements; anything else is refused rather than
 # silently trained with positions the engine would compute differently.
@@ -567,7 +568,7 @@ class Eagle3Drafter(nn.Module):
                 f"draft_vocab_size={c.draft_vocab_size} for this target.")
         d2t = d2t.to(torch.int64)
         t2d = t2d.to(torch.bool)
-        ids = torch.arange(c.draft_vocab_size, dtype=torch.int64) + d2t.cpu()  # target id of each draft row
+        ids = target_ids(d2t.cpu())  # target id of each draft row
         ok = bool((ids >= 0).all() and (ids < c.target_vocab_size).all())
         ok = ok and bool((ids[1:] > ids[:-1]).all()) and int(t2d.sum()) == c.draft_vocab_size
         ok = ok and bool(t2d.cpu()[ids.clamp(0, c.target_vocab_size - 1)].all())
@@ -580,7 +581,7 @@ class Eagle3Drafter(nn.Module):
 
     def draft_ids(self) -> Tensor:
         """Target id of each draft row, `arange(V_d) + d2t` (SGLang's hot_token_id) -> [V_d]."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return target_ids(self.d2t)
 
     # -- forward pieces -----------------------------------------------------------
 
@@ -614,10 +615,8 @@ class Eagle3Drafter(nn.Module):
         distances the drafter never sees when serving.
         """
         B, T, _ = embeds.shape
-        if hidden.shape != embeds.shape:
-            raise PipelineError(
-                f"drafter step: embeds {tuple(embeds.shape)} and hidden {tuple(hidden.shape)} differ; the target "
-                f"embedding must have width hidden_size = {self.config.hidden_size}.")
+        # stage 04 checks the target embedding's width against the drafter's hidden_size
+        assert hidden.shape == embeds.shape, f"embeds {tuple(embeds.shape)} and hidden {tuple(hidden.shape)} differ"
         k = cache.num_steps
         if position_ids is None:
             position_ids = torch.arange(T, device=embeds.device).expand(B, T)  # [T] -> [B, T]

@@ -131,18 +131,14 @@ def target_draft_distribution(
     Returns probs [B, T, V_d] (float32, or float64 for float64 inputs) and argmax [B, T] int64 (target ids).
     """
     if target_logits is not None:
-        if target_hidden is not None or lm_head_weight is not None:
-            raise PipelineError(
-                "target_draft_distribution: pass target_logits OR target_hidden + lm_head_weight, not both.")
+        assert target_hidden is None and lm_head_weight is None, "pass target_logits OR target_hidden + lm_head_weight"
         probs = torch.softmax(_at_least_fp32(target_logits[..., draft_ids]), dim=-1)  # [B, T, V_t] -> [B, T, V_d]
         argmax = target_argmax if target_argmax is not None else target_logits.argmax(dim=-1)  # -> [B, T]
         return probs, argmax.long()
-    if target_hidden is None or lm_head_weight is None:
-        raise PipelineError("target_draft_distribution: needs target_hidden and lm_head_weight (or target_logits).")
-    if target_hidden.shape[-1] != lm_head_weight.shape[-1]:
-        raise PipelineError(
-            f"target_draft_distribution: hidden width {target_hidden.shape[-1]} does not match the lm_head "
-            f"{tuple(lm_head_weight.shape)}; stage 02 must store the target's final (normed) hidden state.")
+    assert target_hidden is not None and lm_head_weight is not None, "needs target_hidden + lm_head_weight"
+    # stage 04 checks the store's hidden size against the target whose lm_head rows it reads
+    assert target_hidden.shape[-1] == lm_head_weight.shape[-1], (
+        f"hidden width {target_hidden.shape[-1]} does not match the lm_head {tuple(lm_head_weight.shape)}")
     probs, argmax = [], []
     w_draft = lm_head_weight[draft_ids] if target_argmax is not None else None  # [V_t, H] -> [V_d, H]
     for s in range(0, target_hidden.shape[1], chunk_size):
@@ -157,6 +153,79 @@ def target_draft_distribution(
     probs_t = torch.cat(probs, dim=1)  # -> [B, T, V_d]
     argmax_t = target_argmax.long() if target_argmax is not None else torch.cat(argmax, dim=1)  # -> [B, T]
     return probs_t, argmax_t
+
+
+@dataclass
+class StepInputs:
+    """What every draft step reads besides its hidden input and the cache (no gradient flows into these)."""
+
+    drafter: Eagle3Drafter
+    embeds: Tensor  # [B, T, H]: the frozen target embedding of each input token
+    target_probs: Tensor  # [B, T, V_d]: row p is the target's distribution for token p + 1
+    attention_mask: Tensor | None
+    position_ids: Tensor | None
+    segment_ids: Tensor | None
+
+
+def check_batch(drafter: Eagle3Drafter, aux: Tensor, input_ids: Tensor, embed_weight: Tensor, target_probs: Tensor,
+                target_argmax: Tensor, loss_mask: Tensor) -> None:
+    """The batch's tensors agree with each other and with the drafter (a caller's bug otherwise)."""
+    B, T = input_ids.shape
+    c = drafter.config
+    assert aux.shape[:2] == (B, T) and target_argmax.shape == (B, T) and loss_mask.shape == (B, T), (
+        f"batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)}, "
+        f"target_argmax {tuple(target_argmax.shape)}, loss_mask {tuple(loss_mask.shape)}")
+    assert target_probs.shape == (B, T, c.draft_vocab_size), (
+        f"target_probs {tuple(target_probs.shape)} should be [B, T, V_d] = [{B}, {T}, {c.draft_vocab_size}]: "
+        f"build it with target_draft_distribution(drafter.draft_ids(), ...)")
+    assert embed_weight.shape == (c.target_vocab_size, c.hidden_size), (
+        f"embed_weight {tuple(embed_weight.shape)} is not the [{c.target_vocab_size}, {c.hidden_size}] target "
+        f"embedding the drafter config describes")
+
+
+def valid_positions(k: int, in_draft: Tensor, learn: Tensor, real: Tensor, segment_ids: Tensor | None) -> Tensor:
+    """[B, T] bool: position t carries step k's loss (the index arithmetic of the module docstring)."""
+    # label row p = t+1+k exists and its argmax is in the draft vocab; token t+2+k is learnable; t is real
+    valid = _shift_left(in_draft, 1 + k) & _shift_left(learn, 2 + k) & real  # [B, T]
+    if segment_ids is not None:  # and token t+2+k is of the same packed sample as t
+        valid &= _shift_left(segment_ids, 2 + k) == segment_ids
+    return valid
+
+
+def draft_step(x: StepInputs, k: int, b_idx: Tensor, t_idx: Tensor, hidden: Tensor, *kv: Tensor):
+    """Draft step k and its summed cross-entropy over the N valid positions (b_idx, t_idx).
+
+    Returns (pre-norm output [B, T, H], this step's key and value, summed CE, draft argmax [N]).
+    Functional in the cache (a fresh TTTCache over the given tensors), so that a
+    checkpointed step recomputed in backward appends nothing to the real one; the
+    logits live inside it too, so checkpointing also drops their [N, V_d] blocks.
+    """
+    n = len(kv) // 2
+    cache = TTTCache(keys=list(kv[:n]), values=list(kv[n:]))
+    embeds = _shift_left(x.embeds, 1 + k)  # [B, T, H]: row t holds token t+1+k
+    out = x.drafter.step(embeds, hidden, cache, attention_mask=x.attention_mask, position_ids=x.position_ids,
+                         segment_ids=x.segment_ids)  # 2 x [B, T, H] -> [B, T, H]
+    logits = _at_least_fp32(x.drafter.compute_logits(out[b_idx, t_idx]))  # [N, H] -> [N, V_d]
+    logp = F.log_softmax(logits, dim=-1)  # [N, V_d]
+    ce = -(x.target_probs[b_idx, t_idx + 1 + k] * logp).sum(dim=-1)  # label rows p = t+1+k, [N, V_d] -> [N]
+    return out, cache.keys[-1], cache.values[-1], ce.sum(), logits.detach().argmax(dim=-1)
+
+
+def step_metrics(step_losses: list[Tensor], chain_counts: list[Tensor], n_valid0: Tensor) -> dict[str, float]:
+    """The metrics dict of `TTTOutput` from per-step losses and chain counts (see `ttt_loss`)."""
+    K = len(step_losses)
+    # One device-to-host transfer for all of them (the nonzero in the loop already syncs once per step).
+    vals = torch.stack([v.double() for v in step_losses + chain_counts + [n_valid0]]).tolist()
+    losses, chains, n0 = vals[:K], vals[K:2 * K], vals[2 * K]
+    metrics: dict[str, float] = {}
+    for k in range(K):
+        metrics[f"loss_{k}"] = losses[k]
+        metrics[f"full_acc_{k}"] = chains[k] / n0 if n0 > 0 else 0.0
+        prev = n0 if k == 0 else chains[k - 1]
+        metrics[f"cond_acc_{k}"] = chains[k] / prev if prev > 0 else 0.0
+    metrics["expected_accept_length"] = 1.0 + sum(metrics[f"full_acc_{k}"] for k in range(K))
+    metrics["num_valid"] = n0
+    return metrics
 
 
 def ttt_loss(
@@ -194,65 +263,28 @@ def ttt_loss(
     and gives full_acc_k = full_acc_{k-1} * cond_acc_k with cond_acc_k =
     #chain_k / #chain_{k-1} (cond_acc_0 = full_acc_0; 0 when nothing is left).
     """
-    B, T = input_ids.shape
-    c = drafter.config
-    if aux.shape[:2] != (B, T) or target_argmax.shape != (B, T) or loss_mask.shape != (B, T):
-        raise PipelineError(
-            f"ttt_loss: batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)}, "
-            f"target_argmax {tuple(target_argmax.shape)}, loss_mask {tuple(loss_mask.shape)}; all must be [B, T, ...].")
-    if target_probs.shape != (B, T, c.draft_vocab_size):
-        raise PipelineError(
-            f"ttt_loss: target_probs {tuple(target_probs.shape)} should be [B, T, draft_vocab_size] = "
-            f"[{B}, {T}, {c.draft_vocab_size}]; build it with target_draft_distribution(drafter.draft_ids(), ...).")
-    if embed_weight.shape != (c.target_vocab_size, c.hidden_size):
-        raise PipelineError(
-            f"ttt_loss: embed_weight {tuple(embed_weight.shape)} is not the target embedding "
-            f"[{c.target_vocab_size}, {c.hidden_size}] the drafter config describes.")
-
+    check_batch(drafter, aux, input_ids, embed_weight, target_probs, target_argmax, loss_mask)
     weights = config.step_weights()
     draft_ids = drafter.draft_ids()  # [V_d] target id of each draft row
     real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     learn = loss_mask.bool() & real  # [B, T]: token j may be trained as a prediction
     in_draft = drafter.t2d[target_argmax]  # [B, T] -> [B, T]: the draft vocab can say row p's argmax
-    embeds_all = F.embedding(input_ids, embed_weight)  # [B, T] -> [B, T, H]
+    x = StepInputs(drafter, F.embedding(input_ids, embed_weight), target_probs,  # [B, T] -> [B, T, H]
+                   attention_mask, position_ids, segment_ids)
     hidden = drafter.project_aux(aux)  # [B, T, A*H_t] -> [B, T, H]
     cache = TTTCache()
 
     total = _at_least_fp32(hidden.new_zeros(()))
     step_losses: list[Tensor] = []
     chain_counts: list[Tensor] = []
-    n_valid0 = None
-    chain = None
-
-    def run_step(k: int, b_idx: Tensor, t_idx: Tensor, hidden: Tensor, *kv: Tensor):
-        """Draft step k and its summed cross-entropy over the N valid positions.
-
-        Functional in the cache (a fresh TTTCache over the given tensors), so that a
-        checkpointed step recomputed in backward appends nothing to the real one; the
-        logits live inside it too, so checkpointing also drops their [N, V_d] blocks.
-        """
-        n = len(kv) // 2
-        c_in = TTTCache(keys=list(kv[:n]), values=list(kv[n:]))
-        embeds = _shift_left(embeds_all, 1 + k)  # [B, T, H]: row t holds token t+1+k
-        out = drafter.step(embeds, hidden, c_in, attention_mask=attention_mask, position_ids=position_ids,
-                           segment_ids=segment_ids)  # 2 x [B, T, H] -> [B, T, H]
-        logits = _at_least_fp32(drafter.compute_logits(out[b_idx, t_idx]))  # [N, H] -> [N, V_d]
-        logp = F.log_softmax(logits, dim=-1)  # [N, V_d]
-        ce = -(target_probs[b_idx, t_idx + 1 + k] * logp).sum(dim=-1)  # label rows p = t+1+k, [N, V_d] -> [N]
-        return out, c_in.keys[-1], c_in.values[-1], ce.sum(), logits.detach().argmax(dim=-1)
-
     for k in range(config.num_steps):
-        # valid[t]: label row p = t+1+k exists and is in the draft vocab, token t+2+k is learnable.
-        valid = _shift_left(in_draft, 1 + k) & _shift_left(learn, 2 + k) & real  # [B, T]
-        if segment_ids is not None:  # and token t+2+k is of the same packed sample as t
-            valid &= _shift_left(segment_ids, 2 + k) == segment_ids
+        valid = valid_positions(k, in_draft, learn, real, segment_ids)  # [B, T]
         b_idx, t_idx = valid.nonzero(as_tuple=True)  # N valid positions
-        p_idx = t_idx + 1 + k  # label row for each valid position
-        args = (k, b_idx, t_idx, hidden, *cache.keys, *cache.values)
+        args = (x, k, b_idx, t_idx, hidden, *cache.keys, *cache.values)
         if config.checkpoint_steps and torch.is_grad_enabled():
-            out, key, value, ce_sum, pred = checkpoint(run_step, *args, use_reentrant=False)
+            out, key, value, ce_sum, pred = checkpoint(draft_step, *args, use_reentrant=False)
         else:
-            out, key, value, ce_sum, pred = run_step(*args)
+            out, key, value, ce_sum, pred = draft_step(*args)
         cache.keys.append(key)
         cache.values.append(value)
         loss_k = ce_sum / max(b_idx.numel(), 1)
@@ -260,28 +292,15 @@ def ttt_loss(
         step_losses.append(loss_k.detach())
 
         with torch.no_grad():
-            hit = draft_ids[pred] == target_argmax[b_idx, p_idx]  # [N] target ids compared
+            hit = draft_ids[pred] == target_argmax[b_idx, t_idx + 1 + k]  # [N] target ids compared
             match = torch.zeros_like(valid)
             match[b_idx, t_idx] = hit  # [B, T]; False wherever step k has no label
-            chain = match if chain is None else chain & match
+            chain = match if k == 0 else chain & match  # steps 0..k all matched
             chain_counts.append(chain.sum())
-            if n_valid0 is None:
-                n_valid0 = valid.sum()
+            if k == 0:
+                n_valid0 = valid.sum()  # full_acc's denominator for every k
         hidden = out  # the pre-norm output is the next step's hidden input (gradient flows through)
-
-    # One device-to-host transfer for all metrics (the nonzero above already syncs once per step).
-    K = config.num_steps
-    vals = torch.stack([v.double() for v in step_losses + chain_counts + [n_valid0]]).tolist()
-    losses, chains, n0 = vals[:K], vals[K:2 * K], vals[2 * K]
-    metrics: dict[str, float] = {}
-    for k in range(config.num_steps):
-        metrics[f"loss_{k}"] = losses[k]
-        metrics[f"full_acc_{k}"] = chains[k] / n0 if n0 > 0 else 0.0
-        prev = n0 if k == 0 else chains[k - 1]
-        metrics[f"cond_acc_{k}"] = chains[k] / prev if prev > 0 else 0.0
-    metrics["expected_accept_length"] = 1.0 + sum(metrics[f"full_acc_{k}"] for k in range(config.num_steps))
-    metrics["num_valid"] = n0
-    return TTTOutput(loss=total, metrics=metrics)
+    return TTTOutput(loss=total, metrics=step_metrics(step_losses, chain_counts, n_valid0))
 
 
 class TTTModel(nn.Module):
