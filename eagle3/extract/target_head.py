@@ -53,7 +53,8 @@ def weight_map(model: str) -> dict[str, str]:
     single = resolve_file(model, "model.safetensors")
     if single is None:
         raise PipelineError(f"{model} has neither model.safetensors nor model.safetensors.index.json; "
-                            f"stage 02 reads the final norm and lm_head from safetensors weights.")
+                            f"the pipeline reads the target's final norm, lm_head and embedding from its "
+                            f"safetensors weights (stage 02, and stages 04-05 for the embedding).")
     from safetensors import safe_open
 
     with safe_open(str(single), "pt") as f:
@@ -71,7 +72,7 @@ def load_tensors(model: str, names: dict[str, list[str]]) -> dict[str, torch.Ten
         if name is None:
             raise PipelineError(
                 f"{model}: none of {candidates} is in the checkpoint (is {key} quantized or named "
-                f"differently?); stage 02 needs the unquantized {key} to compute the training target.")
+                f"differently?); the pipeline reads the unquantized {key} from the target's checkpoint.")
         with safe_open(str(resolve_file(model, wmap[name])), "pt") as f:
             out[key] = f.get_tensor(name)
     return out
