@@ -160,9 +160,7 @@ def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest |
             log.info("%s is not this work dir's export (%s): no training-time figures beside it", drafter_dir,
                      exported)
             return drafter_dir, None, None
-    from ..export import REPORT_JSON
-
-    rp = wd.stage_dir("export") / REPORT_JSON
+    rp = wd.export_report("json")
     return drafter_dir, export_m, json.loads(rp.read_text()) if rp.is_file() else None
 
 
