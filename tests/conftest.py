@@ -40,3 +40,7 @@ def prepared_llama(tmp_path_factory, tiny_llama) -> Path:
                                   data=[str(ROOT / "data" / "demo_chats.jsonl")],
                                   max_length=512, eval_fraction=0.1, num_workers=1))
     return wd
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fault: kill -9 / disk-full fault tests (run in CI; the soak is bench/soak_faults.py)")
