@@ -61,8 +61,9 @@ step() {  # step NAME COMMAND...: run, log, one FAIL line on error
 }
 
 step "target build" $PY -m eagle3.targets smollm2 --out "$TARGET" || exit 1
-# 128 of the 305 prompts, every other one (all categories, some two-turn chats).
-awk 'NR % 2 == 1 && n < 128 { print; n++ }' data/demo_prompts.jsonl > "$WORK/prompts.jsonl"
+# 128 of the demo prompts, every k-th one (all categories, some two-turn chats).
+k=$(( $(wc -l < data/demo_prompts.jsonl) / 128 ))
+awk -v k="$k" 'NR % k == 1 && n < 128 { print; n++ }' data/demo_prompts.jsonl > "$WORK/prompts.jsonl"
 common=(--config $CONFIG --work-dir "$WORK" --target-model "$TARGET")
 step "stage 00 generate (vLLM)" $PY 00_generate_responses.py "${common[@]}" --data "$WORK/prompts.jsonl" \
     --max-new-tokens 256 || exit 1
