@@ -53,11 +53,12 @@ def main() -> int:
             for i, row in enumerate(rows):
                 if time.monotonic() - t_start > a.budget_s:
                     break
+                t1 = time.monotonic()
                 t = fh.trial(row, config, root / "ref", timings[row.stage], root / f"trial-{row.stage}",
                              seed=a.seed * 1000 + k * 10 + i)
                 results[row.stage].append(t)
                 print(f"{row.stage:9s} trial {k}: kill at {t.killed_at:6.2f} s ({'killed' if t.killed else 'finished first'})"
-                      f" -> {'pass' if t.passed else 'FAIL'}", flush=True)
+                      f" -> {'pass' if t.passed else 'FAIL'} ({time.monotonic() - t1:.0f} s with the rerun)", flush=True)
                 if not t.passed:
                     print(f"    after kill: {t.problems_after_kill}\n    rerun rc {t.rerun_rc}: {t.rerun_output[-800:]}"
                           f"\n    after rerun: {t.problems_after_rerun}", flush=True)
