@@ -88,20 +88,20 @@ def scaled_target_rows(target_rows: Callable[[np.ndarray], torch.Tensor], refere
     return rows
 
 
-def load_initial_drafter(
-    path: str | Path, *, aux_layers: list[int], num_target_layers: int, target_hidden: int, target_vocab: int,
-    our_ids: np.ndarray, mode: str, target_rows: Callable[[np.ndarray], torch.Tensor],
-    expected_from: str,
-) -> tuple[dict, dict[str, torch.Tensor], InitReport]:
-    """(DrafterConfig dict, state_dict, report) of the drafter at `path`, ready for our run."""
-    hf, tensors = load_drafter_dir(path)  # names normalised: model.embed_tokens.weight -> embed_tokens.weight
-    dropped = []
-    if EMBED_NAME in tensors:
-        emb = tensors.pop(EMBED_NAME)
-        dropped.append(EMBED_NAME)
-        log.warning("%s holds %s %s: dropped; the drafter is trained (and served) with the target's own frozen "
-                    "embedding, as both engines do", path, EMBED_NAME, tuple(emb.shape))
-    cfg = drafter_config_from_hf_config(hf, tensors, source=f"{path}/config.json")
+def drop_embedding(path: str | Path, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Remove a published drafter's copy of the target embedding; the names dropped."""
+    if EMBED_NAME not in tensors:
+        return []
+    emb = tensors.pop(EMBED_NAME)
+    log.warning("%s holds %s %s: dropped; the drafter is trained (and served) with the target's own frozen "
+                "embedding, as both engines do", path, EMBED_NAME, tuple(emb.shape))
+    return [EMBED_NAME]
+
+
+def check_fits(path: str | Path, hf: dict, cfg: dict, *, aux_layers: list[int], num_target_layers: int,
+               target_hidden: int, target_vocab: int, expected_from: str) -> tuple[list[int], str]:
+    """The drafter's aux layer ids (and where they come from), refused unless they are the
+    store's and its target sizes are ours."""
     layers, layers_from = intended_layers(hf)
     if layers is None:
         # Both engines then capture their default [2, N//2, N-3]; a drafter published
@@ -119,6 +119,38 @@ def load_initial_drafter(
         if theirs != ours:
             raise PipelineError(f"{what} mismatch: {theirs} ({path}/config.json) vs {ours} ({expected_from}); "
                                 f"this drafter was built for another target.")
+    return list(layers), layers_from
+
+
+def apply_vocab_mode(report: InitReport, tensors: dict[str, torch.Tensor], cfg: dict, their_ids: np.ndarray,
+                     our_ids: np.ndarray, target_rows: Callable[[np.ndarray], torch.Tensor]) -> np.ndarray:
+    """`keep`: the drafter's own ids; `remap`: its lm_head rows moved into ours (tensors
+    and cfg updated, the row counts in the report). Returns the target ids trained."""
+    if report.mode == "keep":
+        log.info("vocab mode 'keep' (the safe default): training with the drafter's own mapping; stage 03's "
+                 "mapping is not used")
+        return their_ids
+    head = tensors["lm_head.weight"]
+    tensors["lm_head.weight"], report.rows_copied, report.rows_new = remap_lm_head(
+        head, their_ids, our_ids, scaled_target_rows(target_rows, head))
+    cfg["draft_vocab_size"] = len(our_ids)
+    log.info("vocab mode 'remap': %d lm_head rows permuted into stage 03's mapping, %d new rows initialised "
+             "from the target's lm_head", report.rows_copied, report.rows_new)
+    return our_ids
+
+
+def load_initial_drafter(
+    path: str | Path, *, aux_layers: list[int], num_target_layers: int, target_hidden: int, target_vocab: int,
+    our_ids: np.ndarray, mode: str, target_rows: Callable[[np.ndarray], torch.Tensor],
+    expected_from: str,
+) -> tuple[dict, dict[str, torch.Tensor], InitReport]:
+    """(DrafterConfig dict, state_dict, report) of the drafter at `path`, ready for our run."""
+    hf, tensors = load_drafter_dir(path)  # names normalised: model.embed_tokens.weight -> embed_tokens.weight
+    dropped = drop_embedding(path, tensors)
+    cfg = drafter_config_from_hf_config(hf, tensors, source=f"{path}/config.json")
+    layers, layers_from = check_fits(path, hf, cfg, aux_layers=aux_layers, num_target_layers=num_target_layers,
+                                     target_hidden=target_hidden, target_vocab=target_vocab,
+                                     expected_from=expected_from)
 
     V = cfg["target_vocab_size"]
     if "d2t" in tensors:
@@ -129,23 +161,11 @@ def load_initial_drafter(
     log.info("init-from %s: its d2t vs stage 03's: %d of %d positions differ, %d tokens shared, %d only in the "
              "drafter's, %d only in ours", path, cmp["positions_differing"], cmp["positions_compared"],
              cmp["tokens_shared"], cmp["only_in_a"], cmp["only_in_b"])
-    report = InitReport(str(path), mode, list(layers), layers_from, cmp,
+    report = InitReport(str(path), mode, layers, layers_from, cmp,
                         extra={"tensors_dropped": dropped} if dropped else {})
 
-    if mode == "keep":
-        ids = their_ids
-        log.info("vocab mode 'keep' (the safe default): training with the drafter's own mapping; stage 03's "
-                 "mapping is not used")
-    else:
-        new_head, report.rows_copied, report.rows_new = remap_lm_head(
-            tensors["lm_head.weight"], their_ids, our_ids, scaled_target_rows(target_rows, tensors["lm_head.weight"]))
-        tensors["lm_head.weight"] = new_head
-        ids = our_ids
-        cfg["draft_vocab_size"] = len(our_ids)
-        log.info("vocab mode 'remap': %d lm_head rows permuted into stage 03's mapping, %d new rows initialised "
-                 "from the target's lm_head", report.rows_copied, report.rows_new)
-    d2t = torch.from_numpy(d2t_from_ids(ids))
+    ids = apply_vocab_mode(report, tensors, cfg, their_ids, our_ids, target_rows)
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[torch.from_numpy(ids)] = True
-    tensors["d2t"], tensors["t2d"] = d2t, t2d
+    tensors["d2t"], tensors["t2d"] = torch.from_numpy(d2t_from_ids(ids)), t2d
     return cfg, tensors, report
