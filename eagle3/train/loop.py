@@ -246,7 +246,8 @@ class Trainer:
         self.best: dict = {"expected_accept_length": -1.0, "step": None}
         self.last_eval: dict | None = None
         self._epoch: dict[int, list[list[int]]] = {}  # the current epoch's batches (see micro_batches)
-        self.metrics: MetricsLog | None = None
+        self.metrics: MetricsLog | None = None  # opened by fit, once the resumed step is known
+        self.new_window()
 
     # -- batches -----------------------------------------------------------------
     def steps_per_epoch(self) -> int:
