@@ -214,7 +214,7 @@ KILL_STAGES = ["generate", "prepare", "extract", "vocab", "train", "export", "ev
 def kill9(tmp_path_factory, tiny_llama):
     """The unbroken run of stages 00-06 on 24 demo chats, and one trial per stage: killed
     with SIGKILL on its process group at a seeded random point, then rerun. Cost: 21 stage
-    runs (7 of them with vLLM), two at a time, the reference chain and stage 06's trial
+    runs (6 of them start vLLM), two at a time, the reference chain and stage 06's trial
     first; measured 6m27s on 2 cores shared with other jobs (load 5-6); the unbroken run
     alone is about 100 s on idle cores, so expect roughly 3-4 minutes there."""
     import fault_harness as fh
