@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chats import ROLES, BadRecord, _content_text, iter_records
+from ..chats import BadRecord, chat_turn, iter_records
 from ..errors import PipelineError
 from ..workdir import WorkDir
 
@@ -98,16 +98,7 @@ def record_messages(record: Any, prompt_field: str) -> list[dict]:
         turns = record.get(key)
         if not isinstance(turns, list):
             continue
-        messages = []
-        for t in turns:
-            if not isinstance(t, dict):
-                raise BadRecord("not_an_object", f"turn {t!r:.60}")
-            raw_role = t.get(role_key, t.get("role", t.get("from")))
-            role = ROLES.get(str(raw_role).lower())
-            if role is None:
-                raise BadRecord("unknown_role", f"role {raw_role!r}")
-            text = _content_text(t.get(text_key, t.get("content", t.get("value"))))
-            messages.append({"role": role, "content": text})
+        messages = [chat_turn(t, role_key, text_key) for t in turns]
         while messages and messages[-1]["role"] == "assistant":
             messages.pop()  # a reference answer: the target writes its own
         if not messages or messages[-1]["role"] != "user":
