@@ -261,16 +261,45 @@ class Trial:
         return not self.problems_after_kill and self.rerun_rc == 0 and not self.problems_after_rerun
 
 
-def trial(row: Row, config: Path, ref: Path, timing: Timing, work: Path, seed: int, timeout: float = 600) -> Trial:
-    if work.exists():
-        shutil.rmtree(work)
-    wd, rwd = WorkDir(work), WorkDir(ref)
-    for s in row.inputs:
-        shutil.copytree(rwd.stage_dir(s), wd.stage_dir(s))
-    d = wd.stage_dir(row.stage)
+def trial(row: Row, config: Path, ref: Path, timing: Timing, work: Path, seed: int, timeout: float = 600,
+          attempts: int = 4) -> Trial:
+    """Kill the stage at a seeded point of its writing phase, then rerun it and compare.
+
+    The point is drawn from the reference run's timing; when the stage finishes before it
+    (this run was faster: other jobs share the cores), the attempt starts over from the
+    same inputs with the point halved, so the kill lands inside the run however the
+    machine's load moves."""
+    rwd = WorkDir(ref)
     rng = random.Random(seed)
     # The writing phase in the reference run: from the folder's appearance to the end.
     delay = rng.uniform(0.0, max(0.05, timing.total - timing.first_write))
+    for _ in range(attempts):
+        killed, killed_at = _run_and_kill(row, config, rwd, work, delay, timeout)
+        if killed:
+            break
+        delay /= 2
+    wd = WorkDir(work)
+    after_kill = row.check(wd, rwd, row.stage, final=False) + _manifest_problems(wd, row.stage)
+    r = subprocess.run(command(row, config, work), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=timeout)
+    after_rerun = []
+    if r.returncode == 0:
+        after_rerun = (row.check(wd, rwd, row.stage, final=True) + _manifest_problems(wd, row.stage, final=True)
+                       + _inputs_changed(wd, rwd, row.inputs))
+    return Trial(row.stage, seed, round(killed_at, 2), killed, after_kill, r.returncode, after_rerun,
+                 (r.stdout + r.stderr)[-3000:] if r.returncode else "")
+
+
+def _run_and_kill(row: Row, config: Path, rwd: WorkDir, work: Path, delay: float,
+                  timeout: float) -> tuple[bool, float]:
+    """Start the stage on a fresh copy of its inputs; SIGKILL its process group `delay` s
+    after its folder appears. (killed, seconds from start to the kill or the end)."""
+    if work.exists():
+        shutil.rmtree(work)
+    wd = WorkDir(work)
+    for s in row.inputs:
+        shutil.copytree(rwd.stage_dir(s), wd.stage_dir(s))
+    d = wd.stage_dir(row.stage)
     t0 = time.monotonic()
     proc = subprocess.Popen(command(row, config, work), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -285,17 +314,8 @@ def trial(row: Row, config: Path, ref: Path, timing: Timing, work: Path, seed: i
         time.sleep(0.005)
     proc.wait()
     killed = proc.returncode == -signal.SIGKILL
-    killed_at = time.monotonic() - t0
     _reap(proc.pid)
-    after_kill = row.check(wd, rwd, row.stage, final=False) + _manifest_problems(wd, row.stage)
-    r = subprocess.run(command(row, config, work), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=timeout)
-    after_rerun = []
-    if r.returncode == 0:
-        after_rerun = (row.check(wd, rwd, row.stage, final=True) + _manifest_problems(wd, row.stage, final=True)
-                       + _inputs_changed(wd, rwd, row.inputs))
-    return Trial(row.stage, seed, round(killed_at, 2), killed, after_kill, r.returncode, after_rerun,
-                 (r.stdout + r.stderr)[-3000:] if r.returncode else "")
+    return killed, time.monotonic() - t0
 
 
 def _reap(pgid: int) -> None:
