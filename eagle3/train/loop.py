@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import identity_params
-from ..cpu import bf16_pays
+from ..cpu import bf16_fused_attention_ok, bf16_pays
 from ..drafter_io import drafter_config_for_target
 from ..errors import PipelineError
 from ..extract.target_head import load_embedding, load_lm_head
@@ -109,7 +109,8 @@ def log_memory_prediction(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.d
     # The reference attention's score blocks span a whole row: a packed row is batch_tokens long.
     row = cfg.batch_tokens if (cfg.packing and cfg.attention == "reference") else cfg.max_seq_len
     est = predict_peak(dcfg, ttt_steps=cfg.ttt_steps, batch_tokens=cfg.batch_tokens, row_len=row,
-                       attention=cfg.attention, checkpoint_steps=cfg.checkpoint_steps, ddp=d.world > 1)
+                       attention=cfg.attention, checkpoint_steps=cfg.checkpoint_steps, ddp=d.world > 1,
+                       fp32_attention=device.type == "cpu" and not bf16_fused_attention_ok())
     log.info("predicted peak memory per process under bf16 autocast (--batch-tokens %d, --max-seq-len %d, "
              "--attention %s, --checkpoint-steps %s): %s", cfg.batch_tokens, cfg.max_seq_len, cfg.attention,
              cfg.checkpoint_steps, est.summary())

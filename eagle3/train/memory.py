@@ -79,12 +79,21 @@ def step_bytes_per_token(c: DrafterConfig, attention: str, row_len: int, checkpo
 
 
 def saved_bytes_per_token(c: DrafterConfig, ttt_steps: int, attention: str, row_len: int,
-                          checkpoint_steps: bool = False) -> float:
-    """Activations kept for backward per training token, all K steps together."""
+                          checkpoint_steps: bool = False, fp32_attention: bool = False) -> float:
+    """Activations kept for backward per training token, all K steps together.
+
+    `fp32_attention`: the sdpa attention runs in float32 because the fused CPU kernel
+    refuses bf16 on this CPU (`not eagle3.cpu.bf16_fused_attention_ok()`, e.g. under
+    ATEN_CPU_CAPABILITY=default): step j then keeps float32 copies of its query (less the
+    bf16 keys it no longer keeps) and of the j + 1 cached keys and values it reads.
+    Fitted on measurements at four attention shapes and K = 3, 5 (exact at each)."""
     once = 2 * c.num_aux_layers * c.target_hidden_size
     total = once + ttt_steps * step_bytes_per_token(c, attention, row_len, checkpoint_steps)
     if checkpoint_steps:  # the last step's keys/values are read by no later step
         total -= 4 * c.num_key_value_heads * c.head_dim
+    elif fp32_attention and attention == "sdpa":
+        nh, nkv, D, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim, ttt_steps
+        total += K * (6 * nh - 4 * nkv) * D + 4 * nkv * D * K * (K + 1)
     return total
 
 
@@ -112,15 +121,15 @@ class PeakEstimate:
 
 
 def predict_peak(c: DrafterConfig, *, ttt_steps: int, batch_tokens: int, row_len: int, attention: str = "sdpa",
-                 checkpoint_steps: bool = False, ddp: bool = False) -> PeakEstimate:
+                 checkpoint_steps: bool = False, ddp: bool = False, fp32_attention: bool = False) -> PeakEstimate:
     """Peak memory of one process training on micro-batches of `batch_tokens` tokens in
     rows of `row_len` tokens (only the reference attention depends on it: its blocks
     span a whole row, padded or packed). `ddp`: DistributedDataParallel's gradient
-    buckets, another fp32 copy of the gradients."""
+    buckets, another fp32 copy of the gradients. `fp32_attention`: see `saved_bytes_per_token`."""
     P, _ = param_count(c)
     V, H = c.draft_vocab_size, c.hidden_size
     steps = step_bytes_per_token(c, attention, row_len, False)
-    acts = batch_tokens * saved_bytes_per_token(c, ttt_steps, attention, row_len, checkpoint_steps)
+    acts = batch_tokens * saved_bytes_per_token(c, ttt_steps, attention, row_len, checkpoint_steps, fp32_attention)
     transient = batch_tokens * (8 * V + (steps if checkpoint_steps else 0))
     return PeakEstimate(
         weights=4 * P, grads=4 * P, adamw=8 * P, bf16_copies=bf16_copy_bytes(c),
