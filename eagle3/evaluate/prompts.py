@@ -15,7 +15,7 @@ Two sources:
   template, generation prompt included. `--category-field` names a column whose value
   groups the prompts (MT-Bench's `category`); acceptance is then reported per group.
 
-Reads nothing but the source; the stage (eagle3/evaluate.py) decides which to use.
+Reads nothing but the source; the stage (eagle3/evaluate/run.py) decides which to use.
 """
 from __future__ import annotations
 
