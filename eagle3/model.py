@@ -145,6 +145,18 @@ class DrafterConfig:
         return cls(**d)
 
 
+def autocast_once(x: Tensor) -> Tensor:
+    """`x` as autocast would hand it to a matmul (fp32 -> its dtype; else unchanged).
+
+    Call it once on an input that several linears read (q/k/v, gate/up): each would
+    otherwise cast its own copy of the same [B, T, ...] tensor, with the same values.
+    """
+    dev = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm: normalise in fp32, cast back, then scale (the engines' order)."""
 
@@ -476,6 +488,7 @@ class Eagle3Attention(nn.Module):
         B, T, _ = x.shape
         c = self.config
         nkv, G, D = c.num_key_value_heads, c.num_kv_groups, c.head_dim
+        x = autocast_once(x)  # read by three projections
         q = self.q_proj(x).view(B, T, c.num_attention_heads, D).transpose(1, 2)  # [B, T, 2H] -> [B, nh, T, D]
         k = self.k_proj(x).view(B, T, nkv, D).transpose(1, 2)  # [B, T, 2H] -> [B, n_kv, T, D]
         v = self.v_proj(x).view(B, T, nkv, D).transpose(1, 2)  # [B, T, 2H] -> [B, n_kv, T, D]
@@ -502,6 +515,7 @@ class Eagle3MLP(nn.Module):
         self.down_proj = nn.Linear(I, H, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
+        x = autocast_once(x)  # read by two projections
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, H] -> [B, T, I] -> [B, T, H]
 
 

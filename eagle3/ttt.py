@@ -85,6 +85,62 @@ def _at_least_fp32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+CE_CHUNK_ROWS = 128  # rows of [rows, V] fp32 blocks that stay in cache (1-2 MB for V of 2K-4K)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """sum_i CE(p_i, softmax(z_i)) over rows i, as a scalar: the loss of every draft step.
+
+    logits z [N, V] (bf16 under autocast) and the target rows p_i = table[rows[i]] of
+    `table` [M, V]. Equal to `-(p * log_softmax(z.float())).sum()`, written as
+    sum_i (|p_i| lse(z_i) - p_i . z_i) with |p_i| = sum_j p_ij, whose gradient is
+    |p_i| softmax(z_i) - p_i. Computed in blocks of CE_CHUNK_ROWS rows, each upcast to
+    at least fp32 in cache: stage 04 on CPU is bound by memory traffic, and the
+    composed form makes and rereads about ten [N, V] fp32 tensors per step (upcast
+    logits, gathered targets, log-softmax, product and their gradients). This reads
+    logits and target rows once each way and writes one gradient in the logits' dtype
+    (what the upcast's backward would have cast it to).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        N = logits.shape[0]
+        lse = torch.empty(N, dtype=acc, device=logits.device)
+        mass = torch.empty(N, dtype=acc, device=logits.device)
+        argmax = torch.empty(N, dtype=torch.long, device=logits.device)
+        total = logits.new_zeros((), dtype=acc)
+        for s in range(0, N, CE_CHUNK_ROWS):
+            e = s + CE_CHUNK_ROWS
+            z = logits[s:e].to(acc)  # [c, V]
+            p = table[rows[s:e]]  # [c, V]
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            mass[s:e] = p.sum(dim=-1)  # 1 up to rounding
+            argmax[s:e] = z.argmax(dim=-1)  # the upcast is exact: the argmax of the logits as given
+            total = total + (mass[s:e] * lse[s:e]).sum() - (p * z).sum()
+        ctx.save_for_backward(logits, table, rows, lse, mass)
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _argmax_grad: None):
+        logits, table, rows, lse, mass = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], CE_CHUNK_ROWS):
+            e = s + CE_CHUNK_ROWS
+            g = torch.exp(logits[s:e].to(lse.dtype) - lse[s:e, None])  # softmax(z), [c, V]
+            g.mul_(mass[s:e, None]).sub_(table[rows[s:e]]).mul_(grad)
+            out[s:e] = g
+        return out, None, None
+
+
+def soft_cross_entropy(logits: Tensor, table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed cross-entropy of the target distributions `table[rows]` [N, V] under `logits`
+    [N, V], in at least fp32 (no gradient to the targets), and the logits' argmax [N]
+    (the metrics' draft tokens, taken while each block is in cache)."""
+    return _SoftCrossEntropy.apply(logits, table, rows)
+
+
 def _shift_left(x: Tensor, n: int) -> Tensor:
     """Along dim 1, row t of the result is row t + n of x; the last n rows are zero/False."""
     T = x.shape[1]
@@ -139,9 +195,12 @@ def target_draft_distribution(
     # stage 04 checks the store's hidden size against the target whose lm_head rows it reads
     assert target_hidden.shape[-1] == lm_head_weight.shape[-1], (
         f"hidden width {target_hidden.shape[-1]} does not match the lm_head {tuple(lm_head_weight.shape)}")
-    probs, argmax = [], []
+    argmax = []
+    B, T = target_hidden.shape[:2]
+    acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
+    probs_t = target_hidden.new_empty((B, T, len(draft_ids)), dtype=acc)  # filled chunk by chunk (no cat copy)
     w_draft = lm_head_weight[draft_ids] if target_argmax is not None else None  # [V_t, H] -> [V_d, H]
-    for s in range(0, target_hidden.shape[1], chunk_size):
+    for s in range(0, T, chunk_size):
         h = target_hidden[:, s:s + chunk_size].to(lm_head_weight.dtype)  # [B, c, H]
         if w_draft is None:
             logits = h @ lm_head_weight.T  # [B, c, H] -> [B, c, V_t], one chunk only
@@ -149,8 +208,7 @@ def target_draft_distribution(
             draft_logits = logits[..., draft_ids]  # [B, c, V_t] -> [B, c, V_d]
         else:
             draft_logits = h @ w_draft.T  # [B, c, H] -> [B, c, V_d]
-        probs.append(torch.softmax(_at_least_fp32(draft_logits), dim=-1))
-    probs_t = torch.cat(probs, dim=1)  # -> [B, T, V_d]
+        probs_t[:, s:s + chunk_size] = torch.softmax(_at_least_fp32(draft_logits), dim=-1)
     argmax_t = target_argmax.long() if target_argmax is not None else torch.cat(argmax, dim=1)  # -> [B, T]
     return probs_t, argmax_t
 
@@ -205,10 +263,11 @@ def draft_step(x: StepInputs, k: int, b_idx: Tensor, t_idx: Tensor, hidden: Tens
     embeds = _shift_left(x.embeds, 1 + k)  # [B, T, H]: row t holds token t+1+k
     out = x.drafter.step(embeds, hidden, cache, attention_mask=x.attention_mask, position_ids=x.position_ids,
                          segment_ids=x.segment_ids)  # 2 x [B, T, H] -> [B, T, H]
-    logits = _at_least_fp32(x.drafter.compute_logits(out[b_idx, t_idx]))  # [N, H] -> [N, V_d]
-    logp = F.log_softmax(logits, dim=-1)  # [N, V_d]
-    ce = -(x.target_probs[b_idx, t_idx + 1 + k] * logp).sum(dim=-1)  # label rows p = t+1+k, [N, V_d] -> [N]
-    return out, cache.keys[-1], cache.values[-1], ce.sum(), logits.detach().argmax(dim=-1)
+    logits = x.drafter.compute_logits(out[b_idx, t_idx])  # [N, H] -> [N, V_d], bf16 under autocast
+    B, T, V = x.target_probs.shape
+    label_rows = b_idx * T + t_idx + 1 + k  # row p = t+1+k of sample b in the flattened [B*T, V_d] targets
+    ce, pred = soft_cross_entropy(logits, x.target_probs.view(B * T, V), label_rows)  # summed over the N positions
+    return out, cache.keys[-1], cache.values[-1], ce, pred
 
 
 def step_metrics(step_losses: list[Tensor], chain_counts: list[Tensor], n_valid0: Tensor) -> dict[str, float]:

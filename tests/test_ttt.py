@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 
+import eagle3.ttt as ttt_module
 from eagle3.errors import PipelineError
 from eagle3.model import DrafterConfig, Eagle3Drafter, TTTCache
-from eagle3.ttt import TTTConfig, TTTModel, chunked_argmax, target_draft_distribution, ttt_loss
+from eagle3.ttt import (TTTConfig, TTTModel, chunked_argmax, soft_cross_entropy, target_draft_distribution,
+                        ttt_loss)
 
 V_T, V_D, H = 50, 20, 32
 
@@ -67,6 +69,32 @@ def make_batch(seed: int, B: int = 2, T: int = 9):
     logits[..., draft_ids] += 1.0  # about half the argmaxes land in the draft vocab
     loss_mask = (torch.rand(B, T, generator=g) > 0.2).long()
     return draft_ids, input_ids, aux, embed, logits, loss_mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_soft_cross_entropy_is_the_composed_form_and_its_gradient(dtype, monkeypatch):
+    """The blocked loss equals -(p * log_softmax(z)).sum() over the gathered target rows and
+    has its gradient, also for rows whose mass is not exactly 1 (rounded softmax rows), an
+    all-zero row, and row counts that are not a multiple of the block."""
+    monkeypatch.setattr(ttt_module, "CE_CHUNK_ROWS", 3)
+    g = torch.Generator().manual_seed(0)
+    z = (3 * torch.randn(7, 11, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
+    table = torch.softmax(torch.randn(9, 11, generator=g, dtype=torch.float64), dim=-1)
+    table[2] *= 1.001
+    table[5] = 0.0
+    rows = torch.tensor([8, 2, 5, 0, 2, 7, 1])
+    fused, argmax = soft_cross_entropy(z, table, rows)
+    assert torch.equal(argmax, z.detach().argmax(dim=-1))
+    (dz_fused,) = torch.autograd.grad(2.5 * fused, z)
+    composed = -(table[rows] * torch.log_softmax(z.double(), dim=-1)).sum()  # the upcast form, in fp64
+    (dz_composed,) = torch.autograd.grad(2.5 * composed, z)
+    assert fused.shape == () and dz_fused.dtype == dtype
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    torch.testing.assert_close(fused.double(), composed, rtol=tol, atol=tol)
+    # bf16: the fp32 gradient rounded once to bf16, as the upcast's backward rounds it
+    torch.testing.assert_close(dz_fused.double(), dz_composed.to(dtype).double(), rtol=tol, atol=tol)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(lambda z: soft_cross_entropy(z, table, rows)[0], (z,))
 
 
 def test_loss_and_metrics_match_explicit_loops():

@@ -193,7 +193,7 @@ def drafter_from(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, Ini
 
 
 def frozen_target_weights(cfg: TrainConfig, info: TargetInfo, drafter: Eagle3Drafter,
-                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+                          device: torch.device, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's embedding [V_t, H] and its lm_head rows of the draft vocab [V_d, H] (labels)."""
     embed = load_embedding(info)
     if embed.shape[1] != drafter.config.hidden_size:
@@ -202,7 +202,11 @@ def frozen_target_weights(cfg: TrainConfig, info: TargetInfo, drafter: Eagle3Dra
     # bf16 halves the [V_t, H] table on GPU; the labels' softmax upcasts to fp32 either way.
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     lm_rows = load_lm_head(info, rows=drafter.draft_ids().cpu())
-    return embed.to(dtype).to(device), lm_rows.to(dtype).to(device)
+    # Under bf16 autocast every draft step reads the embedding as bf16 (Eagle3Drafter.step
+    # casts it to the hidden's dtype): a bf16 table gives the same values without a cast of
+    # [B, T, H] per step. The fp32 path keeps the fp32 table.
+    embed_dtype = torch.bfloat16 if bf16 else dtype
+    return embed.to(embed_dtype).to(device), lm_rows.to(dtype).to(device)
 
 
 # -- the trainer ---------------------------------------------------------------------
@@ -217,7 +221,9 @@ class Trainer:
         drafter, self.init_report = build_drafter(cfg, src)
         self.drafter = drafter.to(device)
         self.dcfg = drafter.config
-        self.embed, self.lm_rows = frozen_target_weights(cfg, src.info, drafter, device)  # [V_t, H], [V_d, H]
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(device))
+        # [V_t, H], [V_d, H]
+        self.embed, self.lm_rows = frozen_target_weights(cfg, src.info, drafter, device, self.bf16)
         self.local_ids = torch.arange(self.lm_rows.shape[0], device=device)  # lm_rows is already the draft vocab
         self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
                              checkpoint_steps=cfg.checkpoint_steps)
@@ -226,7 +232,6 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(device))
         if d.main:
             log_memory_prediction(cfg, self.dcfg, device, d)
 
