@@ -85,7 +85,14 @@ def _at_least_fp32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-CE_CHUNK_ROWS = 128  # rows of [rows, V] fp32 blocks that stay in cache (1-2 MB for V of 2K-4K)
+CE_CHUNK_ROWS = 128  # CPU: rows of the [rows, V] fp32 blocks, which then stay in cache (1-2 MB for V of 2K-4K)
+CE_GPU_BLOCK_ELEMENTS = 1 << 26  # GPU: blocks of up to 256 MB in fp32 (fewer, larger kernels)
+
+
+def _ce_block_rows(logits: Tensor) -> int:
+    if logits.device.type == "cpu":
+        return CE_CHUNK_ROWS
+    return max(CE_CHUNK_ROWS, CE_GPU_BLOCK_ELEMENTS // max(1, logits.shape[-1]))
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
@@ -94,8 +101,8 @@ class _SoftCrossEntropy(torch.autograd.Function):
     logits z [N, V] (bf16 under autocast) and the target rows p_i = table[rows[i]] of
     `table` [M, V]. Equal to `-(p * log_softmax(z.float())).sum()`, written as
     sum_i (|p_i| lse(z_i) - p_i . z_i) with |p_i| = sum_j p_ij, whose gradient is
-    |p_i| softmax(z_i) - p_i. Computed in blocks of CE_CHUNK_ROWS rows, each upcast to
-    at least fp32 in cache: stage 04 on CPU is bound by memory traffic, and the
+    |p_i| softmax(z_i) - p_i. Computed in blocks of rows (`_ce_block_rows`), each upcast
+    to at least fp32 in cache: stage 04 on CPU is bound by memory traffic, and the
     composed form makes and rereads about ten [N, V] fp32 tensors per step (upcast
     logits, gathered targets, log-softmax, product and their gradients). This reads
     logits and target rows once each way and writes one gradient in the logits' dtype
@@ -110,8 +117,9 @@ class _SoftCrossEntropy(torch.autograd.Function):
         mass = torch.empty(N, dtype=acc, device=logits.device)
         argmax = torch.empty(N, dtype=torch.long, device=logits.device)
         total = logits.new_zeros((), dtype=acc)
-        for s in range(0, N, CE_CHUNK_ROWS):
-            e = s + CE_CHUNK_ROWS
+        step = _ce_block_rows(logits)
+        for s in range(0, N, step):
+            e = s + step
             z = logits[s:e].to(acc)  # [c, V]
             p = table[rows[s:e]]  # [c, V]
             lse[s:e] = torch.logsumexp(z, dim=-1)
@@ -126,8 +134,9 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad: Tensor, _argmax_grad: None):
         logits, table, rows, lse, mass = ctx.saved_tensors
         out = torch.empty_like(logits)
-        for s in range(0, logits.shape[0], CE_CHUNK_ROWS):
-            e = s + CE_CHUNK_ROWS
+        step = _ce_block_rows(logits)
+        for s in range(0, logits.shape[0], step):
+            e = s + step
             g = torch.exp(logits[s:e].to(lse.dtype) - lse[s:e, None])  # softmax(z), [c, V]
             g.mul_(mass[s:e, None]).sub_(table[rows[s:e]]).mul_(grad)
             out[s:e] = g

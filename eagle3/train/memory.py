@@ -18,15 +18,16 @@ What is counted, for one process training with bf16 autocast (what GPUs run):
     batch            the micro-batch's inputs: aux states, final state (bf16) and the
                      target's draft-vocab distribution (fp32 [tokens, V_d])
     activations      bytes autograd keeps per token (`saved_bytes_per_token`) x tokens
-    backward peak    the largest transient of backward: the fp32 logits gradients of
-                     one step ([tokens, V_d], two buffers), plus one step's activations
-                     recomputed when steps are checkpointed
+    backward peak    the largest transient of backward: the bf16 logits gradient of
+                     one step ([tokens, V_d]; the blocked loss makes it block by block),
+                     plus one step's activations recomputed when steps are checkpointed
     ddp buckets      under torchrun: DDP's fp32 gradient buckets, 4 per parameter
 
 Activations per token and per TTT step, from the tensors autograd saves (checked
 against a measurement by tests/test_memory.py and bench/bench_memory.py):
 
-    sdpa       38 H + 8 I + 4 (nh + n_kv + 1) D + 4 nh + 8 V_d + 20
+    sdpa       28 H + 8 I + 4 (nh + n_kv + 1) D + 4 nh + 2 V_d + 28
+               (2 V_d: the bf16 logits the blocked loss keeps, `ttt.soft_cross_entropy`)
     reference  the same + (6 nh + 1) T: the fp32 scores, their bf16 copy and the
                mask of a [T, T] block per step, T the row length (quadratic per row)
     checkpointed steps keep only each step's inputs: 2 H + 8, and 4 n_kv D for the
@@ -72,7 +73,7 @@ def step_bytes_per_token(c: DrafterConfig, attention: str, row_len: int, checkpo
     nh, nkv, V = c.num_attention_heads, c.num_key_value_heads, c.draft_vocab_size
     if checkpoint_steps:  # the step's hidden input, its valid indices and the kv later steps read
         return 2 * H + 8 + 4 * nkv * D
-    b = 38 * H + 8 * I + 4 * (nh + nkv + 1) * D + 4 * nh + 8 * V + 20
+    b = 28 * H + 8 * I + 4 * (nh + nkv + 1) * D + 4 * nh + 2 * V + 28
     if attention == "reference":
         b += (6 * nh + 1) * row_len
     return float(b)
@@ -130,7 +131,7 @@ def predict_peak(c: DrafterConfig, *, ttt_steps: int, batch_tokens: int, row_len
     V, H = c.draft_vocab_size, c.hidden_size
     steps = step_bytes_per_token(c, attention, row_len, False)
     acts = batch_tokens * saved_bytes_per_token(c, ttt_steps, attention, row_len, checkpoint_steps, fp32_attention)
-    transient = batch_tokens * (8 * V + (steps if checkpoint_steps else 0))
+    transient = batch_tokens * (2 * V + (steps if checkpoint_steps else 0))
     return PeakEstimate(
         weights=4 * P, grads=4 * P, adamw=8 * P, bf16_copies=bf16_copy_bytes(c),
         embedding=2 * (c.target_vocab_size + V) * H,
@@ -192,4 +193,6 @@ def measure_training_forward(drafter, *, row_len: int, ttt_steps: int, rows: int
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
             ttt_loss(drafter, aux, ids, embed, probs, amax, mask, cfg)
 
-    return measure_saved_bytes(fwd, exclude=list(drafter.parameters()))
+    # The target distribution is the batch's own tensor (`predict_peak`'s batch term), which
+    # the loss saves as it is: not an activation.
+    return measure_saved_bytes(fwd, exclude=list(drafter.parameters()) + [probs])
