@@ -61,6 +61,9 @@ def bind_cpu_threads(tensor_parallel_size: int, env=os.environ) -> None:
 def start_llm(engine_kw: dict, *, fix: str):
     """`vllm.LLM(**engine_kw)`, or a PipelineError naming the model, vLLM's error and `fix`."""
     quiet_vllm()
+    # The binding is read while the engine starts its processes: set it for this start
+    # only, so that a later engine in this process (another stage, a test) chooses afresh.
+    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
     bind_cpu_threads(engine_kw.get("tensor_parallel_size", 1))
     from vllm import LLM
 
@@ -69,3 +72,9 @@ def start_llm(engine_kw: dict, *, fix: str):
     except Exception as e:  # noqa: BLE001 - vLLM raises many types; the fix is the same
         raise PipelineError(f"vLLM could not start {engine_kw['model']} ({type(e).__name__}: {e}); "
                             f"{fix}.") from e
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
