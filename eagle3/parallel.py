@@ -39,20 +39,12 @@ class Reporter:
         self.queue.put(("progress", value))
 
 
-def use_device_share(rank: int, tensor_parallel_size: int, data_parallel_size: int) -> None:
-    """Let this process use only rank's share of the machine: its tensor-parallel group of
-    GPUs (CUDA_VISIBLE_DEVICES), and on vLLM's CPU build without tensor parallel its slice
-    of the cores (VLLM_CPU_OMP_THREADS_BIND, unless the user set one), so that the ranks'
-    engines do not all bind the same cores (eagle3/vllm_engine.py, `bind_cpu_threads`)."""
+def use_gpu_group(rank: int, tensor_parallel_size: int, data_parallel_size: int) -> None:
+    """Let this process see only rank's tensor-parallel group of GPUs (CUDA_VISIBLE_DEVICES)."""
     tp = tensor_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = visible.split(",") if visible else [str(i) for i in range(data_parallel_size * tp)]
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * tp:(rank + 1) * tp])
-    cores = sorted(os.sched_getaffinity(0))
-    share = cores[rank * len(cores) // data_parallel_size:(rank + 1) * len(cores) // data_parallel_size]
-    if tp == 1 and share and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in share)
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 def _child(worker: Callable, args: tuple, share: list, rank: int, queue) -> None:

@@ -39,32 +39,9 @@ def quiet_vllm() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
 
 
-def bind_cpu_threads(tensor_parallel_size: int, env=os.environ) -> None:
-    """On vLLM's CPU build, give the model's worker every core this process may use.
-
-    vLLM's automatic binding reserves one core per worker for its scheduler process
-    (which polls even when idle) and binds the model's OpenMP threads to the rest: on a
-    2-core machine the model gets one core. Measured here (stage 00, SmolLM2-135M,
-    256 prompts x 128 new tokens, 2 cores): 307 generated tokens/s with the automatic
-    binding, 522 with both cores bound to the worker, 251 unbound. Nothing changes
-    when the user chose a binding (VLLM_CPU_OMP_THREADS_BIND), under tensor parallel
-    (one core list per worker, "0|1": the user's to give), or on a GPU. A data-parallel
-    rank has its share of the cores in the variable already (`parallel.use_device_share`).
-    `env`: the environment to set (a subprocess's copy, or this process's).
-    """
-    if "VLLM_CPU_OMP_THREADS_BIND" in env or tensor_parallel_size != 1 or not on_cpu():
-        return
-    env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-
-
 def start_llm(engine_kw: dict, *, fix: str):
     """`vllm.LLM(**engine_kw)`, or a PipelineError naming the model, vLLM's error and `fix`."""
     quiet_vllm()
-    # The binding is read while the engine starts its processes: set it for this start
-    # only, so that a later engine in this process (another stage, a test) chooses afresh.
-    saved = {k: os.environ.get(k) for k in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
-    bind_cpu_threads(engine_kw.get("tensor_parallel_size", 1))
     from vllm import LLM
 
     try:
@@ -72,9 +49,3 @@ def start_llm(engine_kw: dict, *, fix: str):
     except Exception as e:  # noqa: BLE001 - vLLM raises many types; the fix is the same
         raise PipelineError(f"vLLM could not start {engine_kw['model']} ({type(e).__name__}: {e}); "
                             f"{fix}.") from e
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v

@@ -49,46 +49,10 @@ def test_a_worker_that_dies_silently_ends_the_run(monkeypatch):
                                    on_progress=lambda *a: None, what="stage 99")
 
 
-def test_use_device_share_gives_each_rank_its_tensor_parallel_gpus(monkeypatch):
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")  # the CPU share is the next test's
+def test_use_gpu_group_gives_each_rank_its_tensor_parallel_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    parallel.use_device_share(1, tensor_parallel_size=2, data_parallel_size=2)
+    parallel.use_gpu_group(1, tensor_parallel_size=2, data_parallel_size=2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    parallel.use_device_share(2, tensor_parallel_size=1, data_parallel_size=4)
+    parallel.use_gpu_group(2, tensor_parallel_size=1, data_parallel_size=4)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2"
-
-
-def test_use_device_share_gives_each_cpu_rank_its_slice_of_the_cores(monkeypatch):
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    parallel.use_device_share(1, tensor_parallel_size=1, data_parallel_size=2)
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
-    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # the user's binding is kept
-    parallel.use_device_share(0, tensor_parallel_size=1, data_parallel_size=2)
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
-    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND")
-    parallel.use_device_share(0, tensor_parallel_size=2, data_parallel_size=2)  # tensor parallel: the user's
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
-
-
-def test_bind_cpu_threads_gives_the_worker_every_core_unless_told_otherwise(monkeypatch):
-    from eagle3 import vllm_engine
-
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1, 0})
-    monkeypatch.setattr(vllm_engine, "on_cpu", lambda: True)
-    env: dict[str, str] = {}
-    vllm_engine.bind_cpu_threads(1, env)
-    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
-    vllm_engine.bind_cpu_threads(1, env)
-    assert env == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
-    env = {}
-    vllm_engine.bind_cpu_threads(2, env)  # tensor parallel needs one list per worker: the user's to give
-    assert env == {}
-    monkeypatch.setattr(vllm_engine, "on_cpu", lambda: False)
-    vllm_engine.bind_cpu_threads(1, env)
-    assert env == {}

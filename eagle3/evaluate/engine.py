@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PipelineError
-from ..vllm_engine import bind_cpu_threads
 from ..vllm_shutdown import shutdown_llm
 from ..workdir import WorkDir
 from .config import EvaluateConfig
@@ -258,9 +257,8 @@ def serve_main(argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------- one engine run (parent side)
 
-def _engine_env(in_process: bool, tensor_parallel_size: int) -> dict[str, str]:
+def _engine_env(in_process: bool) -> dict[str, str]:
     env = dict(os.environ)
-    bind_cpu_threads(tensor_parallel_size, env)  # on the CPU build: the model's worker gets every core
     # The worker runs `-m eagle3.evaluate` from any directory: put this checkout first.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
     if in_process:
@@ -295,8 +293,7 @@ def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
     with open(log_path, "w") as logf:
         try:
             p = subprocess.run(_worker_cmd(req_path, out_path), stdout=logf, stderr=subprocess.STDOUT,
-                               env=_engine_env(cfg.engine_in_process, req["tensor_parallel_size"]),
-                               timeout=cfg.timeout_s)
+                               env=_engine_env(cfg.engine_in_process), timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired as e:
             raise PipelineError(f"the {name} engine run took longer than --timeout-s {cfg.timeout_s} s (log: "
                                 f"{log_path}); raise --timeout-s or lower --num-prompts / --max-new-tokens / "

@@ -39,7 +39,7 @@ from ..config import identity_params
 from ..errors import PipelineError
 from ..manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest, sha256_json,
                         write_manifest)
-from ..parallel import Reporter, run_data_parallel, use_device_share
+from ..parallel import Reporter, run_data_parallel, use_gpu_group
 from ..target import (TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint, validate_aux_layers,
                       weights_fingerprint)
 from ..workdir import SPLITS, WorkDir
@@ -261,7 +261,7 @@ def _dp_worker(cfg: ExtractConfig, files: list[FileSpec], rank: int, report: Rep
     """One engine of `run_data_parallel`, in its own process: its GPUs, its files."""
     device = None
     if cfg.backend == "vllm":
-        use_device_share(rank, cfg.tensor_parallel_size, cfg.data_parallel_size)
+        use_gpu_group(rank, cfg.tensor_parallel_size, cfg.data_parallel_size)
     else:
         import torch
 

@@ -44,7 +44,7 @@ from ..config import identity_params
 from ..errors import PipelineError
 from ..loss_mask import assistant_suffix
 from ..manifest import Manifest, already_complete, sha256_file, sha256_json, write_manifest
-from ..parallel import Reporter, run_data_parallel, use_device_share
+from ..parallel import Reporter, run_data_parallel, use_gpu_group
 from ..target import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
 from ..workdir import WorkDir
 from .config import GenerateConfig
@@ -241,7 +241,7 @@ def run_chunks(cfg: GenerateConfig, p: Plan, chunks: list[int], engine: Engine,
 
 def _dp_worker(cfg: GenerateConfig, chunks: list[int], rank: int, report: Reporter) -> None:
     """One engine of `run_data_parallel`, in its own process: its tensor-parallel GPUs, its chunks."""
-    use_device_share(rank, cfg.tensor_parallel_size, cfg.data_parallel_size)
+    use_gpu_group(rank, cfg.tensor_parallel_size, cfg.data_parallel_size)
     p = plan(cfg)
     engine = make_engine(cfg, p)
     report.ready()
