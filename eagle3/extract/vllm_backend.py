@@ -42,8 +42,10 @@ UNSUPPORTED_ON_CPU = {"KimiK25ForConditionalGeneration"}
 
 def engine_kwargs(info: TargetInfo, *, tensor_parallel_size: int, dtype: str, max_model_len: int,
                   batch_tokens: int, gpu_memory_utilization: float, kv_cache_gib: float | None,
-                  enforce_eager: bool, trust_remote_code: bool) -> dict:
+                  enforce_eager: bool | None, trust_remote_code: bool) -> dict:
     """Arguments of `vllm.LLM` shared by the extraction engine and the benchmark's plain one."""
+    if enforce_eager is None:
+        enforce_eager = on_cpu()
     kw = dict(
         model=info.source, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
         max_model_len=max_model_len, max_num_batched_tokens=max(batch_tokens, max_model_len),
@@ -81,7 +83,7 @@ class VllmBackend:
 
     def __init__(self, info: TargetInfo, aux_layers: Sequence[int], *, tensor_parallel_size: int, dtype: str,
                  max_model_len: int, batch_tokens: int, gpu_memory_utilization: float,
-                 kv_cache_gib: float | None, enforce_eager: bool, trust_remote_code: bool):
+                 kv_cache_gib: float | None, enforce_eager: bool | None, trust_remote_code: bool):
         check_supported(info)
         quiet_vllm()  # before extraction_kwargs imports vllm
         self.info = info
