@@ -188,7 +188,8 @@ def make_engine(cfg: GenerateConfig, p: Plan) -> Engine:
     return VllmEngine(cfg.target_model, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
                       max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                       gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_gib=cfg.kv_cache_gib,
-                      enforce_eager=cfg.enforce_eager, trust_remote_code=cfg.trust_remote_code, seed=cfg.seed)
+                      enforce_eager=cfg.enforce_eager, trust_remote_code=cfg.trust_remote_code, seed=cfg.seed,
+                      in_process=cfg.engine_in_process)
 
 
 def _turns_in(p: Plan, chunks: list[int]) -> int:

@@ -41,12 +41,13 @@ def engine_kwargs(target_model: str, *, tensor_parallel_size: int = 1, dtype: st
 class VllmEngine:
     """`generate(requests) -> generations`, in request order, with the sampling of `set_sampling`."""
 
-    def __init__(self, target_model: str, **engine_kw):
+    def __init__(self, target_model: str, in_process: bool = False, **engine_kw):
         self.set_sampling(0.0, 1.0, [])
         kw = engine_kwargs(target_model, **engine_kw)
-        log.info("starting vLLM for %s (tp=%d, dtype=%s)", target_model, kw["tensor_parallel_size"], kw["dtype"])
+        log.info("starting vLLM for %s (tp=%d, dtype=%s%s)", target_model, kw["tensor_parallel_size"], kw["dtype"],
+                 ", engine core in this process" if in_process else "")
         self.llm = start_llm(kw, fix="check the model, --tensor-parallel-size, --max-model-len and "
-                                     "--gpu-memory-utilization")
+                                     "--gpu-memory-utilization", in_process=in_process)
         self.max_model_len = int(self.llm.llm_engine.model_config.max_model_len)
 
     def set_sampling(self, temperature: float, top_p: float, stop_ids: Sequence[int]) -> None:
