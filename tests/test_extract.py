@@ -188,6 +188,30 @@ def test_vllm_and_hf_backends_store_the_same_states(kind, hf_store, vllm_store, 
         assert (s.target_argmax[m] == logits.argmax(-1)[m]).float().mean() > 0.85
 
 
+def test_in_process_engine_stores_what_a_spawned_one_does(prepared, vllm_store, tiny_targets, tmp_path):
+    """`--engine-in-process` (the SmolLM2 config's setting): the engine core runs in the
+    stage's process, which steps it until each file's last requests are written. Run as
+    the script (a process of its own: an in-process engine pins its caller's threads)."""
+    wd = fresh_wd(prepared["llama"], tmp_path)
+    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
+           "--target-model", str(tiny_targets["llama"]), "--backend", "vllm", "--samples-per-file", "4",
+           "--gpu-memory-utilization", "0.3", "--enforce-eager", "--engine-in-process"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = HiddenStateStore.open(WorkDir(vllm_store["llama"]), needed_by="test")
+    got = HiddenStateStore.open(WorkDir(wd), needed_by="test")
+    assert got.index["splits"]["train"]["files"] and len(got.index["splits"]["train"]["files"]) > 1
+    for split in ("train", "eval"):
+        a, b = ref.split(split), got.split(split)
+        assert a.sample_ids == b.sample_ids and len(a) > 0
+        for i in range(len(a)):
+            x, y = a[i], b[i]
+            assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.loss_mask, y.loss_mask)
+            # The same engine and kernels; batches may differ, so a tolerance, not equality.
+            assert _close(y.aux.view(-1, 256), x.aux.view(-1, 256), "llama"), (split, i)
+            assert _close(y.final, x.final, "llama"), (split, i)
+
+
 def test_vllm_refuses_kimi_k25_on_cpu(prepared, tiny_targets, tmp_path, no_model_load):
     wd = fresh_wd(prepared["deepseek_v3"], tmp_path)
     with pytest.raises(PipelineError, match="--backend hf"):

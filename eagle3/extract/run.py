@@ -195,7 +195,8 @@ def make_backend(cfg: ExtractConfig, p: Prepared, device: str | None = None):
     return VllmBackend(p.info, p.aux_layers, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
                        max_model_len=cfg.max_model_len or p.max_tokens + 1, batch_tokens=cfg.batch_tokens,
                        gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_gib=cfg.kv_cache_gib,
-                       enforce_eager=cfg.enforce_eager, trust_remote_code=cfg.trust_remote_code)
+                       enforce_eager=cfg.enforce_eager, trust_remote_code=cfg.trust_remote_code,
+                       in_process=cfg.engine_in_process)
 
 
 def load_engine(cfg: ExtractConfig, p: Prepared, device: str | None = None):

@@ -78,12 +78,17 @@ def check_supported(info: TargetInfo) -> None:
             f"--backend hf on CPU, and the vllm backend on the GPU box.")
 
 
+def _done_lines(done_log: Path) -> list[str]:
+    return done_log.read_text().splitlines() if done_log.exists() else []
+
+
 class VllmBackend:
     """Fills partial store files with aux states and the pre-norm final state via vLLM."""
 
     def __init__(self, info: TargetInfo, aux_layers: Sequence[int], *, tensor_parallel_size: int, dtype: str,
                  max_model_len: int, batch_tokens: int, gpu_memory_utilization: float,
-                 kv_cache_gib: float | None, enforce_eager: bool | None, trust_remote_code: bool):
+                 kv_cache_gib: float | None, enforce_eager: bool | None, trust_remote_code: bool,
+                 in_process: bool = False):
         check_supported(info)
         quiet_vllm()  # before extraction_kwargs imports vllm
         self.info = info
@@ -96,10 +101,11 @@ class VllmBackend:
                            enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
         log.info("starting vLLM (tp=%d, dtype=%s, max_model_len=%d) extracting layer ids %s",
                  tensor_parallel_size, dtype, max_model_len, self.layer_ids)
+        self.in_process = in_process
         self.llm = start_llm({**kw, **extraction_kwargs(self.layer_ids)},
                              fix="check the model, --tensor-parallel-size and --gpu-memory-utilization, or use "
-                                 "--backend hf for a small target")
-        if on_cpu():
+                                 "--backend hf for a small target", in_process=in_process)
+        if on_cpu() and not in_process:
             import torch
 
             # The engine's processes own the cores; this process only finalizes files
@@ -129,14 +135,33 @@ class VllmBackend:
         self.llm.generate(prompts, params, use_tqdm=False)
         on_tokens(sum(len(x) for x in input_ids))
         want = {int(r) for r in rows}
+        if self.in_process:
+            self._flush_in_process(done_log, want)
         return lambda: self._wait_done(done_log, want)
+
+    def _flush_in_process(self, done_log: Path, rows: set[int]) -> None:
+        """Step an in-process engine until the file's last requests reach the writer.
+
+        The connector learns that a request finished one engine step after it did. A
+        spawned engine core keeps stepping on its own; an in-process one steps only when
+        asked, and `generate` returns as soon as the outputs are done.
+        """
+        t0 = time.monotonic()
+        while True:
+            lines = _done_lines(done_log)
+            if any(ln.startswith("E ") for ln in lines) or rows <= {int(x) for x in lines if x[:2] != "E "}:
+                return  # all written, or an error that _wait_done reports
+            if time.monotonic() - t0 > DONE_TIMEOUT_S:
+                return  # _wait_done reports what is missing
+            self.llm.llm_engine.step()
+            time.sleep(0.001)
 
     @staticmethod
     def _wait_done(done_log: Path, rows: set[int]) -> None:
         """Poll the done log until every row is written; raise on a reported write error."""
         t0, delay = time.monotonic(), 0.0005
         while True:
-            lines = done_log.read_text().splitlines() if done_log.exists() else []
+            lines = _done_lines(done_log)
             errors = [ln[2:] for ln in lines if ln.startswith("E ")]
             if errors:
                 raise RuntimeError(f"vLLM's worker failed to write hidden states into {done_log.parent}: "
