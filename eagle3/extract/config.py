@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DTYPE_CHOICES, ShardedStageConfig, dtype_name, param
+from ..vllm_engine import IN_PROCESS_HELP
 
 BACKENDS = ("vllm", "hf")
 
@@ -38,11 +39,7 @@ class ExtractConfig(ShardedStageConfig):
     # extracts no faster than eager (716 vs 714 tokens/s on 45.9K tokens): eager by default there.
     enforce_eager: bool | None = param(None, identity=False, help="vllm: no compilation / CUDA graphs "
                                                                   "(default: on for CPU, off on GPU)")
-    # Off by default: an in-process engine pins the calling process's threads to its cores
-    # (vLLM's CPU worker), which a long-lived caller such as a test session must not get.
-    engine_in_process: bool = param(False, identity=False, help="vllm: run the engine core in this process "
-                                                                "(VLLM_ENABLE_V1_MULTIPROCESSING=0): on CPU "
-                                                                "the engine starts ~1 min sooner")
+    engine_in_process: bool = param(False, identity=False, help="vllm: " + IN_PROCESS_HELP)
     verify_checksums: bool = param(True, identity=False, help="on resume, re-read finished files and "
                                                               "redo any whose checksum differs")
     force: bool = param(False, identity=False, help="delete the existing store (every box's files in this "

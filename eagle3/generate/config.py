@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ..config import DTYPE_CHOICES, ShardedStageConfig, data_sources, dtype_name, param
 from ..errors import PipelineError
+from ..vllm_engine import IN_PROCESS_HELP
 
 
 @dataclass(kw_only=True)
@@ -40,11 +41,7 @@ class GenerateConfig(ShardedStageConfig):
                                                                   "vLLM sizes it; 1 on CPU)")
     enforce_eager: bool | None = param(None, identity=False, help="no compilation / CUDA graphs (default: "
                                                                   "on for CPU, off on GPU)")
-    # Off by default: an in-process engine pins the calling process's threads to its cores
-    # (vLLM's CPU worker), which a long-lived caller such as a test session must not get.
-    engine_in_process: bool = param(False, identity=False, help="run vLLM's engine core in this process "
-                                                                "(VLLM_ENABLE_V1_MULTIPROCESSING=0): on CPU "
-                                                                "the engine starts ~1 min sooner")
+    engine_in_process: bool = param(False, identity=False, help=IN_PROCESS_HELP)
     force: bool = param(False, identity=False, help="delete what this stage wrote and start over")
 
     def __post_init__(self):
