@@ -383,7 +383,7 @@ def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thi
 
 def test_data_parallel_engines_write_the_same_chunks(unbroken, tiny_llama, chats, tmp_path):
     """Two engines in spawned processes split the chunks; each chunk is the one engine's. Their
-    engine cores run inside those processes (`engine_in_process`, as the demo configs run
+    engine cores run inside those processes (`engine_in_process`, as the SmolLM2 config runs
     stage 00): the same chunks as the test session's separately spawned engine core."""
     from eagle3.generate.run import generate_responses
 
