@@ -32,8 +32,10 @@ keys at positions <= t plus steps 1..k's keys at position t. Two implementations
 
     sdpa       (default) step 0's keys through a fused causal attention kernel that
                returns its log-sum-exp (the CPU flash kernel; the memory-efficient
-               kernel on CUDA); steps 1..k's k keys per position are merged into
-               that result by log-sum-exp. Autograd keeps O(T) per step.
+               kernel on CUDA, each behind one seam in eagle3/attention_kernels.py,
+               which states the CUDA kernel's layout contract); steps 1..k's k keys
+               per position are merged into that result by log-sum-exp. Autograd
+               keeps O(T) per step.
     reference  `_ttt_attention`: one [T, T + k] fp32 score block per step, kept by
                autograd for backward (O(T^2) per step). Tests compare against it.
 
@@ -53,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention_kernels import context_kernel
 from .cpu import bf16_fused_attention_ok
 from .errors import PipelineError
 from .vocab import target_ids
@@ -266,50 +269,6 @@ def _ttt_attention(q: Tensor, cache: TTTCache, allowed: Tensor, scale: float) ->
 Runs = list[tuple[int, int, int]] | None
 
 
-def _context_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, tuple]:
-    """Causal attention of q [B, nh, T, D] over k/v [B, n_kv, T, D] with its log-sum-exp.
-
-    -> out [B, nh, T, D], lse [B, nh, T] fp32 (natural log of the scaled scores'
-    exp-sum), and what `_context_bwd` needs besides. The fused kernels keep no
-    [T, T] block: they stream over keys.
-    """
-    if q.device.type == "cpu":
-        # The CPU flash kernel takes grouped kv heads as they are (query head i reads kv head i // G).
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-        return out, lse, ()
-    if q.device.type == "cuda":
-        G = q.shape[1] // k.shape[1]
-        ke, ve = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # [B, n_kv, T, D] -> [B, nh, T, D]
-        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, ke, ve, None, True, 0.0, True, scale=scale)
-        T = q.shape[2]
-        return out, lse[..., :T], (seed, offset, lse.shape[-1])  # the kernel pads lse to a multiple of 32
-    raise PipelineError(f"attention 'sdpa' runs on cpu and cuda, not {q.device.type}; "
-                        f"pass --attention reference on this device.")
-
-
-def _context_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-                 extra: tuple) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the context part given the *merged* output and log-sum-exp.
-
-    The kernels rebuild probabilities as exp(score - lse) and use rowsum(dout * out):
-    fed the merged out/lse (over context and diagonal keys) they return exactly the
-    context keys' share of the merged softmax's gradients (as ring attention does).
-    """
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, True, scale=scale)
-    seed, offset, lse_len = extra
-    G = q.shape[1] // k.shape[1]
-    ke, ve = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-    lse_pad = F.pad(lse, (0, lse_len - lse.shape[-1]))
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, ke, ve, None, out, lse_pad, seed, offset, 0.0, [True, True, True, False], True, scale=scale)
-    B, nkv, T, D = k.shape
-    # [B, nh, T, D] -> [B, n_kv, G, T, D] -> sum over the G query heads that shared each kv head
-    return dq, dk.reshape(B, nkv, G, T, D).sum(2), dv.reshape(B, nkv, G, T, D).sum(2)
-
-
 def _diag_scores(q: Tensor, kd: Tensor, scale: float) -> Tensor:
     """Same-position scores q[t] . kd[t]: q [B, nh, T, D], kd [B, n_kv, T, D] -> [B, nh, T], at least fp32."""
     B, nh, T, D = q.shape
@@ -340,20 +299,21 @@ class _MergedTTTAttention(torch.autograd.Function):
         B, nh, T, D = q.shape
         nkv = k0.shape[1]
         acc_t = torch.promote_types(q.dtype, torch.float32)  # softmax bookkeeping in at least fp32
+        kernel = context_kernel(q.device)  # the fused kernel pair (eagle3/attention_kernels.py)
         if runs is None:
-            o0, lse0, extra = _context_fwd(q, k0, v0, scale)
-            extras = [extra]
+            o0, lse0, saved = kernel.forward(q, k0, v0, scale)
+            saves = [saved]
         else:
             # Packed rows: one kernel call per sample span; positions in no span (none
             # with the layouts `_runs` builds) would keep lse -inf and out 0.
             o0 = q.new_zeros(q.shape)
             lse0 = q.new_full((B, nh, T), float("-inf"), dtype=acc_t)
-            extras = []
+            saves = []
             for b, a, e in runs:
-                o, lse, extra = _context_fwd(q[b:b + 1, :, a:e], k0[b:b + 1, :, a:e], v0[b:b + 1, :, a:e], scale)
+                o, lse, saved = kernel.forward(q[b:b + 1, :, a:e], k0[b:b + 1, :, a:e], v0[b:b + 1, :, a:e], scale)
                 o0[b:b + 1, :, a:e] = o
                 lse0[b:b + 1, :, a:e] = lse
-                extras.append(extra)
+                saves.append(saved)
         if n == 0:
             out, lse = o0, lse0.to(acc_t)
         else:
@@ -365,7 +325,7 @@ class _MergedTTTAttention(torch.autograd.Function):
                 p = _grouped(torch.exp(s[j] - lse), nkv)  # [B, nh, T] -> [B, n_kv, G, T]
                 acc = acc + p[..., None] * vd[j].to(acc_t)[:, :, None]  # [B, n_kv, 1, T, D] broadcast over G
             out = acc.reshape(B, nh, T, D).to(q.dtype)
-        ctx.scale, ctx.runs, ctx.n, ctx.extras = scale, runs, n, extras
+        ctx.kernel, ctx.scale, ctx.runs, ctx.n, ctx.saves = kernel, scale, runs, n, saves
         ctx.save_for_backward(q, k0, v0, out, lse, *diag)
         return out
 
@@ -378,14 +338,17 @@ class _MergedTTTAttention(torch.autograd.Function):
         nkv = k0.shape[1]
         dout = dout.contiguous().to(q.dtype)
         acc_t = lse.dtype
+        # The kernel's backward fed the merged out/lse returns the context keys' share
+        # of the merged softmax's gradients (as ring attention does); each kernel's
+        # seam hands out/lse over in the layout that kernel reads.
         if runs is None:
-            dq, dk0, dv0 = _context_bwd(dout, q, k0, v0, out, lse, scale, ctx.extras[0])
+            dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, out, lse, scale, ctx.saves[0])
         else:
             dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
-            for (b, a, e), extra in zip(runs, ctx.extras):
+            for (b, a, e), saved in zip(runs, ctx.saves):
                 sl = (slice(b, b + 1), slice(None), slice(a, e))
-                g = _context_bwd(dout[sl].contiguous(), q[sl], k0[sl], v0[sl], out[sl].contiguous(),
-                                 lse[sl].contiguous(), scale, extra)
+                g = ctx.kernel.backward(dout[sl].contiguous(), q[sl], k0[sl], v0[sl], out[sl],
+                                        lse[sl].contiguous(), scale, saved)
                 dq[sl], dk0[sl], dv0[sl] = g
         if n == 0:
             return dq, dk0, dv0, None, None
