@@ -5,11 +5,16 @@ EPYC, and a forced `ATEN_CPU_CAPABILITY`):
 
 - Does bf16 pay? Only with bf16 matmuls in hardware (AMX or AVX512-BF16) *and* ATen
   dispatching to its AVX512 kernels; elsewhere bf16 is emulated and slower than fp32.
-- Does bf16 attention run? torch 2.13's fused CPU attention packs bf16 operands with
-  AVX512 instructions when the CPU has AMX/AVX512-BF16, and raises ("pack_vnni2 is only
-  supported when avx512 is supported") when ATen was told to use a lower kernel level
-  (`ATEN_CPU_CAPABILITY=default` or `avx2`) on such a CPU. Callers then fall back to the
-  math kernel (transformers) or to fp32 operands (the drafter's attention).
+- Does bf16 attention run? torch 2.13's fused CPU attention (`cpu_flash_attention`,
+  aten/src/ATen/native/cpu/FlashAttentionKernel.cpp) packs bf16 keys and values with
+  `at::vec::pack_vnni2` when oneDNN can pack bf16 (`cpublas::could_pack`: oneDNN's
+  effective ISA at least avx512_core_amx, i.e. AMX) and both lengths reach 64. That
+  routine (aten/src/ATen/cpu/vec/vec_half.h) exists only in ATen's AVX512 kernel build:
+  on an AMX CPU with ATen told to use a lower level (`ATEN_CPU_CAPABILITY=default` or
+  `avx2`) it raises "pack_vnni2 is only supported when avx512 is supported". Without AMX
+  (AVX512-BF16 alone, e.g. AMD EPYC) nothing is packed and bf16 runs at any level.
+  Callers fall back to the math kernel (transformers) or to fp32 operands (the drafter's
+  attention) where it would raise.
 """
 from __future__ import annotations
 
@@ -21,10 +26,19 @@ def aten_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512")
 
 
-def hardware_bf16() -> bool:
+def amx() -> bool:
+    """The CPU has AMX tiles (what makes oneDNN pack bf16 operands for the fused attention)."""
     try:
-        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-    except AttributeError:  # private helpers; absent in some torch builds
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helper; absent in some torch builds
+        return False
+
+
+def hardware_bf16() -> bool:
+    """bf16 matmuls in hardware: AMX or AVX512-BF16."""
+    try:
+        return amx() or bool(torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:  # private helper; absent in some torch builds
         return False
 
 
@@ -35,4 +49,4 @@ def bf16_pays() -> bool:
 
 def bf16_fused_attention_ok() -> bool:
     """The fused CPU attention kernels accept bf16 operands here (see the module docstring)."""
-    return aten_avx512() or not hardware_bf16()
+    return aten_avx512() or not amx()

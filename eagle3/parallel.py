@@ -23,6 +23,8 @@ import queue as queue_mod
 import traceback
 from typing import Any, Callable, Sequence
 
+from .errors import PipelineError
+
 POLL_S = 5.0  # how often the parent looks for a worker that died silently
 
 
@@ -40,10 +42,20 @@ class Reporter:
 
 
 def use_gpu_group(rank: int, tensor_parallel_size: int, data_parallel_size: int) -> None:
-    """Let this process see only rank's tensor-parallel group of GPUs (CUDA_VISIBLE_DEVICES)."""
-    tp = tensor_parallel_size
+    """Let this process see only rank's tensor-parallel group of GPUs (CUDA_VISIBLE_DEVICES).
+
+    Call it first thing in a spawned worker: CUDA reads the variable once, when this process
+    first initializes it, and vLLM's workers (spawned or forked after) inherit it. A list
+    shorter than dp x tp would leave a rank fewer GPUs than its tensor parallel size (an
+    empty list: none), which vLLM reports only once that engine starts.
+    """
+    tp, need = tensor_parallel_size, data_parallel_size * tensor_parallel_size
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(data_parallel_size * tp)]
+    gpus = [g.strip() for g in visible.split(",") if g.strip()] if visible else [str(i) for i in range(need)]
+    if len(gpus) < need:
+        raise PipelineError(f"CUDA_VISIBLE_DEVICES={visible} lists {len(gpus)} GPU(s), but --data-parallel-size "
+                            f"{data_parallel_size} x --tensor-parallel-size {tp} needs {need}; list more GPUs or "
+                            f"lower --data-parallel-size.")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * tp:(rank + 1) * tp])
 
 

