@@ -174,6 +174,44 @@ def test_fine_tune_remap_reports_rows(tmp_path, stages_123, sharp_llama, trained
     assert torch.equal(weights(WorkDir(wd).best_checkpoint())["d2t"], d2t)  # trained under stage 03's mapping
 
 
+def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stages_123, sharp_llama, trained_export,
+                                                                   caplog):
+    """With --init-from, step 0 is a candidate for best.pt: a learning rate that only
+    hurts a converged drafter leaves best.pt (and stage 05's export) its input."""
+    from eagle3.export import ExportConfig, export_drafter
+
+    _, export_dir, _ = trained_export
+    wd = fresh(stages_123, tmp_path / "w7")
+    with caplog.at_level("INFO"):
+        m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(export_dir),
+                                      max_steps=2, learning_rate=0.5, **{**SMALL, "warmup_steps": 0}))
+    evals = {x["step"]: x for x in map(json.loads, WorkDir(wd).train_metrics().read_text().splitlines())
+             if x["split"] == "eval"}
+    start, final = evals[0], evals[2]
+    assert start["expected_accept_length"] > 2.0  # a drafter trained to convergence (K = 3: at most 4)
+    # the learning rate only hurt: the loss is far worse, and so is the figure best.pt is chosen by
+    assert final["loss_0"] > start["loss_0"] + 5, (start, final)
+    assert final["expected_accept_length"] < start["expected_accept_length"], (start, final)
+    assert m.counts["best_step"] == 0 and m.counts["best_is_initial"] is True
+    assert m.counts["best_expected_accept_length"] == start["expected_accept_length"]
+    assert (f"no trained step beat the initial drafter (held-out expected accept length "
+            f"{start['expected_accept_length']:.3f} at step 0); best.pt holds the initial weights") in caplog.text
+    src = load_file(export_dir / "model.safetensors")
+    best = torch.load(WorkDir(wd).best_checkpoint(), map_location="cpu", weights_only=True)
+    assert best["step"] == 0 and best["eval"]["expected_accept_length"] == start["expected_accept_length"]
+    for k, v in src.items():  # the loaded weights themselves (bf16 -> fp32 -> bf16 is exact)
+        assert torch.equal(best["model"][k].to(v.dtype), v), k
+    # stage 05 exports the initial weights
+    out = Path(export_drafter(ExportConfig(work_dir=wd, target_model=str(sharp_llama))))
+    got = load_file(out / "model.safetensors")
+    assert got.keys() == src.keys()
+    for k in src:
+        assert torch.equal(got[k], src[k]), k
+    report = json.loads((out / "export_report.json").read_text())
+    assert report["checkpoint"]["step"] == 0
+    assert report["expected_accept_length"]["value"] == pytest.approx(start["expected_accept_length"])
+
+
 def test_weights_with_another_drafters_mapping_are_stopped_by_the_starting_loss_gate(
         tmp_path, stages_123, sharp_llama, trained_export):
     _, export_dir, _ = trained_export

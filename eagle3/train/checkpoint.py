@@ -6,7 +6,10 @@ One file per checkpoint, a dict saved with `torch.save` and read with
     model            drafter state_dict (convention 6 names; what export saves)
     drafter_config   DrafterConfig.to_dict()
     aux_layers       the target layers the drafter reads (convention 1)
-    optimizer, scheduler, step, epoch, rng (torch CPU [+ CUDA] generator state)
+    optimizer, scheduler, step, epoch
+    rng              one entry per rank, by rank: that process's torch CPU generator state
+                     and, on a GPU, its own GPU's (never the other GPUs': each rank restores
+                     its own entry, so a resumed run draws what each rank would have drawn)
     train_config     the TrainConfig's identity parameters; identity (its fingerprint)
     eval             the held-out metrics at this step (when evaluated)
     best             the best held-out expected accept length so far and its step
@@ -25,21 +28,46 @@ import torch
 from ..atomic import save_torch, write_json
 from ..errors import PipelineError
 from ..workdir import WorkDir
+from .distributed import all_gather_object
 
 log = logging.getLogger(__name__)
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """This process's generator states: torch's CPU generator and, training on a GPU, that
+    GPU's only. (`torch.cuda.get_rng_state_all` would touch, and create a context on,
+    every visible GPU from every rank.)"""
     state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict) -> None:
+def rng_states_of_all_ranks(device: torch.device) -> list[dict]:
+    """Every rank's `rng_state`, by rank, for rank 0 to write. A collective: every rank calls it."""
+    return all_gather_object(rng_state(device))
+
+
+def set_rng_state(states: list[dict] | dict, rank: int, world: int, device: torch.device) -> None:
+    """Restore this rank's own entry of a checkpoint's `rng`.
+
+    A checkpoint of another process count gives rank r the entry r mod its count (a
+    resume stays possible; draws after it are not those of an unbroken run). A dict is
+    the format before per-rank entries: one CPU state and a list of every GPU's state,
+    of which this rank takes its own GPU's.
+    """
+    if isinstance(states, dict):
+        gpus = states.get("cuda") or []
+        index = device.index or 0
+        state = {"torch": states["torch"], **({"cuda": gpus[index]} if index < len(gpus) else {})}
+    else:
+        if len(states) != world:
+            log.warning("the checkpoint holds the RNG states of %d process(es), this run has %d: rank %d restores "
+                        "entry %d", len(states), world, rank, rank % len(states))
+        state = states[rank % len(states)]
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def save_checkpoint(wd: WorkDir, ckpt: dict, *, keep: int, is_best: bool) -> Path:

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..config import identity_params
 from ..cpu import bf16_fused_attention_ok, bf16_pays
@@ -46,10 +45,12 @@ from ..target import TargetInfo, read_target_info
 from ..ttt import TTTConfig, TTTModel, target_draft_distribution
 from ..vocab import target_ids
 from ..workdir import WorkDir
-from .checkpoint import latest_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import latest_checkpoint, rng_states_of_all_ranks, save_checkpoint, set_rng_state
 from .config import TrainConfig
-from .data import Batching, epoch_batches, load_batch, rank_batches
+from .data import Batching, EpochPlan, epoch_batches, load_batch, rank_batches
+from .distributed import Dist, barrier, close_distributed, init_distributed
 from .finetune import InitReport, load_initial_drafter
+from .loss_positions import check_loss_positions, count_loss_positions
 from .memory import GIB, predict_peak
 from .metrics import MetricSum, MetricsLog, fmt
 
@@ -57,26 +58,7 @@ log = logging.getLogger(__name__)
 
 
 # -- setup -------------------------------------------------------------------------
-@dataclass
-class Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device: torch.device) -> Dist:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return Dist()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
-
-
+# The process group and every collective outside DDP: eagle3/train/distributed.py.
 def pick_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
@@ -239,8 +221,25 @@ class Trainer:
         self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
         self.train_split = self.store.split("train")
         self.lengths = self.train_split.lengths()
-        self.per_epoch = self.steps_per_epoch()
-        self.total = cfg.max_steps or cfg.epochs * self.per_epoch
+        # Before any step: a split where no position carries loss is refused, and samples
+        # without one stay out of the epochs (a row of them would step on no gradient).
+        self.loss_positions = count_loss_positions(self.train_split, self.drafter.t2d, cfg.max_seq_len)
+        if d.main:
+            log.info("train split: %s", self.loss_positions.summary(cfg.max_seq_len, self.dcfg.draft_vocab_size))
+        warning = check_loss_positions(self.loss_positions, max_seq_len=cfg.max_seq_len,
+                                       draft_vocab=self.dcfg.draft_vocab_size,
+                                       mapping_from=str(cfg.init_from or wd.d2t()))
+        if warning and d.main:
+            log.warning("%s", warning)
+        # Each epoch's step count comes from its own packing (data.py); counting every
+        # epoch the run reaches now stops an epoch too small for a step before training.
+        self.plan = EpochPlan(self.lengths, self.batching, rank=d.rank, world=d.world, grad_accum=cfg.grad_accum,
+                              samples=self.loss_positions.trainable())
+        if cfg.max_steps:
+            self.total = cfg.max_steps
+            self.plan.locate(self.total - 1)
+        else:
+            self.total = self.plan.steps_for_epochs(cfg.epochs)
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.95))
@@ -251,33 +250,18 @@ class Trainer:
         self.step = 0
         self.best: dict = {"expected_accept_length": -1.0, "step": None}
         self.last_eval: dict | None = None
-        self._epoch: dict[int, list[list[int]]] = {}  # the current epoch's batches (see micro_batches)
         self.metrics: MetricsLog | None = None  # opened by fit, once the resumed step is known
         self.new_window()
 
     # -- batches -----------------------------------------------------------------
-    def steps_per_epoch(self) -> int:
-        batches = rank_batches(epoch_batches(self.lengths, self.batching, 0), self.d.rank, self.d.world)
-        n = len(batches) // self.cfg.grad_accum
-        if n == 0:
-            raise PipelineError(f"the train split ({len(self.train_split)} samples) gives no full step of "
-                                f"{self.cfg.grad_accum} micro-batch(es) on each of {self.d.world} process(es); "
-                                f"lower --grad-accum or --batch-tokens.")
-        return n
-
     def micro_batches(self, step: int) -> list[list[int]]:
         """This process's micro-batches (sample indices) of optimizer step `step`.
 
-        An epoch's order is a function of (seed, epoch) only, so a resumed run reads
-        what an unbroken one would have. Building it shuffles and packs the whole
-        split, so it is cached, one epoch at a time.
+        An epoch's order is a function of (seed, epoch) only and its step count that of
+        its own packing, so a resumed run reads what an unbroken one would have, and
+        no step is short of micro-batches (EpochPlan in data.py).
         """
-        epoch, b = divmod(step, self.per_epoch)
-        if epoch not in self._epoch:
-            self._epoch = {epoch: rank_batches(epoch_batches(self.lengths, self.batching, epoch),
-                                               self.d.rank, self.d.world)}
-        A = self.cfg.grad_accum
-        return self._epoch[epoch][b * A:(b + 1) * A]
+        return self.plan.micro_batches(step)
 
     def load(self, split, indices: list[int]) -> dict:
         return load_batch(split, indices, self.cfg.max_seq_len, packed=self.cfg.packing)
@@ -385,6 +369,15 @@ class Trainer:
             if not self.cfg.allow_bad_start:
                 raise PipelineError(msg)
             log.warning(msg)
+        if self.cfg.init_from:
+            # A fine-tune must never export something worse than its start: the starting
+            # weights are the first candidate for best.pt, and a trained step replaces
+            # them only with a higher held-out expected accept length.
+            self.last_eval = start
+            self.best = {"expected_accept_length": start["expected_accept_length"], "step": 0, "metrics": start}
+            self.save(is_best=True)
+            log.info("the initial drafter (held-out expected accept length %.3f) is saved as %s; a trained step "
+                     "replaces it only by doing better", start["expected_accept_length"], self.wd.best_checkpoint())
 
     # -- logging and checkpoints ----------------------------------------------------
     def new_window(self) -> None:
@@ -402,27 +395,49 @@ class Trainer:
                                                         f"{m['tokens_per_s']:.0f} tok/s"))
         self.new_window()
 
-    def state_dict(self) -> dict:
-        """Everything a resume needs (the keys are listed in eagle3/train/checkpoint.py)."""
+    def state_dict(self, rng: list[dict]) -> dict:
+        """Everything a resume needs (the keys are listed in eagle3/train/checkpoint.py);
+        `rng`: every rank's generator states, gathered by `save`."""
         return {
             "model": self.drafter.state_dict(), "drafter_config": self.dcfg.to_dict(),
             "aux_layers": self.store.aux_layers, "optimizer": self.opt.state_dict(),
-            "scheduler": self.sched.state_dict(), "step": self.step, "epoch": self.step // self.per_epoch,
-            "batch_in_epoch": self.step % self.per_epoch, "rng": rng_state(),
+            "scheduler": self.sched.state_dict(), "step": self.step, **self.data_position(self.step),
+            "rng": rng,
             "train_config": json.loads(json.dumps(self.src.params, default=str)), "identity": self.src.identity,
             "best": self.best,
         }
+
+    def data_position(self, step: int) -> dict:
+        """Where the data stands after `step` steps (what a checkpoint records beside the
+        step): the epoch of the last step taken and how many of its steps are done, so
+        (0, 0) at the start and (e, its step count) when epoch e has just ended. Only
+        epochs already read are packed for it, never the next one."""
+        if step == 0:
+            return {"epoch": 0, "batch_in_epoch": 0}
+        epoch, b = self.plan.locate(step - 1)
+        return {"epoch": epoch, "batch_in_epoch": b + 1}
 
     def load_state_dict(self, ckpt: dict) -> None:
         self.drafter.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
-        set_rng_state(ckpt["rng"])
+        set_rng_state(ckpt["rng"], self.d.rank, self.d.world, self.device)
         self.step, self.best = ckpt["step"], ckpt["best"]
+        ours = self.data_position(self.step)
+        theirs = {k: ckpt.get(k) for k in ours}
+        if theirs != ours:
+            # Written by a version that counted every epoch's steps from epoch 0's packing.
+            log.warning("the checkpoint at step %d records data position %s, this code's schedule puts step %d at "
+                        "%s: the rest of the run reads this schedule's batches, not the ones the interrupted run "
+                        "would have read (pass --force to train from scratch instead)", self.step, theirs,
+                        self.step, ours)
 
     def save(self, is_best: bool) -> None:
+        # A collective: every rank calls save at the same steps (the reduced held-out
+        # metrics make is_best the same on all), and each rank's own RNG state is written.
+        rng = rng_states_of_all_ranks(self.device)
         if self.d.main:  # the ranks hold the same weights (DDP)
-            ckpt = {**self.state_dict(), "eval": self.last_eval if is_best else {}}
+            ckpt = {**self.state_dict(rng), "eval": self.last_eval if is_best else {}}
             save_checkpoint(self.wd, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best)
 
     def resume(self) -> None:
@@ -468,14 +483,23 @@ class Trainer:
         if not self.d.main:
             return None
         wd, best = self.wd, self.best
-        counts = {"steps": self.step, "steps_per_epoch": self.per_epoch, "processes": self.d.world,
+        last_epoch = self.data_position(self.step)["epoch"]
+        # With --init-from the starting weights are step 0's candidate (check_start).
+        best_is_initial = best["step"] == 0
+        counts = {"steps": self.step, "steps_per_epoch": [self.plan.steps_in(e) for e in range(last_epoch + 1)],
+                  "processes": self.d.world,
                   "best_step": best["step"], "best_expected_accept_length": best["expected_accept_length"],
-                  "final_eval": self.last_eval, "best_eval": best.get("metrics")}
+                  "best_is_initial": best_is_initial, "final_eval": self.last_eval, "best_eval": best.get("metrics"),
+                  "loss_positions": self.loss_positions.to_json()}
         extra = {"best_checkpoint": wd.best_checkpoint().relative_to(wd.stage_dir("train")).as_posix(),
                  "drafter_config": self.dcfg.to_dict(), "aux_layers": self.store.aux_layers,
                  "init_from": self.init_report.to_json() if self.init_report else None}
         m = write_manifest(wd, "train", params=self.src.params, inputs=self.src.inputs, counts=counts,
                            outputs=[wd.best_checkpoint(), wd.train_metrics()], extra=extra, hash_outputs=False)
+        if best_is_initial:
+            log.warning("no trained step beat the initial drafter (held-out expected accept length %.3f at step 0); "
+                        "best.pt holds the initial weights of %s: lower --learning-rate, or fine-tune on more data",
+                        best["expected_accept_length"], self.cfg.init_from)
         log.info("stage 04: %d steps; best held-out expected accept length %.3f at step %s -> %s", self.step,
                  best["expected_accept_length"], best["step"], wd.best_checkpoint())
         return m
@@ -494,9 +518,7 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
             return done
         if cfg.force and d.main and wd.stage_dir("train").exists():
             shutil.rmtree(wd.stage_dir("train"))
-        if d.world > 1:
-            dist.barrier()  # no rank may read a checkpoint rank 0 is deleting
+        barrier()  # no rank may read a checkpoint rank 0 is deleting
         return Trainer(cfg, wd, src, device, d).fit()
     finally:
-        if d.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        close_distributed(d)

@@ -2,7 +2,8 @@
 
 Writes `WorkDir.train_metrics()` (one JSON line per log interval and evaluation,
 docs/CONVENTIONS.md §5) and, when tensorboard is installed, `WorkDir.tensorboard_dir()`.
-Rank 0 only. A resumed run drops the lines past the checkpoint it resumes from and
+Rank 0 only; the sums are reduced over the ranks through eagle3/train/distributed.py
+first. A resumed run drops the lines past the checkpoint it resumes from and
 continues the file, so a finished run has each step once.
 """
 from __future__ import annotations
@@ -12,10 +13,10 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ..atomic import atomic_path, disk_full_error, is_disk_full
 from ..workdir import WorkDir
+from .distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +38,11 @@ class MetricSum:
                                + [m[f"full_acc_{k}"] * n for k in range(self.K)] + [n], dtype=torch.float64)
 
     def all_reduce(self, world: int) -> None:
+        """Sum over the `world` ranks. The sums live on the host (float64); an NCCL-only
+        group cannot reduce them, so they go through the seam, which reduces them where the
+        group can (eagle3/train/distributed.py)."""
         if world > 1:
-            dist.all_reduce(self.v)
+            self.v = all_reduce_sum(self.v)
 
     def result(self) -> dict:
         K, n = self.K, float(self.v[-1])

@@ -1,0 +1,124 @@
+"""One rank of tests/test_collectives.py, started by `torchrun --nproc-per-node 2` (CPU, gloo).
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/collectives_worker.py SCENARIO OUT_DIR
+
+Each rank writes OUT_DIR/rank{R}.json: what it observed, or the error it met.
+
+Scenarios:
+    cuda_group   stage 04's process-group setup for a CUDA training device, then the
+                 held-out metric reduction. torch cannot make an NCCL group on a CPU
+                 machine, so `dist.init_process_group` is wrapped: the group is made with
+                 gloo on exactly the device types the requested backend serves (torch's
+                 own BackendConfig: "nccl" -> "cuda:gloo", "cpu:gloo,cuda:nccl" ->
+                 "cpu:gloo,cuda:gloo"), so it refuses tensors on the device types the
+                 real group would refuse, with the real group's error. `device_id` (which
+                 a CPU build of torch rejects) and `torch.cuda.set_device` are recorded.
+    foreign      a group created before stage 04 that serves CUDA only ("cuda:gloo"): the
+                 seam must refuse a host tensor by name on a machine without a GPU.
+    rng          every rank's RNG state gathered for rank 0 to write, then restored per rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+K = 3
+
+
+def rank_metrics(rank: int) -> list[dict]:
+    """Two batches of per-step metrics that differ by rank (what TTTOutput.metrics holds)."""
+    out = []
+    for b in range(2):
+        m = {"num_valid": 10 + 7 * rank + b}
+        for k in range(K):
+            m[f"loss_{k}"] = 1.0 + 0.5 * rank + 0.1 * b + 0.01 * k
+            m[f"full_acc_{k}"] = 0.5 / (k + 1) + 0.1 * rank - 0.05 * b
+        out.append(m)
+    return out
+
+
+def same_device_types_on_gloo(backend: str) -> str:
+    served = dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
+    return ",".join(f"{device}:gloo" for device in served)
+
+
+def cuda_group(rank: int, local_rank: int) -> dict:
+    seen: dict = {"set_device": []}
+    real_init = dist.init_process_group
+
+    def init(backend=None, *args, device_id=None, **kwargs):
+        seen.update(backend=str(backend), device_id=None if device_id is None else str(device_id),
+                    emulated=same_device_types_on_gloo(str(backend)))
+        return real_init(seen["emulated"], *args, **kwargs)
+
+    dist.init_process_group = init
+    torch.cuda.set_device = lambda device: seen["set_device"].append(str(torch.device("cuda", device)
+                                                                         if isinstance(device, int) else device))
+    from eagle3.train.loop import init_distributed
+    from eagle3.train.metrics import MetricSum
+
+    d = init_distributed(torch.device("cuda", local_rank))
+    seen.update(world=d.world, rank=d.rank)
+    acc = MetricSum(K)
+    for m in rank_metrics(rank):
+        acc.add(m)
+    try:
+        acc.all_reduce(d.world)
+        seen["result"] = acc.result()
+    except RuntimeError as e:
+        seen["error"] = str(e).splitlines()[0]
+    return seen
+
+
+def foreign(rank: int, local_rank: int) -> dict:
+    from eagle3.errors import PipelineError
+    from eagle3.train.distributed import all_reduce_sum
+
+    dist.init_process_group("cuda:gloo")
+    try:
+        all_reduce_sum(torch.ones(3, dtype=torch.float64))
+        return {"error": None}
+    except PipelineError as e:
+        return {"error": str(e)}
+
+
+def rng(rank: int, local_rank: int) -> dict:
+    from eagle3.train.checkpoint import rng_states_of_all_ranks, set_rng_state
+    from eagle3.train.distributed import init_distributed
+
+    cpu = torch.device("cpu")
+    d = init_distributed(cpu)
+    torch.manual_seed(1000 + rank)  # each rank's generator in its own state
+    torch.rand(rank + 1)
+    states = rng_states_of_all_ranks(cpu)
+    expected = torch.rand(4)  # what this rank draws next in an unbroken run
+    torch.manual_seed(7)  # a fresh process of the resumed run
+    set_rng_state(states, d.rank, d.world, cpu)
+    resumed = torch.rand(4)
+    return {"entries": len(states), "entries_differ": not torch.equal(states[0]["torch"], states[1]["torch"]),
+            "expected": expected.tolist(), "resumed": resumed.tolist()}
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    try:
+        result = {"cuda_group": cuda_group, "foreign": foreign, "rng": rng}[scenario](rank, local_rank)
+    except Exception:  # noqa: BLE001 - the test shows what any rank met
+        result = {"crash": traceback.format_exc()}
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""eagle3/train/distributed.py: the process group a GPU run creates and the collectives it
+hands tensors to, held on CPU to a real NCCL group's contract (a group refuses tensors
+of a device type it holds no backend for), and each rank's own RNG state in checkpoints.
+
+The two-process cases run tests/collectives_worker.py under torchrun with gloo.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from collectives_worker import K, rank_metrics
+from eagle3.errors import PipelineError
+from eagle3.train import checkpoint
+from eagle3.train.distributed import all_gather_object, all_reduce_sum, backend_for
+from eagle3.train.metrics import MetricSum
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_ranks(scenario: str, out: Path) -> list[dict]:
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                        str(free_port()), str(ROOT / "tests" / "collectives_worker.py"), scenario, str(out)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, res in enumerate(results):
+        assert "crash" not in res, f"rank {rank}:\n{res.get('crash')}"
+    return results
+
+
+def test_backend_for_a_gpu_run_serves_host_and_gpu_tensors():
+    # torch's own parse of the string (distributed_c10d.BackendConfig): which backend
+    # takes a tensor of each device type
+    served = dist.BackendConfig(dist.Backend(backend_for(torch.device("cuda", 0)))).get_device_backend_map()
+    assert served == {"cpu": "gloo", "cuda": "nccl"}
+    assert dist.BackendConfig(dist.Backend(backend_for(torch.device("cpu")))).get_device_backend_map() == {
+        "cpu": "gloo", "cuda": "gloo"}
+    with pytest.raises(PipelineError, match="--device cpu or --device cuda"):
+        backend_for(torch.device("meta"))
+
+
+def test_the_gpu_runs_group_reduces_the_held_out_metrics(tmp_path):
+    """Stage 04's group setup for a CUDA device, emulated on gloo with the device types
+    the requested backend serves; then the metric reduction every evaluation runs.
+
+    Before the fix the stage asked for "nccl" (served: cuda only) and reduced the host
+    float64 sums on it: "No backend type associated with device type cpu" on every rank."""
+    results = two_ranks("cuda_group", tmp_path / "out")
+    want = MetricSum(K)
+    for rank in range(2):
+        for m in rank_metrics(rank):
+            want.add(m)
+    want = want.result()
+    for rank, seen in enumerate(results):
+        assert seen.get("error") is None, f"rank {rank}: {seen['error']} (group {seen['backend']!r})"
+        assert (seen["world"], seen["rank"]) == (2, rank)
+        # the GPU is this rank's own, for the group (device_id) and for the process
+        assert seen["device_id"] == f"cuda:{rank}" and seen["set_device"] == [f"cuda:{rank}"]
+        got = seen["result"]
+        assert got.keys() == want.keys()
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-12), key
+    assert want["num_valid"] == 10 + 11 + 17 + 18
+
+
+def test_a_group_that_serves_no_host_tensors_is_refused_by_name(tmp_path):
+    for seen in two_ranks("foreign", tmp_path / "out"):
+        assert seen["error"] and "cuda:gloo" in seen["error"] and "no backend for cpu tensors" in seen["error"]
+        assert "cpu:gloo,cuda:nccl" in seen["error"]  # the fix
+
+
+def test_each_rank_restores_its_own_rng_state(tmp_path):
+    for rank, seen in enumerate(two_ranks("rng", tmp_path / "out")):
+        assert seen["entries"] == 2 and seen["entries_differ"]
+        assert seen["resumed"] == seen["expected"], rank  # the same generator replayed: bitwise
+
+
+def test_one_process_collectives_are_the_identity():
+    assert not dist.is_initialized()
+    t = torch.arange(4, dtype=torch.float64)
+    assert all_reduce_sum(t) is t
+    assert all_gather_object({"a": 1}) == [{"a": 1}]
+
+
+def test_rng_state_reads_and_restores_only_this_ranks_gpu(monkeypatch):
+    """On a GPU each rank saves and restores its own device's generator, never every GPU's."""
+    calls = []
+
+    def get_rng_state(device="cuda"):
+        calls.append(("get", str(device)))
+        return torch.tensor([torch.device(device).index], dtype=torch.uint8)  # a state naming its GPU
+
+    def set_rng_state(state, device="cuda"):
+        calls.append(("set", str(device), int(state[0])))
+
+    def every_gpu(*args):
+        pytest.fail("get/set_rng_state_all touch every GPU from every rank")
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", every_gpu)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", every_gpu)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu1 = torch.device("cuda", 1)
+    states = [checkpoint.rng_state(torch.device("cuda", 0)), checkpoint.rng_state(gpu1)]
+    assert calls == [("get", "cuda:0"), ("get", "cuda:1")]
+    calls.clear()
+    checkpoint.set_rng_state(states, 1, 2, gpu1)
+    assert calls == [("set", "cuda:1", 1)]  # rank 1 takes its own entry, onto its own GPU
+    # a CPU run has no GPU entry
+    assert checkpoint.rng_state(torch.device("cpu")).keys() == {"torch"}
+
+
+def test_a_checkpoint_of_the_earlier_format_restores_this_ranks_gpu(monkeypatch):
+    calls = []
+
+    def set_rng_state(state, device="cuda"):
+        calls.append((str(device), int(state[0])))
+
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
+    cpu_state = torch.get_rng_state()
+    old = {"torch": cpu_state, "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(4)]}
+    torch.manual_seed(3)
+    checkpoint.set_rng_state(old, 2, 4, torch.device("cuda", 2))
+    assert calls == [("cuda:2", 2)]
+    assert torch.equal(torch.get_rng_state(), cpu_state)
