@@ -1,11 +1,24 @@
 """Reading chat records and normalising them to `[{"role", "content"}]` messages.
 
-Accepts the two shapes users have: ShareGPT (`conversations` of `from`/`value`) and
-OpenAI (`messages` of `role`/`content`), from local JSON/JSONL files, gzip'd or not
-(read here, so a bad line can be named by file and line) or anything
-`datasets.load_dataset` accepts. A record that cannot become a clean conversation
-raises `BadRecord` with a reason; the caller counts reasons, nothing is dropped
-silently. Bad bytes are bad records too: a line that is not UTF-8, an item of a JSON
+Accepts the shapes users have, from local JSON/JSONL files, gzip'd or not (read here,
+so a bad line can be named by file and line), anything `datasets.load_dataset` accepts
+(a hub id, a folder of parquet/arrow/json files) or a folder written by `save_to_disk`
+(`record_turns`):
+
+    OpenAI     {"messages": [{"role", "content"}, ...]}
+    ShareGPT   {"conversations": [{"from", "value"}, ...]}
+    a prompt   {"prompt" | "instruction" | "question": "text"}   one user turn
+               (Alpaca: a non-empty `input` beside `instruction` is appended to it)
+    MT-Bench   {"turns": ["text", ...]}                          one user turn each
+    any field  named by the caller (`prompt_field`, the stages' --prompt-field): a string,
+               a list of strings (user turns) or a list of turns
+
+Two readings of the turns: stage 01 trains on finished conversations (`normalize`:
+user/assistant alternating, a trailing user turn trimmed); stage 00 answers them
+(`answer_slots`: an assistant turn after every user turn that has none). A record
+that cannot become a clean conversation raises `BadRecord` with a reason; the caller
+counts reasons, nothing is dropped silently, and `likely_fix` turns the most common
+reason into the one-line advice a stage prints when nothing usable is left. Bad bytes are bad records too: a line that is not UTF-8, an item of a JSON
 array holding such bytes, text with unpaired surrogates (the tokenizer would raise),
 and the point where a truncated or corrupt gzip stream stops are each one record
 with a reason and a line, never a traceback.
@@ -67,16 +80,34 @@ def iter_records(source: str, split: str = "train") -> Iterator[RawRecord]:
         check_local_files([source])
         yield from _iter_local(Path(source))
         return
+    for i, row in enumerate(_load_dataset(source, split)):
+        yield RawRecord(source, i + 1, row)
+
+
+def is_saved_dataset(source: str) -> bool:
+    """A folder written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (which
+    `datasets.load_dataset` refuses: it must be read with `load_from_disk`)."""
+    p = Path(source)
+    return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def _load_dataset(source: str, split: str):
     import datasets
 
+    if is_saved_dataset(source):
+        ds = datasets.load_from_disk(source)
+        if isinstance(ds, datasets.DatasetDict):
+            if split not in ds:
+                raise PipelineError(f"{source} (saved with save_to_disk) has no split {split!r}; its splits are "
+                                    f"{sorted(ds)}: pass one with --data-split.")
+            ds = ds[split]
+        return ds
     try:
-        ds = datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(source, split=split)
     except Exception as e:  # noqa: BLE001 -- any loader failure is the user's source, not our bug
         raise PipelineError(
             f"datasets.load_dataset({source!r}, split={split!r}) failed: {type(e).__name__}: {e}; check --data "
             f"and --data-split (local files must end in {', '.join(LOCAL_SUFFIXES)}).") from e
-    for i, row in enumerate(ds):
-        yield RawRecord(source, i + 1, row)
 
 
 def _iter_local(path: Path) -> Iterator[RawRecord]:
@@ -179,42 +210,157 @@ def _content_text(content: Any) -> str:
     raise BadRecord("empty_content" if content is None else "non_text_content", f"content {content!r:.60}")
 
 
-def normalize(record: Any) -> tuple[list[dict], bool]:
-    """Messages in `role`/`content` form, and whether a trailing user turn was trimmed.
+# Text fields read as a prompt when a record has no `messages` / `conversations` and the
+# caller names no field, in this order (the first one present is used).
+PROMPT_FIELDS = ("prompt", "instruction", "question", "turns")
+ALPACA_INPUT = "input"  # Alpaca's context for an `instruction`; appended to it
 
-    Rules: an optional leading system message, then user/assistant alternating,
-    starting with user. A trailing user turn (no reply) is trimmed and reported.
+
+def _field_turns(record: dict, name: str, value: Any) -> list[tuple[Any, str, str]]:
+    """A prompt field's turns as (turn, role key, text key): a string is one user turn, a
+    list of strings one user turn each, a list of turns (or `datasets` columns) a chat."""
+    if isinstance(value, str):
+        extra = record.get(ALPACA_INPUT) if name == "instruction" else None
+        if isinstance(extra, str) and extra.strip():
+            value = f"{value}\n\n{extra}"
+        return [({"role": "user", "content": value}, "role", "content")]
+    if isinstance(value, dict):
+        value = _turns_from_columns(value)
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return [({"role": "user", "content": v}, "role", "content") for v in value]
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return [(t, "role", "content") for t in value]
+    raise BadRecord("empty_content" if value in (None, [], "") else "non_text_content",
+                    f"`{name}` holds {value!r:.60}; expected a string, a list of strings or a list of turns")
+
+
+def _raw_turns(record: dict, prompt_field: str | None) -> list[tuple[Any, str, str]]:
+    if prompt_field is not None:
+        if record.get(prompt_field) is None:
+            raise BadRecord("no_prompt_field", f"no `{prompt_field}` (--prompt-field) in keys "
+                                               f"{sorted(map(str, record))[:8]}")
+        return _field_turns(record, prompt_field, record[prompt_field])
+    for key, role_key, text_key in (("messages", "role", "content"), ("conversations", "from", "value")):
+        turns = record.get(key)
+        if isinstance(turns, (list, dict)):
+            turns = _turns_from_columns(turns) if isinstance(turns, dict) else turns
+            return [(t, role_key, text_key) for t in turns]
+    for name in PROMPT_FIELDS:
+        if record.get(name) is not None:
+            return _field_turns(record, name, record[name])
+    raise BadRecord("no_messages", f"keys {sorted(map(str, record))[:8]}; expected `messages`, `conversations` or "
+                                   f"a prompt field ({', '.join(PROMPT_FIELDS)})")
+
+
+def record_turns(record: Any, prompt_field: str | None = None) -> list[dict]:
+    """The record's turns as `{"role", "content"}` messages, each checked (known role, text,
+    encodable, not empty), in the order given; the order of roles is the caller's rule.
+
+    `prompt_field` names the field to read (and only that one); by default `messages`,
+    `conversations`, then the first of PROMPT_FIELDS the record has.
     """
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
         raise BadRecord("not_an_object", f"got {type(record).__name__}")
-    if isinstance(record.get("messages"), (list, dict)):
-        turns, role_key, text_key = record["messages"], "role", "content"
-    elif isinstance(record.get("conversations"), (list, dict)):
-        turns, role_key, text_key = record["conversations"], "from", "value"
-    else:
-        raise BadRecord("no_messages", f"keys {sorted(map(str, record))[:8]}; expected `messages` or `conversations`")
-    if isinstance(turns, dict):
-        turns = _turns_from_columns(turns)
     messages = []
-    for t in turns:
+    for t, role_key, text_key in _raw_turns(record, prompt_field):
         m = chat_turn(t, role_key, text_key)
         m["content"] = _check_encodable(m["content"], m["role"])
         if not m["content"].strip():
             raise BadRecord("empty_content", f"empty {m['role']} turn")
         messages.append(m)
-    body = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    return messages
+
+
+def _check_alternating(body: list[dict]) -> None:
     for i, m in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
         if m["role"] != expected:
             raise BadRecord("non_alternating", f"turn {i + 1} is {m['role']}, expected {expected}")
+
+
+def _body(messages: list[dict]) -> list[dict]:
+    """The turns after an optional leading system message."""
+    return messages[1:] if messages and messages[0]["role"] == "system" else messages
+
+
+def normalize(record: Any) -> tuple[list[dict], bool]:
+    """A finished conversation to train on (stage 01): messages in `role`/`content` form, and
+    whether a trailing user turn was trimmed.
+
+    Rules: an optional leading system message, then user/assistant alternating,
+    starting with user. A trailing user turn (no reply) is trimmed and reported.
+    A record without an assistant turn (a prompt) is a bad record: stage 00 answers it.
+    """
+    messages = record_turns(record)
+    body = _body(messages)
+    _check_alternating(body)
     trimmed = bool(body) and body[-1]["role"] == "user"
     if trimmed:
         messages = messages[:-1]
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no_assistant_turn")
     return messages, trimmed
+
+
+def answer_slots(messages: list[dict]) -> tuple[list[dict], list[int]]:
+    """Stage 00's reading of a record's turns: the messages with an assistant turn after every
+    user turn, and the index of each assistant turn (all are generated, in order).
+
+    Two orders of roles are accepted after an optional leading system message:
+    user/assistant alternating (each assistant turn is regenerated; a trailing user turn
+    gets a new one after it), or user turns only (a prompt, or several: one new answer
+    after each). A new assistant turn's content is empty until it is generated.
+    """
+    body = _body(messages)
+    if not body or body[0]["role"] != "user":
+        raise BadRecord("no_user_turn" if not body else "non_alternating",
+                        "no user turn to answer" if not body else f"turn 1 is {body[0]['role']}, expected user")
+    if all(m["role"] == "user" for m in body):
+        out = messages[: len(messages) - len(body)]
+        for m in body:
+            out += [m, {"role": "assistant", "content": ""}]
+    else:
+        _check_alternating(body)
+        out = list(messages) + ([{"role": "assistant", "content": ""}] if body[-1]["role"] == "user" else [])
+    return out, [i for i, m in enumerate(out) if m["role"] == "assistant"]
+
+
+# Per bad-record reason: the likely fix, for the one line a stage prints when no record was
+# usable (and the warning when most were dropped). Stages add their own reasons' fixes.
+FIXES = {
+    "no_messages": "give each record `messages` (OpenAI), `conversations` (ShareGPT) or a prompt field ("
+                   + ", ".join(PROMPT_FIELDS) + "), or name the field holding the prompt with --prompt-field",
+    "no_prompt_field": "--prompt-field names a field these records do not have; check the field name",
+    "no_assistant_turn": "every record lacks an assistant turn: these are prompts, so let the target answer "
+                         "them first (`python 00_generate_responses.py --data FILE`, then this stage with "
+                         "--data generated)",
+    "no_user_turn": "the records hold no user turn to answer; pass prompts as a last user turn, or name the "
+                    "prompt's field with --prompt-field",
+    "non_alternating": "turns must alternate user/assistant after an optional system turn (or be user turns "
+                       "only, for stage 00)",
+    "unknown_role": "roles must be system, user/human or assistant/gpt",
+    "empty_content": "turns must hold non-empty text",
+    "non_text_content": "turns must hold text (or OpenAI text parts)",
+    "malformed_json": "the file must be JSON Lines (one object per line, .jsonl) or one JSON array (.json)",
+    "not_an_object": "each record must be a JSON object",
+    "invalid_utf8": "the file must be UTF-8 encoded",
+}
+
+
+def reasons_text(reasons: dict) -> str:
+    """`{'no_messages': 1200}` as `no_messages 1200`, most common first."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))) or "none"
+
+
+def likely_fix(reasons: dict, fixes: dict | None = None) -> str:
+    """The fix for the most common reason (`fixes` first, then FIXES), or a general hint."""
+    table = {**FIXES, **(fixes or {})}
+    for reason, _ in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        if reason in table:
+            return table[reason]
+    return "check the records' shape (README, stage 00 and stage 01 inputs)"
 
 
 def chat_turn(turn, role_key: str = "role", text_key: str = "content") -> dict[str, str]:

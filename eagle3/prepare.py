@@ -17,6 +17,11 @@ into the rendered template (`spliced_sample`), never its decoded text re-tokeniz
 the chat template switches stage 00 used (`chat_template_kwargs`) are used here too.
 The manifest counts how many of those turns re-tokenizing the decoded text would
 have changed (`generated_turns_reencode_differs`).
+
+Records that give no sample are counted by reason. No training sample at all stops the
+stage with one line (the input, the counts by reason, the likely fix: prompts without
+answers, for one, go through stage 00 first); more than half of the records dropped is
+a warning with the same counts.
 """
 from __future__ import annotations
 
@@ -33,7 +38,8 @@ import numpy as np
 from tqdm import tqdm
 
 from .atomic import atomic_path, save_numpy
-from .chats import BadRecord, RawRecord, check_local_files, iter_records, normalize, sample_id
+from .chats import (BadRecord, RawRecord, check_local_files, iter_records, likely_fix, normalize, reasons_text,
+                    sample_id)
 from .config import StageConfig, data_sources, identity_params, param
 from .errors import PipelineError
 from .loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
@@ -46,6 +52,19 @@ from .workdir import SPLITS, WorkDir
 log = logging.getLogger(__name__)
 
 GENERATED = "generated"  # `--data generated`: stage 00's output in this work directory
+
+# Stage 01's own reasons for a record that yields no sample (chats.FIXES has the rest).
+FIXES = {
+    "no_messages": "give each record `messages` (OpenAI) or `conversations` (ShareGPT) with assistant turns; a "
+                   "file of prompts goes through `python 00_generate_responses.py --data FILE` first (its "
+                   "--prompt-field names the prompt's field), then this stage with --data generated",
+    "no_assistant_tokens_within_max_length": "the assistant turns start past --max-length: raise --max-length",
+    "template_not_prefix_stable": "the chat template rewrites earlier turns, so stage 00's answers after the "
+                                  "first cannot be placed token-exact: give stage 00 single-turn records",
+    "prompt_too_long": "stage 00 could not answer these (see its summary line): raise its --max-model-len",
+    "empty_answer": "stage 00's target answered with nothing (see its summary line): check its chat template "
+                    "and --chat-template-kwargs",
+}
 
 
 @dataclass(kw_only=True)
@@ -286,11 +305,29 @@ def tokenize_and_split(cfg: PrepareConfig, records: list[RawRecord], vocab_size:
             raise PipelineError(f"{raw.where}: token id {int(out.input_ids.max())} >= vocab_size {vocab_size}.")
         tally.add(out)
         split["eval" if is_eval(out.sample_id, cfg.seed, cfg.eval_fraction) else "train"].append(out)
-    if not split["train"]:
-        raise PipelineError(
-            f"no usable training sample in {cfg.data} (bad records: {dict(tally.bad) or 'none'}); "
-            f"check the data format (ShareGPT `conversations` or OpenAI `messages`).")
+    refuse_or_warn_dropped(cfg, len(records), split, tally)
     return split, tally
+
+
+def refuse_or_warn_dropped(cfg: PrepareConfig, n: int, split: dict[str, list[PreparedSample]], t: Tally) -> None:
+    """No training sample is an error, more than half of the records dropped a warning: one
+    line naming the input, the counts by reason and the likely fix."""
+    source = f"stage 00's output ({WorkDir(cfg.work_dir).generate_chunks()})" if cfg.data == [GENERATED] \
+        else ", ".join(cfg.data)
+    usable = len(split["train"]) + len(split["eval"])
+    counts = f"{n} records, {usable} usable, bad records: {reasons_text(t.bad)}"
+    if not split["train"]:
+        if not n:
+            fix = "the input holds no record: check --data"
+        elif usable:
+            fix = (f"every usable sample fell in the held-out split (--eval-fraction {cfg.eval_fraction}): lower "
+                   f"--eval-fraction or add records")
+        else:
+            fix = likely_fix(t.bad, FIXES)
+        raise PipelineError(f"stage 01: no training sample from {source}: {counts}; {fix}.")
+    if usable * 2 < n:
+        log.warning("stage 01: only %d of %d records from %s are usable (%s); %s", usable, n, source, counts,
+                    likely_fix(t.bad, FIXES))
 
 
 def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]], vocab_size: int,

@@ -159,3 +159,121 @@ def test_stage01_counts_bad_bytes_and_strict_names_file_and_line(tmp_path, tiny_
         prepare_dataset(PrepareConfig(work_dir=tmp_path / "w2", target_model=str(tiny_llama), data=[str(f)],
                                       strict=True, num_workers=1))
     assert not (tmp_path / "w2" / "01_dataset" / "manifest.json").exists()
+
+
+# -- prompt shapes: what stage 00 answers (record_turns + answer_slots) ---------------------
+
+def U(text):
+    return {"role": "user", "content": text}
+
+
+def A(text):
+    return {"role": "assistant", "content": text}
+
+
+SYSTEM = {"role": "system", "content": "Be brief."}
+SLOT = A("")  # an assistant turn stage 00 generates
+
+
+def slots(record, prompt_field=None):
+    from eagle3.chats import answer_slots, record_turns
+
+    return answer_slots(record_turns(record, prompt_field))
+
+
+def test_a_single_user_turn_gets_one_answer_after_it():
+    assert slots({"messages": [U("Hi, how are you doing?")]}) == ([U("Hi, how are you doing?"), SLOT], [1])
+    assert slots({"conversations": [{"from": "human", "value": "Hi"}]}) == ([U("Hi"), SLOT], [1])
+
+
+def test_several_user_turns_get_one_answer_after_each_in_order_and_system_turns_stay():
+    messages, turns = slots({"messages": [SYSTEM, U("a"), U("b"), U("c")]})
+    assert messages == [SYSTEM, U("a"), SLOT, U("b"), SLOT, U("c"), SLOT] and turns == [2, 4, 6]
+
+
+def test_a_chat_ending_on_a_user_turn_is_regenerated_and_gets_a_new_last_answer():
+    messages, turns = slots({"messages": [SYSTEM, U("a"), A("x"), U("b")]})
+    assert messages == [SYSTEM, U("a"), A("x"), U("b"), SLOT] and turns == [2, 4]
+    # A finished chat: every assistant turn is regenerated, nothing is added.
+    assert slots({"messages": [U("a"), A("x")]}) == ([U("a"), A("x")], [1])
+
+
+@pytest.mark.parametrize("record, reason", [
+    ({"messages": [U("a"), A("x"), U("b"), U("c")]}, "non_alternating"),  # answered and unanswered mixed
+    ({"messages": [A("x"), U("a")]}, "non_alternating"),
+    ({"messages": [SYSTEM]}, "no_user_turn"),
+    ({"messages": []}, "no_user_turn"),
+    ({"text": "plain"}, "no_messages"),
+    ({"prompt": "   "}, "empty_content"),
+    ({"turns": ["a", ""]}, "empty_content"),
+    ({"prompt": 7}, "non_text_content"),
+])
+def test_records_that_cannot_be_answered_name_their_reason(record, reason):
+    with pytest.raises(BadRecord) as e:
+        slots(record)
+    assert e.value.reason == reason
+
+
+def test_prompt_fields_instruction_question_and_mt_bench_turns():
+    assert slots({"prompt": "Hi", "id": 3}) == ([U("Hi"), SLOT], [1])
+    assert slots({"question": "Why is the sky blue?", "answer": "Rayleigh"}) == ([U("Why is the sky blue?"), SLOT],
+                                                                                 [1])
+    # Alpaca: the `input` is the instruction's context; an empty one adds nothing.
+    assert slots({"instruction": "Summarize.", "input": "Cats purr.", "output": "x"})[0][0] == U("Summarize.\n\nCats purr.")
+    assert slots({"instruction": "Say hi.", "input": ""})[0][0] == U("Say hi.")
+    messages, turns = slots({"turns": ["Write a poem.", "Shorter, please."], "category": "writing"})
+    assert messages == [U("Write a poem."), SLOT, U("Shorter, please."), SLOT] and turns == [1, 3]
+    # `messages` comes first when a record has both (UltraChat has `prompt` and `messages`).
+    both = {"prompt": "first only", "messages": [U("first only"), A("x"), U("then")]}
+    assert slots(both)[1] == [1, 3]
+
+
+def test_prompt_field_names_the_one_field_read():
+    rec = {"prompt": "first only", "messages": [U("first only"), A("x"), U("then")], "text": "Hello?"}
+    assert slots(rec, "prompt") == ([U("first only"), SLOT], [1])  # the named field wins over `messages`
+    assert slots(rec, "text") == ([U("Hello?"), SLOT], [1])
+    assert slots({"qs": ["a", "b"]}, "qs")[1] == [1, 3]
+    chat = {"conversation": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "x"}]}
+    assert slots(chat, "conversation") == ([U("a"), A("x")], [1])
+    with pytest.raises(BadRecord) as e:
+        slots({"prompt": "Hi"}, "text")
+    assert e.value.reason == "no_prompt_field" and "`text` (--prompt-field)" in e.value.detail
+
+
+def test_stage01_reads_a_prompt_as_a_record_without_an_answer():
+    with pytest.raises(BadRecord) as e:
+        normalize({"prompt": "Hi"})
+    assert e.value.reason == "no_assistant_turn"
+
+
+def test_datasets_folders_saved_to_disk_and_parquet_give_the_same_prompts(tmp_path):
+    import datasets
+
+    from eagle3.chats import record_turns
+
+    rows = [{"instruction": "Say hi.", "input": "", "turns": ["t1", "t2"]},
+            {"instruction": "Add.", "input": "2 + 2", "turns": ["u1", "u2"]}]
+    ds = datasets.Dataset.from_list(rows)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "saved_dict"))
+    (tmp_path / "pq").mkdir()
+    ds.to_parquet(str(tmp_path / "pq" / "train.parquet"))
+    expected = [[U("Say hi.")], [U("Add.\n\n2 + 2")]]
+    for source in ("saved", "saved_dict", "pq"):
+        raws = list(iter_records(str(tmp_path / source)))
+        assert [r.line for r in raws] == [1, 2]
+        assert [record_turns(r.record) for r in raws] == expected  # `instruction` before `turns`
+        assert [record_turns(r.record, "turns") for r in raws] == [[U("t1"), U("t2")], [U("u1"), U("u2")]]
+    assert len(list(iter_records(str(tmp_path / "saved_dict"), "test"))) == 1
+    with pytest.raises(PipelineError, match=r"no split 'validation'; its splits are \['test', 'train'\]"):
+        list(iter_records(str(tmp_path / "saved_dict"), "validation"))
+
+
+def test_likely_fix_names_the_most_common_reason():
+    from eagle3.chats import likely_fix, reasons_text
+
+    assert reasons_text({"unknown_role": 2, "no_messages": 5}) == "no_messages 5, unknown_role 2"
+    assert reasons_text({}) == "none"
+    assert "--prompt-field" in likely_fix({"unknown_role": 2, "no_messages": 5})
+    assert "00_generate_responses.py" in likely_fix({"no_assistant_turn": 9})
+    assert likely_fix({"odd": 1}, {"odd": "do this"}) == "do this"

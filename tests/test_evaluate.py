@@ -1,8 +1,9 @@
-"""Stage 06 without an engine: prompts from stage 01, the figures and the break-even
-formula on fabricated engine results, the untrained baseline drafter, the training-time
-expectation, the errors, and the package's steps (run figures, engine shutdown, plot).
-(tests/test_pipeline_e2e.py serves real engines.) About 20 s on 2 cores, 7 s of it one
-test that imports vLLM without starting an engine."""
+"""Stage 06: prompts from stage 01 and from prompt sets of every shape, the figures and the
+break-even formula on fabricated engine results, the untrained baseline drafter, the
+training-time expectation, the layers each engine captures, the errors, and the
+package's steps (run figures, engine shutdown, plot). One test serves a real engine: a
+drafter from elsewhere measured on a new work directory (~50 s, one engine start);
+tests/test_pipeline_e2e.py serves the pipeline's own. About 75 s on 2 cores."""
 from __future__ import annotations
 
 import json
@@ -82,7 +83,7 @@ def test_prompt_file_renders_with_the_chat_template_and_keeps_categories(tmp_pat
         {"conversations": [{"from": "human", "value": "Count from 1 to 3."}], "category": "count"},
         {"prompt": ["Name a color.", "Now another one."], "category": "math"},  # MT-Bench turns: the first
     ])
-    prompts, info = file_prompts(str(f), "test", tok, "prompt", "category", None, max_prompt_len=10_000)
+    prompts, info = file_prompts(str(f), "test", tok, None, "category", None, max_prompt_len=10_000)
     assert [p.category for p in prompts] == ["math", "spell", "count", "math"]
     assert prompts[0].prompt_ids == render(tok, [{"role": "user", "content": "What is 6 times 7?"}],
                                            add_generation_prompt=True)
@@ -97,10 +98,10 @@ def test_prompt_file_renders_with_the_chat_template_and_keeps_categories(tmp_pat
     # A JSON list holds the same records; --num-prompts takes the first ones.
     g = tmp_path / "p.json"
     g.write_text(json.dumps([json.loads(line) for line in f.read_text().splitlines()]))
-    few, info = file_prompts(str(g), "test", tok, "prompt", None, 2, max_prompt_len=10_000)
+    few, info = file_prompts(str(g), "test", tok, None, None, 2, max_prompt_len=10_000)
     assert [p.prompt_ids for p in few] == [p.prompt_ids for p in prompts[:2]] and few[0].category is None
     short = len(prompts[0].prompt_ids)
-    _, info = file_prompts(str(f), "test", tok, "prompt", None, None, max_prompt_len=short)
+    _, info = file_prompts(str(f), "test", tok, None, None, None, max_prompt_len=short)
     longer = sum(len(p.prompt_ids) > short for p in prompts)
     assert longer >= 1 and info["skipped_too_long"] == longer and info["count"] == 4 - longer
 
@@ -122,7 +123,38 @@ def test_prompt_file_errors_name_the_record_and_the_flag(tmp_path, tiny_llama):
         file_prompts(str(tmp_path / "missing.jsonl"), "test", tok, "prompt", None, None, 10_000)
     only_answers = write_jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "assistant", "content": "x"}]}])
     with pytest.raises(PipelineError, match="no_user_turn"):
-        file_prompts(str(only_answers), "test", tok, "prompt", None, None, 10_000)
+        file_prompts(str(only_answers), "test", tok, None, None, None, 10_000)
+
+
+def test_prompt_sets_in_stage_00_shapes_give_their_first_unanswered_turn(tmp_path, tiny_llama):
+    """The shapes stage 00 reads are stage 06's too; user turns without answers between them
+    (the demo's prompt files, MT-Bench `turns`) give their first turn, system kept."""
+    from transformers import AutoTokenizer
+
+    from eagle3.loss_mask import render
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama))
+    system = {"role": "system", "content": "Be brief."}
+    f = write_jsonl(tmp_path / "p.jsonl", [
+        {"instruction": "Summarize.", "input": "Cats purr."},
+        {"question": "Why?"},
+        {"turns": ["First.", "Second."]},
+        {"messages": [system, {"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
+    ])
+    prompts, _ = file_prompts(str(f), "test", tok, None, None, None, 10_000)
+    firsts = [[{"role": "user", "content": "Summarize.\n\nCats purr."}], [{"role": "user", "content": "Why?"}],
+              [{"role": "user", "content": "First."}], [system, {"role": "user", "content": "a"}]]
+    assert [p.prompt_ids for p in prompts] == [render(tok, m, add_generation_prompt=True) for m in firsts]
+    assert [p.turn for p in prompts] == [0, 0, 0, 0]
+    f.write_text(json.dumps({"text": "named", "prompt": "not this"}) + "\n")
+    (named,), _ = file_prompts(str(f), "test", tok, "text", None, None, 10_000)
+    f.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"text": "unnamed"}) + "\n")
+    with pytest.raises(PipelineError, match=r"p.jsonl:2: no_messages: .*--prompt-field"):
+        file_prompts(str(f), "test", tok, None, None, None, 10_000)
+    assert named.prompt_ids == render(tok, [{"role": "user", "content": "named"}], add_generation_prompt=True)
+    held_out = file_prompts(str(ROOT / "data" / "demo_prompts_heldout.jsonl"), "test", tok, None, "category",
+                            None, 10_000)[0]
+    assert len(held_out) == 60 and len(categories(held_out)) == 6
 
 
 def test_timing_subset_round_robins_over_categories():
@@ -371,6 +403,56 @@ def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama
     assert "plain engine run failed (exit status 3)" in msg and "engine exploded" in msg
     assert str(WorkDir(work).stage_dir("evaluate") / "logs" / "plain.log") in msg
     assert not WorkDir(work).manifest("evaluate").exists()  # nothing looks complete
+
+
+def test_layer_capture_names_each_engines_layers_and_flags_a_mismatch(tmp_path, tiny_llama, caplog):
+    from eagle3.evaluate.run import _log_capture, capture_lines, layer_capture
+    from eagle3.target import read_target_info
+
+    info = read_target_info(str(tiny_llama))
+    cfg = json.loads((write_drafter(tmp_path / "d") / CONFIG_NAME).read_text())
+    ours = layer_capture(cfg, info)
+    assert ours["trained"] == [2, 4, 5] and set(ours["captured"]) == {"vllm", "vllm-v2", "sglang"}
+    assert all(ids == [2, 4, 5] for ids in ours["captured"].values())
+    assert not any("NOT the trained" in line for line in capture_lines(ours))
+    # A config written for SGLang only (nested ids): vLLM's V1 runner reads them as they are,
+    # its V2 runner falls back to [2, N//2, N-3]; both differ from the layers SGLang feeds.
+    sglang_only = {k: v for k, v in cfg.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    sglang_only["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [2, 3, 4]}
+    theirs = layer_capture(sglang_only, info)
+    assert theirs["trained"] == [3, 4, 5] and theirs["captured"] == {"vllm": [2, 3, 4], "vllm-v2": [2, 4, 5],
+                                                                     "sglang": [3, 4, 5]}
+    lines = capture_lines(theirs)
+    assert sum("NOT the trained layers" in line for line in lines) == 2 and "8-layer target" in lines[0]
+    with caplog.at_level("INFO"):
+        _log_capture(theirs, tmp_path / "d")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "vllm [2, 3, 4], vllm-v2 [2, 4, 5], trained [3, 4, 5]" in warning and "diagnose inspect" in warning
+
+
+def test_any_drafter_is_measured_on_a_new_work_dir(tmp_path, tiny_llama):
+    """A drafter from elsewhere (as a published one), prompts, a work dir where no stage ran:
+    stage 06 serves it (one engine: a sampled pass only, no untrained floor, no timing),
+    logs the layers each engine captures, and writes only 06_evaluate/."""
+    drafter = write_drafter(tmp_path / "published")
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "What is 6 times 7?"}, {"question": "Why is the sky blue?"},
+                                                 {"turns": ["Name a color.", "Another?"]},
+                                                 {"messages": [{"role": "user", "content": "Spell cat."}]}])
+    work = tmp_path / "new"
+    p = subprocess.run([sys.executable, str(ROOT / "06_evaluate_drafter.py"), "--target-model", str(tiny_llama),
+                        "--drafter-dir", str(drafter), "--prompts", str(prompts), "--work-dir", str(work),
+                        "--temperature", "0.7", "--timing-prompts", "0", "--no-baseline-untrained",
+                        "--max-new-tokens", "8"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "the drafter was trained on target layers [2, 4, 5]" in p.stderr
+    assert "vLLM V1 runner" in p.stderr and "vLLM V2 runner" in p.stderr and "SGLang: [2, 4, 5]" in p.stderr
+    assert "untrained drafter" not in p.stderr and "training-time expected" not in p.stderr  # nothing to say
+    assert sorted(x.name for x in work.iterdir()) == ["06_evaluate"]
+    r = json.loads(WorkDir(work).evaluate_results().read_text())
+    assert r["prompts"]["count"] == 4 and r["acceptance"][0]["temperature"] == 0.7
+    assert r["acceptance_length"] >= 1.0 and r["untrained_acceptance_length"] is None
+    assert r["settings"]["aux_layers"]["captured"]["vllm"] == [2, 4, 5]
+    assert r["expected_accept_length_training"]["value"] is None
 
 
 def test_script_reports_bad_input_in_one_line(tmp_path, tiny_llama):

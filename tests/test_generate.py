@@ -1,6 +1,8 @@
-"""Stage 00 (regenerate assistant turns with the target), eagle3/generate/.
+"""Stage 00 (the target answers the inputs: assistant turns regenerated, prompts answered),
+eagle3/generate/.
 
-The first tests drive the turn logic with a scripted engine (no vLLM, milliseconds).
+The first tests drive the turn logic and the empty-result refusals with a scripted
+engine (no vLLM, milliseconds to seconds).
 The rest run the stage on vLLM's CPU build with the tiny Llama target and one engine
 shared by the whole module (one start, ~30 s); each run resets its prefix cache, so a
 run sees the engine as a fresh one would. float32 keeps greedy decoding exactly
@@ -24,6 +26,7 @@ from eagle3.loss_mask import assistant_suffix
 from eagle3.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = {"role": "system", "content": "You are a concise assistant."}
 N_CHATS = 20  # 17 multi-turn among the first 20 demo chats (2 or 3 assistant turns)
 MAX_NEW = 10
 CHUNK = 8
@@ -126,6 +129,99 @@ def test_empty_answers_and_long_prompts_are_counted_by_reason(tok):
     assert long_.stopped == PROMPT_TOO_LONG and long_.record()["dropped"] == PROMPT_TOO_LONG
 
 
+def test_prompts_get_one_answer_per_user_turn_each_conditioned_on_the_answers_before(tok):
+    from eagle3.generate.run import chunk_counts
+    from eagle3.loss_mask import render
+
+    t = turns_of(tok)
+    eot = t.suffix[0]
+    eng = Scripted(lambda p: Generation(tok.encode(f"Answer {len(p)}.", add_special_tokens=False) + [eot], "stop"))
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    records = [{"messages": [user("Hi, how are you doing?")]},                   # one user turn
+               {"messages": [SYSTEM, user("Name a color."), user("Another one?")]},  # system first, two turns
+               {"turns": ["Write a poem.", "Shorter.", "In French."]},          # MT-Bench
+               {"question": "Why is the sky blue?"},
+               {"messages": [user("a"), {"role": "assistant", "content": "x"}, user("b")]}]  # ends on a user turn
+    convs = convs_of(records)
+    regenerate(convs, eng, t, max_new_tokens=MAX_NEW, seed=0)
+    assert [len(c.answers) for c in convs] == [1, 2, 3, 1, 2]
+    assert [len(call) for call in eng.calls] == [5, 3, 1]  # round r: turn r of every conversation that has one
+    # Turn 0's prompt is the record's turns up to its first user turn, system kept.
+    assert eng.calls[0][1] == render(tok, [SYSTEM, user("Name a color.")], add_generation_prompt=True)
+    for c in convs:
+        for j in range(1, len(c.turns)):
+            before, now = _prompt_of(c, t, j - 1), _prompt_of(c, t, j)
+            assert now in eng.calls[j] and now[:len(before)] == before
+            assert now[len(before):len(before) + len(c.answers[j - 1].ids)] == c.answers[j - 1].ids
+    lines = [c.record() for c in convs]
+    assert [m["role"] for m in lines[1]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in lines[2]["messages"][::2]] == ["Write a poem.", "Shorter.", "In French."]
+    assert all(m["content"].startswith("Answer ") for ln in lines for m in ln["messages"]
+               if m["role"] == "assistant" and m["content"] != "x") and lines[4]["messages"][1]["content"] != "x"
+    c = chunk_counts(lines)
+    assert c["conversations"] == 5 and c["turns_regenerated"] == 9 and c["new_turns"] == 8  # 1 regenerated
+
+
+def test_prompt_field_and_bad_records_in_from_raw():
+    (named,) = convs_of([{"text": "Hello?", "prompt": "ignored"}])
+    assert named.messages[0]["content"] == "ignored"  # `prompt` is a default field
+    named = from_raw(RawRecord("p.jsonl", 1, {"text": "Hello?", "prompt": "ignored"}), prompt_field="text")
+    assert named.messages == [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": ""}]
+    bad = from_raw(RawRecord("p.jsonl", 2, {"body": "x"}), prompt_field="text")
+    assert bad["bad"] == "no_prompt_field" and bad["sample_id"] == "p.jsonl:2"
+
+
+def _gen(tmp_path, target, data, **kw) -> GenerateConfig:
+    return GenerateConfig(work_dir=tmp_path / "w", target_model=str(target), data=[str(data)],
+                          max_new_tokens=MAX_NEW, chunk_size=CHUNK, **kw)
+
+
+def test_no_conversation_to_answer_stops_before_an_engine_starts(tmp_path, tiny_llama):
+    from eagle3.errors import PipelineError
+    from eagle3.generate.run import generate_responses
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"text": f"opener {i}"}) + "\n" for i in range(5)) + "{oops\n")
+    eng = Scripted(lambda p: Generation([1], "stop"))
+    with pytest.raises(PipelineError) as e:
+        generate_responses(_gen(tmp_path, tiny_llama, data), engine=eng)
+    msg = str(e.value)
+    assert "\n" not in msg and str(data) in msg and "6 records" in msg
+    assert "no_messages 5, malformed_json 1" in msg and "--prompt-field" in msg
+    assert eng.calls == [] and not (tmp_path / "w" / "00_generate").exists()
+    # The same file with its field named: every record answered.
+    m = generate_responses(_gen(tmp_path, tiny_llama, data, prompt_field="text"),
+                           engine=Scripted(lambda p: Generation([5, 6, 7], "length")))
+    assert m.counts["conversations"] == m.counts["new_turns"] == 5 and m.counts["bad_records"] == {"malformed_json": 1}
+
+
+def test_nothing_left_after_generation_is_an_error_and_most_dropped_a_warning(tmp_path, tiny_llama, tok, caplog):
+    from eagle3.errors import PipelineError
+    from eagle3.generate.run import generate_responses
+
+    eot = turns_of(tok).suffix[0]
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"opener {i}"}) + "\n" for i in range(4)))
+    with pytest.raises(PipelineError) as e:  # the target answers nothing but its stop token
+        generate_responses(_gen(tmp_path, tiny_llama, data), engine=Scripted(lambda p: Generation([eot], "stop")))
+    msg = str(e.value)
+    assert "no conversation left" in msg and "4 records" in msg and "empty_answer 4" in msg
+    assert "--chat-template-kwargs" in msg and "\n" not in msg
+    assert not WorkDir(tmp_path / "w").manifest("generate").exists()  # stage 01 cannot take it for a result
+    # One answer of four: a manifest, and a warning with the same counts.
+    first = {}
+
+    def one(p):
+        first.setdefault("prompt", list(p))
+        return Generation(tok.encode("Fine.", add_special_tokens=False) + [eot] if list(p) == first["prompt"]
+                          else [eot], "stop")
+
+    m = generate_responses(_gen(tmp_path, tiny_llama, data, force=True), engine=Scripted(one))
+    assert m.counts["conversations"] == 1 and m.counts["dropped_conversations"] == {"empty_answer": 3}
+    assert any("only 1 of 4 records became conversations" in r.getMessage() and "empty_answer 3" in r.getMessage()
+               for r in caplog.records if r.levelname == "WARNING")
+
+
 def test_request_seed_depends_on_seed_sample_and_turn_only():
     a = request_seed(0, "chats.jsonl:3", 1)
     assert a == request_seed(0, "chats.jsonl:3", 1)
@@ -182,7 +278,8 @@ def chats(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("gen-data") / "chats.jsonl"
     lines = [json.dumps(r) for r in demo_records(N_CHATS)]
     lines += ['{"messages": [', json.dumps({"messages": [{"role": "robot", "content": "beep"}]}),
-              json.dumps({"messages": [{"role": "user", "content": "Hi"}]}),
+              json.dumps({"messages": [SYSTEM, {"role": "user", "content": "Hi"},  # a prompt of two user turns
+                                       {"role": "user", "content": "How are you?"}]}),
               json.dumps({"messages": [{"role": "user", "content": "tell me " * 200},
                                        {"role": "assistant", "content": "ok"}]})]
     path.write_text("\n".join(lines) + "\n")
@@ -216,12 +313,13 @@ def unbroken(engine, tiny_llama, chats, tmp_path_factory) -> Path:
 def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
     m = json.loads(WorkDir(unbroken).manifest("generate").read_text())
     c = m["counts"]
-    assert c["records"] == N_CHATS + 4 and c["conversations"] == N_CHATS
-    assert c["bad_records"] == {"malformed_json": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    assert c["records"] == N_CHATS + 4 and c["conversations"] == N_CHATS + 1
+    assert c["bad_records"] == {"malformed_json": 1, "unknown_role": 1}
     assert c["dropped_conversations"] == {"prompt_too_long": 1}
     n_turns = sum(len(c.turns) for c in convs_of(demo_records(N_CHATS)))
     assert c["stopped_early"] == {}
-    assert c["turns_regenerated"] == n_turns  # every assistant turn of every good chat
+    # every assistant turn of every good chat, and one answer after each user turn of the prompt
+    assert c["turns_regenerated"] == n_turns + 2 and c["new_turns"] == 2
     lines = lines_of(unbroken)
     assert len(lines) == N_CHATS + 4  # one line per input record, in input order
     assert [ln["sample_id"].split(":")[1] for ln in lines] == [str(i) for i in range(1, N_CHATS + 5)]
@@ -237,8 +335,7 @@ def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_befor
     m = prepare_dataset(PrepareConfig(work_dir=unbroken, target_model=str(tiny_llama), data=["generated"],
                                       max_length=512, eval_fraction=0.0, num_workers=1))
     assert m.extra["data_from"] == "00_generate"
-    assert m.counts["bad_records"] == {"malformed_json": 1, "no_assistant_turn": 1, "prompt_too_long": 1,
-                                       "unknown_role": 1}
+    assert m.counts["bad_records"] == {"malformed_json": 1, "prompt_too_long": 1, "unknown_role": 1}
     ds = load_split(WorkDir(unbroken).dataset("train"))
     rows = {r["sample_id"]: r for r in ds}
     lines = [ln for ln in lines_of(unbroken) if "generated" in ln]
@@ -262,6 +359,35 @@ def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_befor
             (out,) = eng.generate([Req(ids[:a].tolist(), MAX_NEW, 0)])
             assert out.ids == ln["generated"][-1]["ids"]
     assert multi == 4
+
+
+def test_prompt_shapes_go_through_stages_00_and_01_every_conversation_answered(engine, tiny_llama, tmp_path):
+    """Prompts without answers, from a `datasets` folder (save_to_disk, `instruction`) and from
+    a JSONL file whose field --prompt-field names: each gets the target's answer in stage 00,
+    and each answer is one training sample of stage 01, masked token for token."""
+    import datasets
+
+    from eagle3.generate.run import generate_responses
+    from eagle3.prepare import PrepareConfig, load_split, prepare_dataset
+
+    openers = [f"Hi, how is your day {i}?" for i in range(6)]
+    folder = tmp_path / "saved"
+    datasets.Dataset.from_list([{"instruction": o, "input": ""} for o in openers]).save_to_disk(str(folder))
+    jsonl = tmp_path / "openers.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "opener": o}) + "\n" for i, o in enumerate(openers)))
+    for name, data, field in (("saved", folder, None), ("field", jsonl, "opener")):
+        wd = tmp_path / f"work-{name}"
+        m0 = generate_responses(gen_cfg(wd, tiny_llama, data, prompt_field=field), engine=Counting(engine))
+        c = m0.counts
+        assert c["records"] == c["conversations"] == c["new_turns"] == c["turns_regenerated"] == len(openers)
+        assert c["bad_records"] == c["dropped_conversations"] == {}
+        m1 = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=["generated"],
+                                           max_length=512, eval_fraction=0.0, num_workers=1))
+        assert m1.counts["train_samples"] == len(openers) and m1.counts["bad_records"] == {}
+        generated = {ln["sample_id"]: ln["generated"][0]["ids"] for ln in lines_of(wd)}
+        for row in load_split(WorkDir(wd).dataset("train")):
+            ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"])
+            assert ids[mask.astype(bool)].tolist() == generated[row["sample_id"]]
 
 
 def test_engine_returns_the_stop_token_with_the_answer(engine, tiny_llama):

@@ -121,3 +121,35 @@ def test_data_generated_needs_a_complete_stage00_and_cannot_be_mixed(tmp_path, t
     with pytest.raises(PipelineError, match="cannot be mixed"):
         prepare_dataset(PrepareConfig(work_dir=tmp_path, target_model=str(tiny_llama),
                                       data=["generated", "chats.jsonl"], num_workers=1))
+
+
+def test_no_training_sample_is_one_line_with_the_counts_and_the_fix(tmp_path, tiny_llama):
+    prompts = [{"messages": [{"role": "user", "content": f"Hi, how are you doing {i}?"}]} for i in range(30)]
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompts + [BAD["unknown_role"]], raw_lines=["{not json"])
+    cfg = dict(work_dir=tmp_path / "w", target_model=str(tiny_llama), num_workers=1)
+    with pytest.raises(PipelineError) as e:
+        prepare_dataset(PrepareConfig(**cfg, data=[str(data)]))
+    msg = str(e.value)
+    assert "\n" not in msg and str(data) in msg and "32 records, 0 usable" in msg
+    assert "no_assistant_turn 30, malformed_json 1, unknown_role 1" in msg
+    assert "these are prompts" in msg and "00_generate_responses.py" in msg  # the most common reason's fix
+    assert not (tmp_path / "w" / "01_dataset" / "manifest.json").exists()
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    with pytest.raises(PipelineError, match=r"0 records, 0 usable.*the input holds no record: check --data"):
+        prepare_dataset(PrepareConfig(**cfg, data=[str(empty)]))
+    # Usable samples that all fall in the held-out split are not a training set either.
+    seed = next(s for s in range(100) if is_eval("one.jsonl:1", s, 0.5))
+    one = write_jsonl(tmp_path / "one.jsonl", [GOOD_OPENAI])
+    with pytest.raises(PipelineError, match=r"1 records, 1 usable.*every usable sample fell in the held-out split "
+                                            r"\(--eval-fraction 0.5\)"):
+        prepare_dataset(PrepareConfig(**cfg, data=[str(one)], eval_fraction=0.5, seed=seed))
+
+
+def test_dropping_most_records_warns_with_the_counts(tmp_path, tiny_llama, caplog):
+    data = write_jsonl(tmp_path / "mixed.jsonl", [GOOD_OPENAI] * 2 + [{"prompt": "Hi"}] * 3)
+    with caplog.at_level("WARNING"):
+        m = prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)],
+                                          eval_fraction=0.0, num_workers=1))
+    assert m.counts["train_samples"] == 2
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "only 2 of 5 records" in line and "no_assistant_turn 3" in line and "00_generate_responses.py" in line

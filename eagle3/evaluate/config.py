@@ -15,18 +15,20 @@ from ..errors import PipelineError
 
 @dataclass(kw_only=True)
 class EvaluateConfig(StageConfig):
-    work_dir: Path = param(help="work directory (stage 05 must have run in it, and stage 01 unless --prompts)")
+    work_dir: Path = param(help="work directory (stage 05 must have run in it, and stage 01 unless --prompts; with "
+                                "--drafter-dir and --prompts any folder, even a new one)")
     target_model: str = param(help="target model folder or hub id to serve (the one stage 02 extracted from)")
     drafter_dir: Path | None = param(None, help="drafter folder to measure (default: stage 05's export)")
     num_speculative_tokens: int = param(3, min=1, help="K: tokens the drafter proposes per step")
     # -- what is asked ------------------------------------------------------------------------
     prompts: str | None = param(None, help="prompt set: a local .json/.jsonl file (OpenAI `messages`, ShareGPT "
-                                           "`conversations`, or a text column, see --prompt-field) or a datasets "
-                                           "id (see --prompts-split); default: every assistant turn of stage 01's "
-                                           "eval split")
+                                           "`conversations`, a `prompt` / `instruction` / `question` field, MT-Bench "
+                                           "`turns`, or see --prompt-field) or a datasets id (see --prompts-split); "
+                                           "default: every assistant turn of stage 01's eval split")
     prompts_split: str = param("test", help="split of a datasets id given with --prompts")
-    prompt_field: str = param("prompt", help="text column of --prompts records that have no `messages` (e.g. "
-                                             "`question` for GSM8K; a list of turns uses the first)")
+    prompt_field: str | None = param(None, help="the field of --prompts records holding the prompt, read instead "
+                                                "of any other (default: messages, conversations, prompt, "
+                                                "instruction, question, turns; a list of user turns uses the first)")
     category_field: str | None = param(None, help="column of --prompts records that groups them (e.g. `category` "
                                                   "for MT-Bench); acceptance is reported per group")
     num_prompts: int | None = param(None, min=1, help="serve only the first N prompts (None: all); acceptance is "

@@ -5,15 +5,16 @@ Two sources:
 - stage 01's eval split (the default): each assistant turn's context, already
   tokenized by stage 01 (`held_out_prompts`). The dataset's answer comes along, for
   the teacher check (how often the target's greedy answer is the dataset's).
-- a prompt file or a `datasets` id (`file_prompts`): JSON / JSONL records, each either
-  a conversation in OpenAI (`messages` of `role`/`content`) or ShareGPT
-  (`conversations` of `from`/`value`) shape, or a plain text column (`--prompt-field`,
-  default `prompt`; `question` for GSM8K). A conversation is the prompt up to its last
-  user turn; trailing assistant turns (a reference answer) are dropped. A text column
-  holding a list of turns (MT-Bench's `turns`) uses the first turn: later turns need
-  the target's own earlier answer. Each prompt is rendered with the target's chat
-  template, generation prompt included. `--category-field` names a column whose value
-  groups the prompts (MT-Bench's `category`); acceptance is then reported per group.
+- a prompt file or a `datasets` id (`file_prompts`): JSON / JSONL records in the shapes
+  stage 00 reads (eagle3/chats.py, `record_turns`): OpenAI `messages`, ShareGPT
+  `conversations`, a `prompt` / `instruction` / `question` field, MT-Bench `turns`, or
+  the field `--prompt-field` names (then only that one). A conversation is the prompt
+  up to its last user turn; trailing assistant turns (a reference answer) are dropped.
+  User turns with no answer between them (MT-Bench's `turns`, stage 00's prompt files)
+  give their first turn: later turns need the target's own earlier answers. Each
+  prompt is rendered with the target's chat template, generation prompt included.
+  `--category-field` names a column whose value groups the prompts (MT-Bench's
+  `category`); acceptance is then reported per group.
 
 Reads nothing but the source; the stage (eagle3/evaluate/run.py) decides which to use.
 """
@@ -25,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..chats import BadRecord, chat_turn, iter_records
+from ..chats import BadRecord, iter_records, record_turns
 from ..errors import PipelineError
 from ..workdir import WorkDir
 
@@ -85,37 +86,24 @@ def held_out_prompts(wd: WorkDir, num_prompts: int | None, max_prompt_len: int) 
 
 # --------------------------------------------------------------------------- a prompt file or a datasets id
 
-def record_messages(record: Any, prompt_field: str) -> list[dict]:
+def record_messages(record: Any, prompt_field: str | None) -> list[dict]:
     """The messages a record asks the target, ending with a user turn.
 
     Raises BadRecord (with the reason) for a record that holds no prompt.
     """
-    if isinstance(record, BadRecord):
-        raise record
-    if not isinstance(record, dict):
-        raise BadRecord("not_an_object", f"got {type(record).__name__}")
-    for key, role_key, text_key in (("messages", "role", "content"), ("conversations", "from", "value")):
-        turns = record.get(key)
-        if not isinstance(turns, list):
-            continue
-        messages = [chat_turn(t, role_key, text_key) for t in turns]
-        while messages and messages[-1]["role"] == "assistant":
-            messages.pop()  # a reference answer: the target writes its own
-        if not messages or messages[-1]["role"] != "user":
-            raise BadRecord("no_user_turn", f"`{key}` has no user turn to answer")
-        if not messages[-1]["content"].strip():
-            raise BadRecord("empty_content", "the last user turn is empty")
-        return messages
-    value = record.get(prompt_field)
-    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-        value = value[0]  # MT-Bench style turns: later turns need the target's first answer
-    if not isinstance(value, str) or not value.strip():
-        raise BadRecord("no_prompt", f"no `messages`, `conversations` or non-empty `{prompt_field}` "
-                                     f"(keys {sorted(record)[:8]})")
-    return [{"role": "user", "content": value}]
+    messages = record_turns(record, prompt_field)
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()  # a reference answer: the target writes its own
+    system = 1 if messages and messages[0]["role"] == "system" else 0
+    body = messages[system:]
+    if not body or body[-1]["role"] != "user":
+        raise BadRecord("no_user_turn", "the record has no user turn to answer")
+    if len(body) > 1 and all(m["role"] == "user" for m in body):
+        return messages[:system + 1]  # unanswered turns: later ones need the target's first answer
+    return messages
 
 
-def file_prompts(source: str, split: str, tok, prompt_field: str, category_field: str | None,
+def file_prompts(source: str, split: str, tok, prompt_field: str | None, category_field: str | None,
                  num_prompts: int | None, max_prompt_len: int,
                  template_kwargs: dict | None = None) -> tuple[list[Prompt], dict]:
     """Prompts from a local JSON/JSONL file or a `datasets` id, rendered with `tok`'s chat template
@@ -146,8 +134,8 @@ def file_prompts(source: str, split: str, tok, prompt_field: str, category_field
         try:
             messages = record_messages(raw.record, prompt_field)
         except BadRecord as e:
-            raise PipelineError(f"{raw.where}: {e}; each record needs `messages` (OpenAI), `conversations` "
-                                f"(ShareGPT) or a text column named by --prompt-field.") from e
+            raise PipelineError(f"{raw.where}: {e}; fix the record, or name the field holding the prompt with "
+                                f"--prompt-field.") from e
         category = None
         if category_field:
             value = raw.record.get(category_field)

@@ -153,15 +153,18 @@ def report_lines(r: dict) -> list[str]:
     tps = r["tokens_per_s"]
     n = (r.get("prompts") or {}).get("count")
     ci = r.get("acceptance_length_ci95")
+    # A figure this run has no source for (no training here, no baseline served) leaves its part out.
     lines = [
         f"acceptance length (K={K}): {_fmt(r['acceptance_length'], '.3f')}"
         + (f" ±{ci:.3f}" if ci is not None else "")
         + f" ({_temp(r.get('acceptance_temperature', 0.0))}, {n} prompts) measured in {r['engine']['name']} "
-        f"{r['engine']['version']} ({r['engine']['platform']}), "
-        f"training-time expected {_fmt(exp.get('value'), '.3f')} (1 + sum of full_acc_k, k<{exp.get('k')})",
-        f"acceptance per position: measured {per} | training full_acc {exp_per or 'n/a'}",
-        f"untrained drafter: acceptance length {_fmt(r['untrained_acceptance_length'], '.3f')}",
+        f"{r['engine']['version']} ({r['engine']['platform']})"
+        + (f", training-time expected {_fmt(exp['value'], '.3f')} (1 + sum of full_acc_k, k<{exp.get('k')})"
+           if exp.get("value") is not None else f"; no training-time estimate ({exp.get('source')})"),
+        f"acceptance per position: measured {per}" + (f" | training full_acc {exp_per}" if exp_per else ""),
     ]
+    if r["untrained_acceptance_length"] is not None:
+        lines.append(f"untrained drafter: acceptance length {_fmt(r['untrained_acceptance_length'], '.3f')}")
     for row in r.get("acceptance") or []:
         t, u = row["trained"], row.get("untrained")
         lines.append(f"  {_temp(row['temperature']):>7}: trained {_pm(t)} per position "

@@ -22,6 +22,12 @@ Two measurements, each in the regime that makes it cheap and right:
   subset of --timing-prompts prompts (round-robin over categories) served one request
   at a time, greedy, for tokens/s, the speedup and the break-even.
 
+Any drafter can be measured on its own, before anything is trained: with --drafter-dir
+and --prompts the work directory may be new (only 06_evaluate/ is written there), e.g. a
+published drafter trained for an earlier version of the target. Before serving, the stage
+logs which target layers each engine feeds the drafter (eagle3/engine_rules.py) next to
+the layers it was trained on, and warns when vLLM would feed it others.
+
 Reads
     WORK/01_dataset/eval/ + manifest.json   held-out conversations (the default prompts; each
                                             assistant turn's context, token ids as stage 01 made them)
@@ -335,6 +341,44 @@ def _manifest_counts(results: dict, prompt_info: dict, timed: list[int]) -> dict
             "tokens_per_s_speculative": results["tokens_per_s"]["speculative"]}
 
 
+def layer_capture(drafter_config: dict, info) -> dict[str, Any]:
+    """Which target layers each engine feeds this drafter, beside the layers it was trained on
+    (eagle3/engine_rules.py: the engines' rules, read from their sources)."""
+    from ..engine_rules import captured_layers, intended_layers, rules_for, target_family
+
+    family = target_family(info.architecture, info.text_config.get("model_type", info.model_type))
+    trained, where = intended_layers(drafter_config)
+    return {"trained": trained, "trained_from": where, "target_family": family, "num_target_layers": info.num_layers,
+            "captured": {rule: captured_layers(rule, drafter_config, info.num_layers) for rule in rules_for(family)}}
+
+
+def capture_lines(capture: dict[str, Any]) -> list[str]:
+    """The log lines of `layer_capture`: one per engine rule, marked where it differs from training."""
+    from ..engine_rules import RULES
+
+    trained = capture["trained"]
+    lines = [f"stage 06: the drafter was trained on target layers {trained} ({capture['trained_from']}); the "
+             f"engines capture (convention 1 ids, {capture['num_target_layers']}-layer target):"]
+    for rule, ids in capture["captured"].items():
+        mark = "" if trained is None or ids == trained else "  <-- NOT the trained layers"
+        lines.append(f"  {RULES[rule].split(':')[0]}: {ids}{mark}")
+    return lines
+
+
+def _log_capture(capture: dict[str, Any], drafter_dir: Path) -> None:
+    from ..engine_rules import VLLM, VLLM_V2
+
+    for line in capture_lines(capture):
+        log.info("%s", line)
+    trained = capture["trained"]
+    wrong = {r: ids for r, ids in capture["captured"].items() if r in (VLLM, VLLM_V2) and trained is not None
+             and ids != trained}
+    if wrong:
+        log.warning("vLLM feeds this drafter other layers than it was trained on (%s, trained %s): the acceptance "
+                    "measured here understates it; see `python -m eagle3.diagnose inspect %s`",
+                    ", ".join(f"{r} {ids}" for r, ids in wrong.items()), trained, drafter_dir)
+
+
 def _log_report(results: dict, warn: bool = True) -> None:
     for line in report_lines(results):
         (log.warning if warn and line.startswith("UNRELIABLE") else log.info)("%s", line)
@@ -357,6 +401,8 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
         return results
 
     expectation = _expectation(wd, cfg, drafter)
+    capture = layer_capture(drafter.config, info)
+    _log_capture(capture, drafter.dir)
     prompts, prompt_info, max_model_len = _choose_prompts(cfg, wd, tok, info, prep)
     timed = timing_subset(prompts, cfg.timing_prompts)
     names = categories(prompts)
@@ -371,6 +417,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     base_req = _base_request(cfg, prompts, max_model_len)
     raw = _serve(_plan_runs(wd, cfg, drafter.dir, timed), base_req, timed, wd, cfg)
     results = _results(raw, cfg, prompts, prompt_info, base_req, timed, drafter.dir, expectation)
+    results["settings"]["aux_layers"] = capture
 
     write_json(wd.evaluate_results(), results)
     write_plot(wd.evaluate_plot(), results, read_train_metrics(wd) if drafter.export is not None else [])

@@ -17,9 +17,13 @@ from ..vllm_engine import IN_PROCESS_HELP
 @dataclass(kw_only=True)
 class GenerateConfig(ShardedStageConfig):
     target_model: str = param(help="target model folder or hub id: the model the drafter will serve with")
-    data: list[str] = param(help="chat files (.json/.jsonl, ShareGPT or OpenAI messages) or datasets ids: "
-                                 "the same inputs as stage 01")
+    data: list[str] = param(help="chats or prompts: .json/.jsonl files (OpenAI `messages`, ShareGPT "
+                                 "`conversations`, a `prompt` / `instruction` / `question` field or MT-Bench "
+                                 "`turns`) or datasets ids; user turns without an answer get one")
     data_split: str = param("train", help="split to read from datasets ids")
+    prompt_field: str | None = param(None, help="the record field holding the prompt: a string (one user turn), "
+                                                "a list of strings (user turns) or a list of turns (default: "
+                                                "messages, conversations, prompt, instruction, question, turns)")
     chat_template_kwargs: dict | None = param(None, help="JSON object passed to the chat template, e.g. "
                                                          "'{\"thinking\": false}' (stage 01 uses the same)")
     temperature: float = param(0.0, min=0.0, help="sampling temperature; 0 = greedy, which matches greedy serving")

@@ -1,9 +1,12 @@
-"""The pure logic of stage 00: conversations regenerated turn by turn, as token ids.
+"""The pure logic of stage 00: conversations answered turn by turn, as token ids.
 
 No engine here: `regenerate` takes any object with the `Engine` protocol (vLLM in
 vllm_runner.py; tests may pass their own), so the turn logic is testable alone.
 
-A conversation's assistant turns are regenerated in order. The prompt of turn j is
+Which turns are generated (eagle3/chats.py, `answer_slots`): every assistant turn of a
+chat is regenerated, a trailing user turn gets a new answer after it, and a record of
+user turns only (a prompt, a `turns` list, ...) gets one new answer after each user turn.
+A conversation's assistant turns are generated in order. The prompt of turn j is
 `spliced_sample(..., upto=j)` (eagle3/loss_mask.py): the target's chat template
 rendered around the *generated* ids of turns 0..j-1, which is exactly the token
 sequence stage 01 builds from the output, so the target was conditioned on what the
@@ -26,7 +29,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from ..chats import BadRecord, RawRecord, normalize, sample_id
+from ..chats import BadRecord, RawRecord, answer_slots, record_turns, sample_id
 from ..loss_mask import Answer, Splicer
 
 PROMPT_TOO_LONG = "prompt_too_long"
@@ -80,7 +83,8 @@ class Conversation:
     sample_id: str
     where: str
     messages: list[dict]  # assistant contents become the decoded answers as turns finish
-    turns: list[int]  # message index of each assistant turn
+    turns: list[int]  # message index of each assistant turn to generate
+    source_turns: int = 0  # assistant turns the input record had (regenerated); the others are new
     answers: list[Answer] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     stopped: str | None = None  # why regeneration ended before the last turn
@@ -118,19 +122,23 @@ class Conversation:
         return {
             "sample_id": self.sample_id, "source": self.where, "messages": self.messages[:end],
             "generated": [{"ids": a.ids, "finish_reason": r} for a, r in zip(self.answers, self.finish_reasons)],
-            "stopped": self.stopped, "assistant_turns_in_source": len(self.turns),
+            "stopped": self.stopped, "assistant_turns_in_source": self.source_turns,
         }
 
 
-def from_raw(raw: RawRecord) -> Conversation | dict:
-    """A conversation to regenerate, or the output line of a bad input record."""
+def from_raw(raw: RawRecord, prompt_field: str | None = None) -> Conversation | dict:
+    """A conversation to answer, or the output line of a bad input record.
+
+    `prompt_field`: the record field holding the prompt (--prompt-field); by default the
+    shapes of eagle3/chats.py, `record_turns`."""
     try:
-        messages, _ = normalize(raw.record)
+        source = record_turns(raw.record, prompt_field)
+        messages, turns = answer_slots(source)
     except BadRecord as e:
         sid = sample_id(raw) if isinstance(raw.record, dict) else f"{raw.where}"
         return {"sample_id": sid, "source": raw.where, "bad": e.reason, "detail": e.detail}
-    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return Conversation(sample_id(raw), raw.where, messages, turns)
+    return Conversation(sample_id(raw), raw.where, messages, turns,
+                        source_turns=sum(m["role"] == "assistant" for m in source))
 
 
 def regenerate(convs: list[Conversation], engine: Engine, t: Turns, *, max_new_tokens: int, seed: int,

@@ -1,12 +1,15 @@
-"""Stage 00: regenerate every assistant turn of the chat inputs with the target (vLLM).
+"""Stage 00: the target answers the inputs itself (vLLM): every assistant turn of a chat
+is regenerated, and every user turn without an answer (a prompt) gets one.
 
-Reads the same chat inputs as stage 01 (local JSON/JSONL in ShareGPT or OpenAI shape,
-or a `datasets` id; eagle3/chats.py) and writes (names from eagle3/workdir.py):
+Reads chats or prompts (local JSON/JSONL or a `datasets` id, in the shapes of
+eagle3/chats.py: OpenAI `messages`, ShareGPT `conversations`, a `prompt` / `instruction`
+/ `question` field, MT-Bench `turns`, or the field --prompt-field names) and writes
+(names from eagle3/workdir.py):
 
     00_generate/generate.json                 the run's identity (params, inputs); resumes must match it
     00_generate/chunks/chunk-NNNNN.jsonl      one line per input record, in input order:
         {"sample_id", "source", "messages", "generated": [{"ids", "finish_reason"}, ...],
-         "stopped", "assistant_turns_in_source"}   a regenerated conversation, or
+         "stopped", "assistant_turns_in_source"}   an answered conversation, or
         {"sample_id", "source", "dropped": reason} / {"sample_id", "source", "bad": reason, "detail"}
     00_generate/chunks/chunk-NNNNN.json       the chunk's identity, counts and checksum, written after
                                               the JSONL: its presence marks the chunk complete
@@ -15,6 +18,11 @@ or a `datasets` id; eagle3/chats.py) and writes (names from eagle3/workdir.py):
 Each message list holds the answers' decoded text (thinking markup included) for
 reading; stage 01 takes the `generated` ids as they are (eagle3/loss_mask.py,
 `spliced_sample`). Run: `python 00_generate_responses.py --config configs/tiny-llama.yaml`.
+
+No silent empty result: when no record can become a conversation the stage stops before
+starting an engine, and when none is left after generation (every prompt too long, every
+answer empty) it stops without a manifest; both say so in one line with the counts by
+reason and the likely fix. Dropping more than half of the records is a warning.
 
 Work plan (as stage 02's, eagle3/extract/run.py): the input records are cut into chunks
 of `chunk_size`; box `shard_index` of `num_shards` takes every `num_shards`-th chunk,
@@ -39,7 +47,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..atomic import atomic_path, write_json
-from ..chats import RawRecord, check_local_files, iter_records
+from ..chats import RawRecord, check_local_files, iter_records, likely_fix, reasons_text
 from ..config import identity_params
 from ..errors import PipelineError
 from ..loss_mask import assistant_suffix
@@ -48,11 +56,21 @@ from ..parallel import Reporter, run_data_parallel, use_gpu_group
 from ..target import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
 from ..workdir import WorkDir
 from .config import GenerateConfig
-from .conversation import Conversation, Engine, Turns, from_raw, regenerate
+from .conversation import EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Engine, Turns, from_raw, regenerate
 
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # of the chunk files; bump when a line's fields change meaning
+
+# Stage 00's own reasons for a record that yields no conversation (chats.FIXES has the rest).
+FIXES = {
+    PROMPT_TOO_LONG: "the prompts leave no room to answer in the context: raise --max-model-len (up to the "
+                     "target's) or shorten the prompts",
+    EMPTY_ANSWER: "the target answered with nothing but its stop token: check the chat template, "
+                  "--chat-template-kwargs and --max-new-tokens",
+    "template_not_prefix_stable": "the chat template rewrites earlier turns, so answers after the first cannot "
+                                  "be placed token-exact: give single-turn records",
+}
 
 
 @dataclass
@@ -64,6 +82,7 @@ class Plan:
     identity: dict
     identity_hash: str
     turns: Turns
+    prompt_field: str | None = None
 
     @property
     def num_chunks(self) -> int:
@@ -108,7 +127,7 @@ def plan(cfg: GenerateConfig) -> Plan:
     identity = {"format": FORMAT, "params": {k: v for k, v in params.items() if k != "work_dir"},
                 "inputs": inputs, "num_records": len(records)}
     return Plan(wd, records, params, inputs, identity, sha256_json(identity),
-                Turns(tok, suffix, kw, stop_ids(tok, suffix)))
+                Turns(tok, suffix, kw, stop_ids(tok, suffix)), cfg.prompt_field)
 
 
 def check_identity(p: Plan, force: bool) -> None:
@@ -121,8 +140,9 @@ def check_identity(p: Plan, force: bool) -> None:
         old = json.loads(path.read_text())
         if old != json.loads(json.dumps(p.identity)):
             a, b = old.get("params", {}), p.identity["params"]
-            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            what = "; ".join(f"{k}: {a.get(k)!r} (in {path}) vs {b.get(k)!r} (this run)" for k in diff) or \
+            diff = sorted(k for k in set(a) | set(b) if k not in a or k not in b or a[k] != b[k])
+            what = "; ".join(f"{k}: {a.get(k, '(absent)')!r} (in {path}) vs {b.get(k, '(absent)')!r} (this run)"
+                             for k in diff) or \
                 "the inputs (data, tokenizer or weights) changed"
             raise PipelineError(f"{d} holds chunks generated with other settings: {what}. Pass --force to "
                                 f"delete them and start over, or rerun with their settings.")
@@ -157,6 +177,7 @@ def chunk_counts(lines: list[dict]) -> dict:
         else:
             c["conversations"] += 1
             c["turns_regenerated"] += len(ln["generated"])
+            c["new_turns"] += max(0, len(ln["generated"]) - ln["assistant_turns_in_source"])
             c["generated_tokens"] += sum(len(g["ids"]) for g in ln["generated"])
             finish.update(g["finish_reason"] for g in ln["generated"])
             if ln["stopped"]:
@@ -167,7 +188,7 @@ def chunk_counts(lines: list[dict]) -> dict:
 
 def run_chunk(p: Plan, k: int, engine: Engine, cfg: GenerateConfig,
               on_round: Callable[[int, int], None]) -> dict:
-    items = [from_raw(r) for r in p.chunk(k)]
+    items = [from_raw(r, p.prompt_field) for r in p.chunk(k)]
     convs = [x for x in items if isinstance(x, Conversation)]
     regenerate(convs, engine, p.turns, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, on_round=on_round)
     lines = [x.record() if isinstance(x, Conversation) else x for x in items]
@@ -196,9 +217,34 @@ def _turns_in(p: Plan, chunks: list[int]) -> int:
     n = 0
     for k in chunks:
         for r in p.chunk(k):
-            c = from_raw(r)
+            c = from_raw(r, p.prompt_field)
             n += len(c.turns) if isinstance(c, Conversation) else 0
     return n
+
+
+def refuse_if_nothing_to_answer(cfg: GenerateConfig, p: Plan) -> None:
+    """Before any engine starts: stop when not one record can become a conversation."""
+    bad: Counter = Counter()
+    for r in p.records:
+        c = from_raw(r, p.prompt_field)
+        if isinstance(c, Conversation):
+            return
+        bad[c["bad"]] += 1
+    raise PipelineError(f"stage 00: no conversation to answer in {', '.join(cfg.data)}: {len(p.records)} records, "
+                        f"bad records: {reasons_text(bad)}; {likely_fix(bad, FIXES)}.")
+
+
+def empty_or_mostly_dropped(cfg: GenerateConfig, counts: dict) -> str | None:
+    """The counts' one-line problem when no conversation is left (an error) or more than half of
+    the records are (a warning); None when most records became conversations."""
+    lost = {**counts["bad_records"], **counts["dropped_conversations"]}
+    n, kept = counts["records"], counts["conversations"]
+    if kept and kept * 2 >= n:
+        return None
+    head = ("no conversation left" if not kept else f"only {kept} of {n} records became conversations")
+    return (f"stage 00: {head} from {', '.join(cfg.data)}: {n} records, bad records: "
+            f"{reasons_text(counts['bad_records'])}, dropped conversations: "
+            f"{reasons_text(counts['dropped_conversations'])}; {likely_fix(lost, FIXES)}")
 
 
 class _Progress:
@@ -271,7 +317,7 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
                 reasons[key].update(v)
             else:
                 counts[key] += v
-    out_counts = {**{k: counts.get(k, 0) for k in ("records", "conversations", "turns_regenerated",
+    out_counts = {**{k: counts.get(k, 0) for k in ("records", "conversations", "turns_regenerated", "new_turns",
                                                     "generated_tokens", "cut_answers")},
                   **{k: dict(sorted(v.items())) for k, v in reasons.items()},
                   "chunks_expected": p.num_chunks, "chunks_present": len(metas)}
@@ -289,16 +335,24 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
         "assistant_suffix": t.suffix,
         "stop_token_ids": sorted(t.stop_ids),
     }
+    problem = empty_or_mostly_dropped(cfg, out_counts)
+    if problem and not out_counts["conversations"] and not missing:
+        # No manifest: stage 01 must not read an empty set as a finished one. The chunks stay,
+        # so a rerun after fixing nothing says the same without generating again.
+        raise PipelineError(f"{problem}.")
     outputs = [p.wd.generate_identity()] + [x for k in metas for x in (p.wd.generate_chunk(k),
                                                                        p.wd.generate_chunk_meta(k))]
     m = write_manifest(p.wd, "generate", params=p.params, inputs=p.inputs, counts=out_counts, outputs=outputs,
                        extra=extra, hash_outputs=False)  # each chunk's meta holds its sha256
-    log.info("stage 00: %d/%d chunks; %d records -> %d conversations, %d turns regenerated (%d tokens, %d cut "
-             "at max_new_tokens); bad records %s, dropped %s, stopped early %s -> %s", len(metas), p.num_chunks,
-             out_counts["records"], out_counts["conversations"], out_counts["turns_regenerated"],
-             out_counts["generated_tokens"], out_counts["cut_answers"], out_counts["bad_records"] or "none",
+    log.info("stage 00: %d/%d chunks; %d records -> %d conversations, %d turns generated (%d of them new answers "
+             "to prompts; %d tokens, %d cut at max_new_tokens); bad records %s, dropped %s, stopped early %s -> %s",
+             len(metas), p.num_chunks, out_counts["records"], out_counts["conversations"],
+             out_counts["turns_regenerated"], out_counts["new_turns"], out_counts["generated_tokens"],
+             out_counts["cut_answers"], out_counts["bad_records"] or "none",
              out_counts["dropped_conversations"] or "none", out_counts["stopped_early"] or "none",
              p.wd.stage_dir("generate"))
+    if problem:
+        log.warning("%s", problem)
     if missing:
         log.warning("%d chunk(s) missing (%s...): run the other boxes (--num-shards %d --shard-index %s), copy "
                     "their chunks into %s, then rerun this command once to complete the manifest", len(missing),
@@ -314,6 +368,7 @@ def generate_responses(cfg: GenerateConfig, engine: Engine | None = None) -> Man
                             intact=lambda m: bool(m.extra.get("complete")))  # every box's chunks are in
     if done:
         return done
+    refuse_if_nothing_to_answer(cfg, p)
     check_identity(p, cfg.force)
     mine = list(range(p.num_chunks))[cfg.shard_index::cfg.num_shards]
     todo = [k for k in mine if chunk_complete(p, k) is None]

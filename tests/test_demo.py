@@ -1,0 +1,88 @@
+"""The demo's closing summary (eagle3/demo.py) on fabricated stage results: it judges the
+run by what it measured and leaves out what was not measured. No engine; about 2 s.
+(tests/test_pipeline_e2e.py reads the summary of a real run.)"""
+from __future__ import annotations
+
+import json
+
+from eagle3.demo import served_lines, summary_text, verdict_lines
+from eagle3.manifest import write_manifest
+from eagle3.workdir import WorkDir
+
+
+def results(**over) -> dict:
+    """A results.json of stage 06 (eagle3/evaluate/report.py) with the figures the summary reads."""
+    r = {
+        "engine": {"name": "vllm", "version": "0.32.0", "platform": "cpu"}, "num_speculative_tokens": 3,
+        "prompts": {"count": 60}, "acceptance_temperature": 0.0,
+        "acceptance_length": 1.57, "acceptance_length_ci95": 0.05, "acceptance_per_position": [0.38, 0.14, 0.06],
+        "untrained_acceptance_length": 1.0, "untrained_acceptance_per_position": [0.0, 0.0, 0.0],
+        "acceptance": [], "categories": {"names": []},
+        "expected_accept_length_training": {"value": 1.64, "k": 3, "ttt_steps": 3, "full_acc": [0.4, 0.16, 0.08]},
+        "tokens_per_s": {"plain": 20.9, "speculative": 28.4}, "speedup": 1.35,
+        "break_even_acceptance_length": 1.10, "beats_break_even": True, "timing_problems": [],
+        "teacher": {"greedy_equals_dataset_answer": None},
+    }
+    r.update(over)
+    return r
+
+
+def test_no_hard_coded_goal_and_no_line_without_a_figure():
+    text = "\n".join(served_lines(results()) + verdict_lines(results()))
+    assert "goal" not in text and "2.3" not in text
+    assert "teacher check" not in text  # no dataset answer to compare with: nothing to say
+    r = results(teacher={"greedy_equals_dataset_answer": 0.25})
+    assert any("teacher check       25.0% of the target's greedy answers" in line for line in served_lines(r))
+
+
+def test_verdict_judges_trained_untrained_estimate_and_break_even():
+    lines = verdict_lines(results())
+    assert lines[0] == ("verdict   trained beats untrained: 1.57 ±0.05 vs 1.00 tokens per step; the drafter learned "
+                        "what the target writes")
+    assert lines[1] == "          served 1.57 ±0.05 vs the training-time estimate 1.64: 4.3% below it"
+    assert lines[2] == ("          measured L 1.57 > break-even L* 1.10: drafting pays off on this machine, 1.35x "
+                        "tokens/s single stream")
+    close = verdict_lines(results(acceptance_length=1.62))
+    assert "agrees with it (within the 95% interval)" in close[1]
+    worse = verdict_lines(results(acceptance_length=1.03, speedup=0.8, timing_problems=["passes disagree"]))
+    assert worse[0].startswith("verdict   trained does NOT beat untrained: 1.03 ±0.05 vs 1.00")
+    assert "measured L 1.03 <= break-even L* 1.10: drafting does NOT pay off on this machine, 0.80x" in worse[2]
+    assert worse[2].endswith("(timings unreliable, see the WARNING above)")
+
+
+def test_verdict_leaves_out_what_was_not_measured():
+    # A drafter from elsewhere, no untrained floor, no timing: only what was measured.
+    alone = results(untrained_acceptance_length=None, untrained_acceptance_per_position=None,
+                    expected_accept_length_training={"value": None, "k": 3}, break_even_acceptance_length=None,
+                    speedup=None, tokens_per_s={"plain": None, "speculative": None})
+    assert verdict_lines(alone) == []
+    served = "\n".join(served_lines(alone))
+    assert "untrained" not in served and "estimate" not in served and "tokens/s" not in served
+    assert "break-even" not in served and "acceptance length   trained 1.57" in served
+    assert verdict_lines(results(acceptance_length=None)) == [
+        "verdict   the drafter's acceptance was not measured (see stage 06's log)"]
+
+
+def test_summary_of_a_work_dir_where_only_stage_06_ran_and_of_a_full_one(tmp_path):
+    wd = WorkDir(tmp_path / "w")
+    wd.evaluate_dir().mkdir(parents=True)
+    wd.evaluate_results().write_text(json.dumps(results()))
+    write_manifest(wd, "evaluate", params={}, inputs={}, counts={}, outputs=[wd.evaluate_results()],
+                   extra={"drafter_dir": "/d"})
+    alone = summary_text(wd.root)
+    assert "data " not in alone and "training " not in alone and "verdict   trained beats untrained" in alone
+    write_manifest(wd, "generate", params={}, inputs={}, outputs=[], counts={
+        "turns_regenerated": 1268, "conversations": 1012, "new_turns": 1268, "generated_tokens": 120000})
+    write_manifest(wd, "prepare", params={}, inputs={}, outputs=[], counts={
+        "train_samples": 960, "eval_samples": 52, "train_tokens": 200000, "eval_tokens": 10000,
+        "train_assistant_tokens": 110000, "eval_assistant_tokens": 5000})
+    write_manifest(wd, "vocab", params={}, inputs={}, outputs=[], counts={
+        "draft_vocab_size": 4096, "coverage_train": 0.99, "coverage_eval": 0.97})
+    write_manifest(wd, "train", params={}, inputs={}, outputs=[], counts={
+        "steps": 150, "best_expected_accept_length": 1.7, "best_step": 150})
+    full = summary_text(wd.root, elapsed_s=807, stage_times=[("00", 190.0)])
+    assert ("answers   stage 00: the target answered 1268 turns of 1012 conversations itself (1268 of them prompts "
+            "without an answer in the data)") in full
+    assert "960 train / 52 held-out conversations" in full and "held-out 97.0%" in full
+    assert "wall time 13m27s" in full and "per stage  00 3m10s" in full and "goal" not in full
+
