@@ -113,8 +113,10 @@ step "target build" $PY -m eagle3.targets smollm2 --out "$TARGET" || exit 1
 k=$(( $(wc -l < data/demo_prompts.jsonl) / 128 ))
 awk -v k="$k" 'NR % k == 1 && n < 128 { print; n++ }' data/demo_prompts.jsonl > "$WORK/prompts.jsonl"
 common=(--config $CONFIG --work-dir "$WORK" --target-model "$TARGET")
-step "stage 00 generate (vLLM)" $PY 00_generate_responses.py "${common[@]}" --data "$WORK/prompts.jsonl" \
-    --max-new-tokens 256 || exit 1
+# A spawned engine core (the default outside the SmolLM2 config): the path whose fork
+# would fail if anything touched CUDA before vLLM chose its start method.
+step "stage 00 generate (vLLM, spawned engine core)" $PY 00_generate_responses.py "${common[@]}" \
+    --data "$WORK/prompts.jsonl" --max-new-tokens 256 --no-engine-in-process || exit 1
 step "stage 01 prepare" $PY 01_prepare_dataset.py "${common[@]}" || exit 1
 step "stage 02 extract (vLLM backend)" $PY 02_extract_hidden_states.py "${common[@]}" --backend vllm \
     --gpu-memory-utilization 0.5 || exit 1
