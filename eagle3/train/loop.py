@@ -181,8 +181,9 @@ def frozen_target_weights(cfg: TrainConfig, info: TargetInfo, drafter: Eagle3Dra
     if embed.shape[1] != drafter.config.hidden_size:
         raise PipelineError(f"{cfg.target_model}: embedding {tuple(embed.shape)} does not match vocab "
                             f"{info.vocab_size} x hidden {drafter.config.hidden_size}.")
-    # bf16 halves the [V_t, H] table on GPU; the labels' softmax upcasts to fp32 either way.
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    # Under bf16 on a GPU, bf16 halves the label rows (the labels' softmax upcasts to fp32
+    # either way); --precision fp32 keeps fp32 everywhere, so it stays a reference run.
+    dtype = torch.bfloat16 if bf16 and device.type == "cuda" else torch.float32
     lm_rows = load_lm_head(info, rows=drafter.draft_ids().cpu())
     # Under bf16 autocast every draft step reads the embedding as bf16 (Eagle3Drafter.step
     # casts it to the hidden's dtype): a bf16 table gives the same values without a cast of
