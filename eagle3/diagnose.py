@@ -4,6 +4,7 @@
     python -m eagle3.diagnose compare-vocab A B [--dataset WORK_DIR] [--json]
     python -m eagle3.diagnose probe-hidden WORK_A WORK_B [--split eval] [--max-samples N] [--json]
     python -m eagle3.diagnose versions [--json]
+    python -m eagle3.diagnose store-size --config CFG [--work-dir W] [--store-dtype fp8] [--json]
 
 `inspect` reads any drafter folder (ours, or a published one such as an SGLang-format
 drafter) and says what vLLM and SGLang will do with it: tensor names and shapes, d2t
@@ -18,6 +19,13 @@ and with `--dataset` the coverage each gets on a stage 01 dataset's assistant to
 `probe-hidden` compares two targets' hidden-state stores (stage 02 of two work dirs
 over the same samples): cosine similarity per aux layer and per position range, to
 judge whether a drafter trained on one target can serve the other.
+
+`store-size` prints the bytes stage 02 will write for this dataset (stage 01's
+manifest counts: samples and tokens per split), target (hidden size, aux layer count
+from its config and `extract.aux_layers`) and store encoding (`extract.store_dtype`,
+or `--store-dtype`), for every encoding side by side, and the free space where the work
+dir lies. It exits 1 when the chosen encoding does not fit: stage 02 itself refuses to
+start then (eagle3/store.py `require_free_space`, on what is still to be written).
 
 `versions` prints the installed vllm, sglang, torch and transformers against the
 minimums the drafters and engine rules here are right for (eagle3/engine_rules.py
@@ -405,9 +413,82 @@ def format_versions(r: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# =========================================================================== store-size
+
+def store_size(config: str | None, work_dir: str | None = None, store_dtype: str | None = None) -> dict[str, Any]:
+    """The store stage 02 would write with this config, in each encoding (a JSON-able dict)."""
+    from . import store
+    from .atomic import free_bytes
+    from .config import build_config
+    from .extract.config import ExtractConfig
+    from .manifest import read_manifest
+    from .target import read_target_info, validate_aux_layers
+    from .workdir import SPLITS
+
+    cfg = build_config(ExtractConfig, "extract", config, {"work_dir": work_dir, "store_dtype": store_dtype})
+    wd = WorkDir(cfg.work_dir)
+    prep = read_manifest(wd, "prepare", needed_by="diagnose store-size")
+    info = read_target_info(cfg.target_model, cfg.trust_remote_code)
+    aux = validate_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else info.default_aux_layers(),
+                              info.num_layers, source=f"extract.aux_layers for {cfg.target_model}")
+    H, A, spf = info.hidden_size, len(aux), cfg.samples_per_file
+    files: list[tuple[int, int]] = []  # (samples, tokens) per file, in stage 02's plan
+    samples, tokens = {}, {}
+    for split in SPLITS:
+        n, t = int(prep.counts.get(f"{split}_samples", 0)), int(prep.counts.get(f"{split}_tokens", 0))
+        samples[split], tokens[split] = n, t
+        counts = [min(spf, n - a) for a in range(0, n, spf)]
+        # The manifest has each split's token total, not each file's: only the total matters
+        # to the size (headers are counted at their largest), so share it out by samples.
+        shares = [t * c // n for c in counts]
+        if shares:
+            shares[-1] += t - sum(shares)
+        files += list(zip(counts, shares))
+    encodings = {}
+    for name in store.ENCODINGS:
+        size = store.bytes_to_write(files, H, A, name, engines=0)
+        encodings[name] = {**store.encoding_fields(name), "bytes_per_token": store.bytes_per_token(H, A, name),
+                           "store_bytes": size,
+                           "needed_bytes": store.bytes_to_write(files, H, A, name, cfg.data_parallel_size)}
+    free = free_bytes(wd.root)
+    present = sum(f.stat().st_size for f in wd.store().glob("*.safetensors")) if wd.store().is_dir() else 0
+    return {"config": config, "work_dir": str(wd.root), "prepare_manifest": str(prep.path),
+            "target_model": cfg.target_model, "hidden_size": H, "num_layers": info.num_layers, "aux_layers": aux,
+            "samples": samples, "tokens": tokens, "files": len(files), "samples_per_file": spf,
+            "store_dtype": cfg.store_dtype, "encodings": encodings, "free_bytes": free, "present_bytes": present,
+            "ok": free >= encodings[cfg.store_dtype]["needed_bytes"] - present}
+
+
+def format_store_size(r: dict[str, Any]) -> str:
+    def gb(n: int) -> str:
+        return f"{n / 1e9:,.2f} GB"
+
+    s, t = r["samples"], r["tokens"]
+    out = [f"store of stage 02 for {r['config'] or 'the flags given'} (work dir {r['work_dir']})",
+           f"dataset: {s['train']:,} train + {s['eval']:,} eval samples, {t['train'] + t['eval']:,} tokens "
+           f"({r['prepare_manifest']}); {r['files']} files of up to {r['samples_per_file']} samples",
+           f"target:  {r['target_model']}: hidden {r['hidden_size']}, {r['num_layers']} layers, aux layers "
+           f"{r['aux_layers']}", "",
+           f"{'store_dtype':12s}{'dtype':15s}{'B/token':>9s}{'store size':>28s}{'free needed to write':>24s}"]
+    for name, e in r["encodings"].items():
+        mark = "   <- this run (--store-dtype)" if name == r["store_dtype"] else ""
+        out.append(f"{name:12s}{e['dtype']:15s}{e['bytes_per_token']:>9,}{e['store_bytes']:>18,} B {gb(e['store_bytes']):>8s}"
+                   f"{gb(e['needed_bytes']):>24s}{mark}")
+    out.append("")
+    if r["present_bytes"]:
+        out.append(f"already in the store: {gb(r['present_bytes'])} (a rerun writes only the missing files)")
+    need = r["encodings"][r["store_dtype"]]["needed_bytes"] - r["present_bytes"]
+    out.append(f"free where the work dir lies: {gb(r['free_bytes'])}: "
+               + (f"enough for {r['store_dtype']}" if r["ok"] else
+                  f"NOT enough for {r['store_dtype']} (needs {gb(need)}): stage 02 will refuse to start; free space, "
+                  f"use another --work-dir, --store-dtype fp8, or split over boxes with --num-shards"))
+    return "\n".join(out)
+
+
 # =========================================================================== CLI
 
 def main(argv: list[str] | None = None) -> int:
+    from .extract.config import STORE_DTYPES
     from .logs import setup_logging
 
     p = argparse.ArgumentParser(prog="python -m eagle3.diagnose", description=__doc__,
@@ -428,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--ranges", default=",".join(map(str, DEFAULT_RANGES)),
                     help="position range starts, comma-separated (default %(default)s)")
     pv = sub.add_parser("versions", help="installed vllm, sglang, torch, transformers against the minimums")
-    for sp in (pi, pc, pp, pv):
+    ps = sub.add_parser("store-size", help="bytes stage 02 will write for this dataset, target and encoding")
+    ps.add_argument("--config", help="the YAML file of the run (configs/*.yaml)")
+    ps.add_argument("--work-dir", help="work dir holding stage 01's output (default: the config's)")
+    ps.add_argument("--store-dtype", choices=STORE_DTYPES, help="encoding (default: the config's extract.store_dtype)")
+    for sp in (pi, pc, pp, pv, ps):
         sp.add_argument("--json", action="store_true", help="print the report as JSON")
         sp.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
@@ -443,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "versions":
             r = check_versions(installed_versions())
             text, rc = format_versions(r), (0 if r["ok"] else 1)
+        elif a.cmd == "store-size":
+            r = store_size(a.config, a.work_dir, a.store_dtype)
+            text, rc = format_store_size(r), (0 if r["ok"] else 1)
         else:
             ranges = tuple(sorted({int(x) for x in a.ranges.split(",") if x.strip()} | {0}))
             r = probe_hidden(a.a, a.b, a.split, a.max_samples, ranges)

@@ -3,17 +3,21 @@
 - Disk full: a write that hits ENOSPC stops the stage with a message naming the path,
   the bytes it needs and the bytes free, leaves no partial file under a final name, and
   the next run after space is freed completes with the same store. Stage 02 runs into a
-  real 2-4 MB tmpfs when this machine lets the test mount one (root), else the same
-  ENOSPC is injected where the store claims its space (`os.posix_fallocate`).
+  real 2-4 MB tmpfs when this machine lets the test mount one (root): it first refuses
+  to start, naming the bytes it needs and the bytes free; then, as if another writer
+  filled the disk after that check, it runs into ENOSPC. Without root the same ENOSPC
+  is injected where the store claims its space (`os.posix_fallocate`).
 - A flipped byte in a store file: stage 04 refuses it (the reader checks the file's
   xxh3 before its first read), and a stage 02 rerun redoes that file.
+- Both stage 02 faults run for each store encoding (bf16, fp8: `STORE_DTYPES`).
 - kill -9 at a seeded random point of every stage 00-06, then the same command again:
   the rerun's artifacts equal an unbroken run's, no file under a final name is ever
   partial, the manifests are intact (the `fault` marked tests at the end; harness in
   tests/fault_harness.py, several kills per stage in bench/soak_faults.py).
 
-Cost: about 40 s for the first two parts (stages 01-03 on 60 chats, two extractions,
-one short training run); the kill -9 part 6m27s measured on a shared machine (see its fixture).
+Cost: the first two parts run stages 01 and 03 on 60 chats once, then eight short
+extractions and two short training runs (each stage 02 fault for both encodings); the
+kill -9 part 6m27s measured on a shared machine (see its fixture).
 """
 from __future__ import annotations
 
@@ -114,6 +118,27 @@ def base(tmp_path_factory, tiny_llama):
     return wd
 
 
+STORE_DTYPES = ["bf16", "fp8"]
+
+
+@pytest.fixture(scope="module")
+def stores(base, tiny_llama, tmp_path_factory):
+    """store_dtype -> a work dir with stages 01, 03 and an unbroken stage 02 store of that
+    encoding (bf16: `base` itself; others built on first use)."""
+    from eagle3.extract.config import ExtractConfig
+    from eagle3.extract.run import extract_hidden_states
+
+    class Stores(dict):
+        def __missing__(self, name):
+            wd = copy_inputs(base, tmp_path_factory.mktemp(f"faults-{name}") / "work")
+            extract_hidden_states(ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf",
+                                                samples_per_file=8, store_dtype=name))
+            self[name] = wd
+            return wd
+
+    return Stores(bf16=base)
+
+
 def store_files(wd: WorkDir) -> dict[str, bytes]:
     """The store's content: data files and their index entries (the manifest has a timestamp)."""
     return {p.name: p.read_bytes() for p in sorted(wd.store().iterdir())
@@ -127,11 +152,14 @@ def copy_inputs(base: WorkDir, dest: Path, stages=("prepare", "vocab")) -> WorkD
     return wd
 
 
-def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, tiny_llama, tmp_path, monkeypatch):
+@pytest.mark.parametrize("store_dtype", STORE_DTYPES)
+def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, stores, store_dtype, tiny_llama, tmp_path,
+                                                                    monkeypatch):
     from eagle3.extract.config import ExtractConfig
     from eagle3.extract.run import extract_hidden_states
 
-    ref = store_files(base)
+    ref = store_files(stores[store_dtype])
+    bf16 = store_files(stores["bf16"])  # an fp8 file is written from a bf16 partial file of this size
     files = sorted(n for n in ref if n.endswith(".safetensors"))
     half = sum(len(ref[n]) for n in files[: len(files) // 2])
     inputs = sum(f.stat().st_size for s in ("prepare", "vocab") for f in base.stage_dir(s).rglob("*") if f.is_file())
@@ -150,24 +178,31 @@ def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, tiny_ll
 
             monkeypatch.setattr(os, "posix_fallocate", full_after_half)
         wd = copy_inputs(base, mnt / "work")
-        cfg = ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf", samples_per_file=8)
+        cfg = ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf", samples_per_file=8,
+                            store_dtype=store_dtype)
+        if real:  # the disk is too small from the start: refused before the engine loads, nothing written
+            with pytest.raises(PipelineError, match=r"stage 02 needs [\d,]+ bytes .* its file system has [\d,]+ "
+                                                    r"bytes .*--num-shards"):
+                extract_hidden_states(cfg)
+            assert not any(wd.store().glob("*.safetensors")) and not any(wd.store().glob(".*"))
+            # as if another writer filled the disk after that check
+            monkeypatch.setattr(store, "require_free_space", lambda *a, **k: None)
         with pytest.raises(PipelineError) as e:
             extract_hidden_states(cfg)
         msg = str(e.value)
         assert "no space left on the device writing" in msg and "bytes are free there" in msg, msg
-        # the file it could not write, and exactly its size
+        # the file it could not write, and exactly its size (for fp8: the bf16 partial file or the fp8 one)
         name = next(n for n in files if f"{n[:-len('.safetensors')]}" in msg.split(" writing ")[1].split(":")[0])
-        assert f"it needs {len(ref[name]):,} bytes" in msg
+        assert any(f"it needs {len(x[name]):,} bytes" in msg for x in (ref, bf16)), msg
         assert not wd.manifest("extract").exists()
         done = store_files(wd)
         assert done and all(done[n] == ref[n] for n in done)  # every file under a final name is complete
-        assert not list(wd.store().glob(".*.partial"))
+        assert not list(wd.store().glob(".*partial*"))
 
         # Space freed: the same command completes, keeps the files it had, and equals an unbroken run.
         if real:
             subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
-        else:
-            monkeypatch.undo()
+        monkeypatch.undo()
         kept = {n: (wd.store() / n).stat().st_mtime_ns for n in done if n.endswith(".safetensors")}
         extract_hidden_states(cfg)
         assert store_files(wd) == ref
@@ -178,12 +213,15 @@ def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, tiny_ll
 
 
 # -- a flipped byte in the store ---------------------------------------------------------------------
-def test_flipped_byte_stops_stage04_and_a_stage02_rerun_redoes_that_file(base, tiny_llama, tmp_path, caplog):
+@pytest.mark.parametrize("store_dtype", STORE_DTYPES)
+def test_flipped_byte_stops_stage04_and_a_stage02_rerun_redoes_that_file(stores, store_dtype, tiny_llama, tmp_path,
+                                                                          caplog):
     from eagle3.extract.config import ExtractConfig
     from eagle3.extract.run import extract_hidden_states
     from eagle3.train.config import TrainConfig
     from eagle3.train.loop import train_drafter
 
+    base = stores[store_dtype]
     wd = copy_inputs(base, tmp_path / "work", stages=("prepare", "vocab", "extract"))
     victim = wd.store() / store.file_name("train", 1)
     data = bytearray(victim.read_bytes())
@@ -198,7 +236,7 @@ def test_flipped_byte_stops_stage04_and_a_stage02_rerun_redoes_that_file(base, t
     assert not wd.manifest("train").exists()
 
     extract_hidden_states(ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf",
-                                        samples_per_file=8))
+                                        samples_per_file=8, store_dtype=store_dtype))
     assert "corrupted" in caplog.text and victim.name in caplog.text
     assert store_files(wd) == store_files(base)  # that file redone, equal to the unbroken run's
     m = train_drafter(train)

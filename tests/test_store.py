@@ -2,7 +2,8 @@
 
 No model here: files are filled with known tensors, finalized with a known norm and
 argmax, and read back. The stage-level behaviour (resume, shards, validation by
-the next reader) is in test_extract.py.
+the next reader) is in test_extract.py; what is particular to the fp8 encoding in
+test_store_format.py. The integrity tests here run for both encodings (`ENCODINGS`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from eagle3 import store
 from eagle3.errors import PipelineError
 
 H, A = 32, 3
+ENCODINGS = ["bf16", "fp8"]
 NORM_W = torch.linspace(0.5, 1.5, H)
 LM_HEAD = torch.randn(50, H, generator=torch.Generator().manual_seed(1))
 
@@ -39,7 +41,7 @@ def _samples(lengths, seed=0):
     return ids, masks, aux, pre
 
 
-def _build(tmp_path, lengths, *, nan_sample=None, order=None):
+def _build(tmp_path, lengths, *, nan_sample=None, order=None, store_dtype="bf16"):
     ids, masks, aux, pre = _samples(lengths)
     if nan_sample is not None:
         aux[nan_sample][1, 0, 3] = float("nan")
@@ -52,13 +54,13 @@ def _build(tmp_path, lengths, *, nan_sample=None, order=None):
     final = tmp_path / store.file_name("train", 0)
     entry = store.finalize_file(partial, final, split="train", file_no=0, first_sample=0,
                                 sample_ids=[f"s{i}" for i in range(len(lengths))], identity_hash="h",
-                                normalize=_norm, argmax=_argmax)
+                                normalize=_norm, argmax=_argmax, store_dtype=store_dtype)
     return lay, entry, final, (ids, masks, aux, pre)
 
 
-def _reader(tmp_path, entries, n):
+def _reader(tmp_path, entries, n, store_dtype="bf16"):
     ident = {"aux_layers": [1, 2, 3], "hidden_size": H, "num_layers": 5, "vocab_size": 50,
-             "tokenizer_fingerprint": "t", "target_model": "m"}
+             "tokenizer_fingerprint": "t", "target_model": "m", **store.identity_fields(store_dtype)}
     index = {"store_format": store.STORE_FORMAT, "identity": ident,
              "splits": {"train": {"num_samples": n, "samples_per_file": n, "num_files": 1, "files": entries}}}
     return store.HiddenStateStore(tmp_path, index, None)
@@ -124,19 +126,21 @@ def test_reader_is_zero_copy(tmp_path):
     assert split.location(1) == (store.file_name("train", 0), 3, 4)
 
 
-def test_nonfinite_sample_is_rejected_not_dropped(tmp_path):
-    _, entry, path, _ = _build(tmp_path, [4, 5, 6], nan_sample=1)
+@pytest.mark.parametrize("store_dtype", ENCODINGS)
+def test_nonfinite_sample_is_rejected_not_dropped(tmp_path, store_dtype):
+    _, entry, path, _ = _build(tmp_path, [4, 5, 6], nan_sample=1, store_dtype=store_dtype)
     assert entry["rejected"] == [1]
     t = load_file(path)
     assert t["valid"].tolist() == [1, 0, 1]
     assert (t["target_argmax"][4:9] == -1).all() and (t["loss_mask"][4:9] == 0).all()
-    assert torch.isfinite(t["aux"].float()).all()
-    split = _reader(tmp_path, [entry], 3).split("train")
+    assert torch.isfinite(t["aux"].float()).all() and (t["aux"][4:9].float() == 0).all()
+    split = _reader(tmp_path, [entry], 3, store_dtype).split("train")
     assert len(split) == 2 and split.sample_ids == ["s0", "s2"] and split.num_rejected == 1
 
 
-def test_truncated_and_corrupted_files_are_detected(tmp_path):
-    _, entry, path, _ = _build(tmp_path, [4, 5])
+@pytest.mark.parametrize("store_dtype", ENCODINGS)
+def test_truncated_and_corrupted_files_are_detected(tmp_path, store_dtype):
+    _, entry, path, _ = _build(tmp_path, [4, 5], store_dtype=store_dtype)
     assert store.file_problem(tmp_path, entry, verify_checksum=True) is None
     data = bytearray(path.read_bytes())
     data[-20] ^= 0xFF
@@ -149,10 +153,13 @@ def test_truncated_and_corrupted_files_are_detected(tmp_path):
     assert "missing" in store.file_problem(tmp_path, entry, verify_checksum=False)
 
 
-def test_entry_written_after_rename(tmp_path):
-    _, entry, path, _ = _build(tmp_path, [2])
+@pytest.mark.parametrize("store_dtype", ENCODINGS)
+def test_entry_written_after_rename(tmp_path, store_dtype):
+    _, entry, path, _ = _build(tmp_path, [2], store_dtype=store_dtype)
     on_disk = json.loads(path.with_suffix(".json").read_text())
     assert on_disk == entry and store.read_entry(tmp_path, "train", 0) == entry
+    assert entry["checksum"] == store.file_checksum(path) and entry["bytes"] == path.stat().st_size
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.with_suffix(".json").name, path.name]  # no temporaries
 
 
 def test_header_garbage_is_a_clear_error(tmp_path):
@@ -175,40 +182,44 @@ def test_header_of_another_layout_is_a_clear_error(tmp_path):
     assert store.FileLayout.read(path)[0].num_samples == 2
 
 
-def test_collate_pads_right(tmp_path):
-    _, entry, _, _ = _build(tmp_path, [3, 5])
-    split = _reader(tmp_path, [entry], 2).split("train")
+@pytest.mark.parametrize("store_dtype", ENCODINGS)
+def test_collate_pads_right(tmp_path, store_dtype):
+    _, entry, _, _ = _build(tmp_path, [3, 5], store_dtype=store_dtype)
+    split = _reader(tmp_path, [entry], 2, store_dtype).split("train")
     b = store.collate([split[0], split[1]])
+    assert b["aux"].dtype == b["final"].dtype == torch.bfloat16  # the training dtype, whatever the encoding
     assert b["aux"].shape == (2, 5, A * H) and b["final"].shape == (2, 5, H)
     assert b["attention_mask"].tolist() == [[True] * 3 + [False] * 2, [True] * 5]
     assert (b["target_argmax"][0, 3:] == -1).all()
     assert torch.equal(b["aux"][1], split[1].aux)
 
 
-def test_reader_verifies_each_file_once_before_its_first_read(tmp_path, monkeypatch):
-    _, entry, path, (ids, _, _, _) = _build(tmp_path, [4, 5])
+@pytest.mark.parametrize("store_dtype", ENCODINGS)
+def test_reader_verifies_each_file_once_before_its_first_read(tmp_path, monkeypatch, store_dtype):
+    _, entry, path, (ids, _, _, _) = _build(tmp_path, [4, 5], store_dtype=store_dtype)
     calls = []
     real = store.buffer_checksum
     monkeypatch.setattr(store, "buffer_checksum", lambda buf: calls.append(1) or real(buf))
-    split = _reader(tmp_path, [entry], 2).split("train")  # lazy: nothing hashed at open
+    split = _reader(tmp_path, [entry], 2, store_dtype).split("train")  # lazy: nothing hashed at open
     assert calls == []
     assert split[0].input_ids.tolist() == ids[0].tolist() and split[1].input_ids.tolist() == ids[1].tolist()
     assert len(calls) == 1  # once per file and process, not per sample
     assert real(split._files[0].mm) == entry["checksum"] == store.file_checksum(path)
 
 
-def test_flipped_byte_is_refused_before_training_reads_it(tmp_path):
-    _, entry, path, _ = _build(tmp_path, [4, 5])
+@pytest.mark.parametrize("store_dtype", ENCODINGS)
+def test_flipped_byte_is_refused_before_training_reads_it(tmp_path, store_dtype):
+    _, entry, path, _ = _build(tmp_path, [4, 5], store_dtype=store_dtype)
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit of the aux states: same size, plausible values
     path.write_bytes(bytes(data))
-    split = _reader(tmp_path, [entry], 2).split("train")
+    split = _reader(tmp_path, [entry], 2, store_dtype).split("train")
     with pytest.raises(PipelineError, match=r"train-00000\.safetensors has checksum xxh3_128:\w+, its index entry "
                                             r"says xxh3_128:\w+ \(corrupted .*rerun `python 02_extract_hidden_states"):
         split[0]
     with pytest.raises(PipelineError, match="corrupted"):  # and again: a failed file is not cached
         split[1]
     # verify="off" reads it (sizes only): what the flag is for is a measured choice, not a default
-    ident = _reader(tmp_path, [entry], 2)
+    ident = _reader(tmp_path, [entry], 2, store_dtype)
     off = store.HiddenStateStore(tmp_path, ident.index, None, verify="off").split("train")
     assert off[0].num_tokens == 4

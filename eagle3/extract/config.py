@@ -13,6 +13,7 @@ from ..config import DTYPE_CHOICES, ShardedStageConfig, dtype_name, param
 from ..vllm_engine import IN_PROCESS_HELP
 
 BACKENDS = ("vllm", "hf")
+STORE_DTYPES = ("bf16", "fp8")  # the encodings of eagle3/store.py (`store.ENCODINGS`)
 
 
 @dataclass(kw_only=True)
@@ -22,7 +23,12 @@ class ExtractConfig(ShardedStageConfig):
     backend: str = param("vllm", choices=BACKENDS, help="vllm (GPU box, tensor/data parallel) or hf (transformers; CPU "
                                       "reference and small targets)")
     aux_layers: list[int] | None = param(None, help="aux layer ids, convention 1 (default [2, N//2, N-3])")
-    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="dtype the target runs in (the store is always bf16)")
+    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="dtype the target runs in (the stored states: "
+                                                                 "--store-dtype)")
+    store_dtype: str = param("bf16", choices=STORE_DTYPES, help="how the store holds the aux and final states: bf16 "
+                             "(the reference) or fp8 (e4m3 with a power-of-two scale per token and tensor, "
+                             "dequantised to bf16 when read; 4H + 13 bytes per token for 3 aux layers instead of "
+                             "8H + 9)")
     samples_per_file: int = param(256, min=1, help="samples per store file: the unit of resume and of multi-box "
                                             "splitting")
     # --- how the work is done (not part of the store's identity) ---

@@ -20,6 +20,11 @@ Order of work:
 4. Rebuild `index.json` and the manifest from every complete file in the folder;
    the manifest says which files are missing (`extra.missing`) while other boxes
    have not finished or their files are not copied in yet.
+
+No silent empty store: an empty train split stops the stage before any model loads,
+and a complete store whose every train sample was rejected for NaN/Inf gets no
+manifest; both say so in one line with the counts and the likely fix. More than half
+of a split rejected is a warning.
 """
 from __future__ import annotations
 
@@ -129,6 +134,13 @@ def validate(cfg: ExtractConfig) -> Prepared:
                             f"{cfg.target_model} has {info.vocab_size}; rerun stage 01 with this target.")
     lengths = {s: split_lengths(wd, s) for s in SPLITS}
     num_samples = {s: int(len(v)) for s, v in lengths.items()}
+    if not num_samples["train"]:
+        c = prep.counts
+        raise PipelineError(
+            f"stage 02: {wd.dataset('train')} holds 0 samples (stage 01 counted {c.get('records', '?')} records, "
+            f"{num_samples['eval']} held-out samples, bad records: {c.get('bad_records') or 'none'}); rerun "
+            f"`python {wd.script('prepare')} --force` with records that hold assistant turns and a lower "
+            f"--eval-fraction.")
     max_tokens = max((int(v.max()) for v in lengths.values() if len(v)), default=1)
 
     params = identity_params(cfg)
@@ -138,7 +150,7 @@ def validate(cfg: ExtractConfig) -> Prepared:
               "target_weights": weights_fingerprint(cfg.target_model)}
     identity = {
         "store_format": store.STORE_FORMAT, "aux_layers": aux, "hidden_size": info.hidden_size,
-        "num_layers": info.num_layers, "vocab_size": info.vocab_size, "dtype": store.STORE_DTYPE,
+        "num_layers": info.num_layers, "vocab_size": info.vocab_size, **store.identity_fields(cfg.store_dtype),
         "tokenizer_fingerprint": fp, "target_model": cfg.target_model, "compute_dtype": cfg.dtype,
         "backend": cfg.backend, "samples_per_file": cfg.samples_per_file, "num_samples": num_samples,
         "inputs": inputs,
@@ -242,7 +254,7 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
             pending = pool.submit(
                 _finish_file, written, partial, d / spec.name, split=spec.split, file_no=spec.file_no,
                 first_sample=spec.first, sample_ids=sample_ids, identity_hash=p.identity_hash,
-                normalize=head.normalize, argmax=head.argmax)
+                normalize=head.normalize, argmax=head.argmax, store_dtype=p.params["store_dtype"])
         if pending is not None:
             pending.result()
 
@@ -295,15 +307,16 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     counts["files_expected"] = len(plan)
     counts["files_present"] = len(entries)
     counts["bytes"] = sum(e["bytes"] for e in entries)
-    counts["bytes_per_token"] = store.bytes_per_token(p.info.hidden_size, len(p.aux_layers))
+    counts["bytes_per_token"] = store.bytes_per_token(p.info.hidden_size, len(p.aux_layers), cfg.store_dtype)
     rejected = {e["name"]: [e["sample_ids"][i] for i in e["rejected"]] for e in entries if e["rejected"]}
+    _refuse_or_warn_rejected(cfg, d, counts, complete=not missing)
     extra = {
         "aux_layers": p.aux_layers,
         "layer_ids": "docs/CONVENTIONS.md §1: id k = residual stream after k decoder layers",
         "hidden_size": p.info.hidden_size, "num_layers": p.info.num_layers, "vocab_size": p.info.vocab_size,
-        "dtype": store.STORE_DTYPE, "store_format": store.STORE_FORMAT,
+        **store.encoding_fields(cfg.store_dtype), "store_format": store.STORE_FORMAT,
         "tokenizer_fingerprint": p.identity["tokenizer_fingerprint"],
-        "loss_target": "final = target hidden state after its final norm (bf16), so target logits = "
+        "loss_target": "final = target hidden state after its final norm (read as bf16), so target logits = "
                        "final @ lm_head.T; target_argmax = full-vocab argmax of those logits (int32) where "
                        "loss_mask[t] or loss_mask[t+1] is 1, -1 elsewhere",
         "complete": not missing,
@@ -327,6 +340,22 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
                     "copy their files into %s, then rerun this command once to complete the manifest",
                     len(missing), missing[0][1].name, cfg.num_shards, extra["missing"]["shard_indices"], d)
     return m
+
+
+def _refuse_or_warn_rejected(cfg: ExtractConfig, d: Path, counts: dict, *, complete: bool) -> None:
+    """No usable train sample in a complete store is an error (no manifest: stage 04 must not
+    train on nothing; the files stay, so a rerun says the same without extracting again);
+    more than half of a split rejected is a warning. Same counts in both lines."""
+    line = "; ".join(f"{s}: {counts[f'{s}_rejected_nonfinite']} of {counts[f'{s}_samples']} samples rejected "
+                     f"for NaN/Inf hidden states" for s in SPLITS)
+    fix = ("float16 overflows: run the target in bfloat16 or float32 (--dtype)" if cfg.dtype == "float16" else
+           f"the target's forward in {cfg.dtype} is not finite: check its weights for NaN/Inf, or run it in "
+           f"float32 (--dtype float32)")
+    usable = counts["train_samples"] - counts["train_rejected_nonfinite"]
+    if complete and counts["train_samples"] and not usable:
+        raise PipelineError(f"stage 02: no usable train sample in {d} ({line}); {fix}; then rerun with --force.")
+    if any(2 * counts[f"{s}_rejected_nonfinite"] > counts[f"{s}_samples"] for s in SPLITS):
+        log.warning("stage 02: most samples of a split were rejected (%s); %s", line, fix)
 
 
 def store_intact(d: Path, m: Manifest, *, verify_checksums: bool) -> bool:
@@ -361,6 +390,8 @@ def extract_hidden_states(cfg: ExtractConfig) -> Manifest:
     if todo:
         lengths = {s: split_lengths(p.wd, s) for s in SPLITS}
         total = sum(int(lengths[s.split][s.first:s.first + s.count].sum()) for s in todo)
+        store.require_free_space(d, [(s.count, int(lengths[s.split][s.first:s.first + s.count].sum())) for s in todo],
+                                 p.info.hidden_size, len(p.aux_layers), cfg.store_dtype, cfg.data_parallel_size)
         with tqdm(total=total, unit="tok", unit_scale=True, desc="extract", smoothing=0.05) as bar:
             if cfg.data_parallel_size > 1:
                 # tokens/s and ETA count from the first engine up, not from the start
