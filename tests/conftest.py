@@ -42,5 +42,27 @@ def prepared_llama(tmp_path_factory, tiny_llama) -> Path:
     return wd
 
 
+@pytest.fixture(scope="session")
+def stages_123(tmp_path_factory, tiny_llama) -> Path:
+    """Stages 01-03 on 60 demo chats with the tiny Llama (tests/stage_fixtures.py); read-only:
+    a test that writes works on `copy_stages(stages_123, tmp_path / ...)`."""
+    from stage_fixtures import build_stages_123
+
+    return build_stages_123(tmp_path_factory.mktemp("stages-123"), tiny_llama)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Make any attempt to load a model fail loudly: for checks that must happen before."""
+    from eagle3.extract import run as run_mod
+    from eagle3.extract import target_head
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded although the run should not need one")
+
+    monkeypatch.setattr(run_mod, "make_backend", boom)
+    monkeypatch.setattr(target_head.TargetHead, "load", classmethod(boom))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "fault: kill -9 / disk-full fault tests (run in CI; the soak is bench/soak_faults.py)")

@@ -98,16 +98,6 @@ def vllm_store(prepared, tiny_targets, tmp_path_factory):
     return Stores()
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Make any attempt to load a model fail loudly: for checks that must happen before."""
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded although the run should not need one")
-
-    monkeypatch.setattr(run_mod, "make_backend", boom)
-    from eagle3.extract import target_head
-
-    monkeypatch.setattr(target_head.TargetHead, "load", classmethod(boom))
 
 
 # --------------------------------------------------------------------------- backends agree

@@ -297,16 +297,6 @@ def stores(prepared, tiny_llama, tmp_path_factory) -> dict[str, Path]:
     return Stores()
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    from eagle3.extract import run as run_mod
-    from eagle3.extract import target_head
-
-    def boom(*a, **k):
-        raise AssertionError("a model was loaded")
-
-    monkeypatch.setattr(run_mod, "make_backend", boom)
-    monkeypatch.setattr(target_head.TargetHead, "load", classmethod(boom))
 
 
 def test_fp8_store_holds_the_bf16_stores_states_in_half_the_bytes(stores):

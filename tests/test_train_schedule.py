@@ -11,7 +11,6 @@ Stages 01-03 run once on 60 chats; the runs are a few steps long.
 """
 import logging
 import re
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -23,9 +22,6 @@ import torch
 
 from eagle3.batching import fold_leftover, pack_greedy
 from eagle3.errors import PipelineError
-from eagle3.extract.config import ExtractConfig
-from eagle3.extract.run import extract_hidden_states
-from eagle3.prepare import PrepareConfig, prepare_dataset
 from eagle3.store import HiddenStateStore
 from eagle3.train import loop
 from eagle3.train.config import TrainConfig
@@ -33,6 +29,7 @@ from eagle3.train.data import Batching, EpochPlan, epoch_batches
 from eagle3.train.loss_positions import check_loss_positions, count_loss_positions
 from eagle3.vocab import VocabConfig, build_vocab_mapping
 from eagle3.workdir import WorkDir
+from stage_fixtures import copy_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 # On the 60 chats below, seed 8 and rows of 416 tokens pack epoch 1 into fewer rows
@@ -43,23 +40,6 @@ RUN = dict(epochs=2, seed=8, batch_tokens=416, max_seq_len=256, ttt_steps=2, war
            log_every=1, eval_every=1000, save_every=4)
 
 
-@pytest.fixture(scope="module")
-def stages_123(tmp_path_factory, tiny_llama) -> Path:
-    wd = tmp_path_factory.mktemp("schedule-base")
-    data = wd / "chats.jsonl"
-    data.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:60]) + "\n")
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(data)], max_length=256,
-                                  eval_fraction=0.15, num_workers=1))
-    extract_hidden_states(ExtractConfig(work_dir=wd, target_model=str(tiny_llama), backend="hf",
-                                        samples_per_file=32, dtype="float32"))
-    build_vocab_mapping(VocabConfig(work_dir=wd, draft_vocab_size=128))
-    return wd
-
-
-def fresh(base: Path, dest: Path) -> Path:
-    for stage in ("01_dataset", "02_hidden_states", "03_vocab"):
-        shutil.copytree(base / stage, dest / stage)
-    return dest
 
 
 def train_split(wd: Path):
@@ -145,7 +125,7 @@ def test_the_packed_leftover_row_comes_last_in_its_epoch():
 
 def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stages_123, tiny_llama, monkeypatch,
                                                                    caplog):
-    a, b = fresh(stages_123, tmp_path / "a"), fresh(stages_123, tmp_path / "b")
+    a, b = copy_stages(stages_123, tmp_path / "a"), copy_stages(stages_123, tmp_path / "b")
     read, valid = {}, {}
     micro_batches, forward = loop.Trainer.micro_batches, loop.Trainer.forward
 
@@ -219,7 +199,7 @@ def test_counts_match_a_token_by_token_count(stages_123):
 
 def test_answers_beyond_max_seq_len_exit_with_one_line_naming_the_store_and_counts(tmp_path, stages_123,
                                                                                    tiny_llama):
-    wd = fresh(stages_123, tmp_path / "w")
+    wd = copy_stages(stages_123, tmp_path / "w")
     by_hand, _ = counted_by_hand(wd, 16)  # every chat's prompt is longer than 16 tokens
     assert by_hand["carrying"] == 0 and by_hand["outside_vocab"] == 0
     r = subprocess.run([sys.executable, str(ROOT / "04_train_drafter.py"), "--work-dir", str(wd), "--target-model",
@@ -239,7 +219,7 @@ def test_answers_beyond_max_seq_len_exit_with_one_line_naming_the_store_and_coun
 
 def test_a_draft_vocab_without_the_targets_predictions_is_refused_before_training(tmp_path, stages_123,
                                                                                    tiny_llama):
-    wd = WorkDir(fresh(stages_123, tmp_path / "w"))
+    wd = WorkDir(copy_stages(stages_123, tmp_path / "w"))
     predicted = np.unique(np.concatenate([s.target_argmax.numpy() for s in train_split(wd.root)]))
     freq = np.load(wd.token_freq("train"))
     # frequencies that make stage 03 choose 16 ids the target never predicts on the train split

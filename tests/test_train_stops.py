@@ -14,7 +14,6 @@ import errno
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -22,39 +21,18 @@ import torch
 
 from eagle3.atomic import DiskFullError
 from eagle3.errors import PipelineError
-from eagle3.extract.config import ExtractConfig
-from eagle3.extract.run import extract_hidden_states
-from eagle3.prepare import PrepareConfig, prepare_dataset
 from eagle3.train import loop, metrics
 from eagle3.train.config import TrainConfig
 from eagle3.train.metrics import read_lines_up_to
 from eagle3.ttt import TTTOutput
-from eagle3.vocab import VocabConfig, build_vocab_mapping
 from eagle3.workdir import WorkDir
+from stage_fixtures import copy_stages
 
-ROOT = Path(__file__).resolve().parent.parent
 RUN = dict(max_steps=6, batch_tokens=1024, max_seq_len=256, ttt_steps=2, warmup_steps=2, learning_rate=2e-3,
            log_every=1, eval_every=1000, save_every=2)
 BAD_STEP = 3  # the step the fault hits; the last checkpoint before it is step 2
 
 
-@pytest.fixture(scope="module")
-def stages_123(tmp_path_factory, tiny_llama) -> Path:
-    wd = tmp_path_factory.mktemp("stops-base")
-    data = wd / "chats.jsonl"
-    data.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:60]) + "\n")
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(data)], max_length=256,
-                                  eval_fraction=0.15, num_workers=1))
-    extract_hidden_states(ExtractConfig(work_dir=wd, target_model=str(tiny_llama), backend="hf",
-                                        samples_per_file=32, dtype="float32"))
-    build_vocab_mapping(VocabConfig(work_dir=wd, draft_vocab_size=128))
-    return wd
-
-
-def fresh(base: Path, dest: Path) -> Path:
-    for stage in ("01_dataset", "02_hidden_states", "03_vocab"):
-        shutil.copytree(base / stage, dest / stage)
-    return dest
 
 
 def config(wd: Path, tiny_llama: Path) -> TrainConfig:
@@ -92,7 +70,7 @@ POISONS = {
 @pytest.mark.parametrize("poison", list(POISONS))
 def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, tmp_path, stages_123, tiny_llama,
                                                                       monkeypatch):
-    wd = WorkDir(fresh(stages_123, tmp_path / "w"))
+    wd = WorkDir(copy_stages(stages_123, tmp_path / "w"))
     make_bad, message = POISONS[poison]
     seen = {}
     forward = loop.Trainer.forward
@@ -129,7 +107,7 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
 
 def test_a_full_disk_at_the_metrics_stops_the_stage_and_a_rerun_resumes(tmp_path, stages_123, tiny_llama,
                                                                          monkeypatch):
-    a, b = WorkDir(fresh(stages_123, tmp_path / "a")), WorkDir(fresh(stages_123, tmp_path / "b"))
+    a, b = WorkDir(copy_stages(stages_123, tmp_path / "a")), WorkDir(copy_stages(stages_123, tmp_path / "b"))
     loop.train_drafter(config(b.root, tiny_llama))  # unbroken
 
     attempted = []
