@@ -29,7 +29,7 @@ check, exit status 1 if any fails (2 without a CUDA device):
              tests/test_attention_kernel_contract.py): the correct path's worst gradient
              is 1.0e-2 off (bf16 rounding; the reference attention under bf16 is as
              far), the loss 2e-6; the CUDA branch handing the kernel `out` in
-             [B, nh, T, D] memory (issue 19, defect 1) puts q_proj/k_proj 1.6e-1 (whole
+             [B, nh, T, D] memory (the code before this check) puts q_proj/k_proj 1.6e-1 (whole
              rows) and 3.6e-1 (packed rows) off while the loss stays right. ATTN_RTOL =
              3e-2 leaves the correct path a factor 3 and fails that defect by a factor
              5; tests/test_attention_kernel_contract.py checks both sides on CPU.

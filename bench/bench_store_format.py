@@ -29,7 +29,7 @@ copies stages 00-01 into a sibling work dir `W-store-{bf16,fp8}`, runs stages 02
 `--store-dtype`), 03, 04, 05 and 06 there as scripts/demo.sh does, and prints stage 06's
 served acceptance length with its 95% interval and per position, next to stage 04's
 held-out expected acceptance. A format may become the default only if its served
-acceptance lies inside the bf16 run's interval (issue 22). Takes as long as the demo's
+acceptance lies inside the bf16 run's interval. Takes as long as the demo's
 stages 02-06 per encoding: run it on an idle machine.
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ def bytes_table() -> list[str]:
         for alt, b in ((f"fp8/b{BLOCK}", 4 * H + 4 * (H // BLOCK) + 9), ("fp8/bf16s", 4 * H + 4 * 2 + 9),
                        ("fp8/f32s", 4 * H + 4 * 4 + 9)):  # other scale schemes (not built): see part 3
             out.append(f"{label:24s}{alt:10s}{b:>10,}{b * 1e6 / 1e9:>18.2f}{b / ref:>9.3f}   (not built, for comparison)")
-    out.append(f"goal (issue 22): fp8 at most 4H + 16 B/token: {4 * 576 + 16:,} / {4 * 7168 + 16:,}")
+    out.append(f"target: fp8 at most 4H + 16 B/token: {4 * 576 + 16:,} / {4 * 7168 + 16:,}")
     return out
 
 

@@ -256,7 +256,7 @@ def test_context_kernel_refuses_a_device_without_one():
 
 
 def _defect1_backward(dout, q, k, v, out, lse, scale, saved):
-    """The CUDA branch's backward as it was (issue 19, defect 1): `out` and lse handed over as they come."""
+    """The CUDA branch's backward as it was before the layout fix: `out` and lse handed over as they come."""
     seed, offset, lse_len = saved
     G = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
