@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 from eagle3.extract.config import ExtractConfig
@@ -30,3 +33,18 @@ def copy_stages(base: Path, dest: Path) -> Path:
     for stage in ("01_dataset", "02_hidden_states", "03_vocab"):
         shutil.copytree(base / stage, dest / stage)
     return dest
+
+
+def kill_after_entries(cmd: list[str], store_dir: Path, entries: int = 2, timeout_s: float = 120) -> None:
+    """Run a stage-02 command and kill -9 it once `entries` store files are complete (their
+    index entries written), so a rerun has some files to keep and some to redo."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(list(store_dir.glob("*-0*.json"))) < entries:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

@@ -7,10 +7,8 @@ vLLM tests fail (never skip) when it cannot run. One vLLM engine per target
 from __future__ import annotations
 
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from eagle3.extract import run as run_mod
 from eagle3.manifest import read_manifest
 from eagle3.store import HiddenStateStore
 from eagle3.workdir import WorkDir
+from stage_fixtures import kill_after_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 N_CHATS = 40
@@ -304,17 +303,8 @@ def test_kill_and_resume_equals_unbroken_run(prepared, hf_store, tiny_targets, t
     wd = fresh_wd(prepared["llama"], tmp_path)
     cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
            "--target-model", str(tiny_targets["llama"]), "--backend", "hf", "--samples-per-file", "4"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     d = WorkDir(wd).store()
-    deadline = time.monotonic() + 120
-    try:
-        while len(list(d.glob("*-0*.json"))) < 2:
-            assert proc.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_after_entries(cmd, d)
     n_plan = len(run_mod.plan_files({s: len(HiddenStateStore.open(WorkDir(hf_store["llama"]), needed_by="t")
                                             .split(s)) for s in ("train", "eval")}, 4))
     assert len(list(d.glob("*-0*.json"))) < n_plan, "killed too late to test a resume"

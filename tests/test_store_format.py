@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -29,6 +26,7 @@ from safetensors import safe_open
 from eagle3 import store
 from eagle3.errors import PipelineError
 from eagle3.workdir import WorkDir
+from stage_fixtures import kill_after_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 H, A = 32, 3
@@ -382,17 +380,8 @@ def test_fp8_kill_and_resume_equals_unbroken_run(prepared, stores, tiny_llama, t
     wd = fresh_wd(prepared, tmp_path)
     cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
            "--target-model", str(tiny_llama), "--backend", "hf", "--samples-per-file", "4", "--store-dtype", "fp8"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     d = WorkDir(wd).store()
-    deadline = time.monotonic() + 120
-    try:
-        while len(list(d.glob("*-0*.json"))) < 2:
-            assert proc.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_after_entries(cmd, d)
     n_files = len([n for n in store_files(stores["fp8"]) if n.endswith(".safetensors")])
     assert len(list(d.glob("*-0*.json"))) < n_files, "killed too late to test a resume"
     assert not WorkDir(wd).manifest("extract").exists()

@@ -13,15 +13,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.errors import PipelineError
-from eagle3.extract.config import ExtractConfig
-from eagle3.extract.run import extract_hidden_states
 from eagle3.manifest import read_manifest
-from eagle3.prepare import PrepareConfig, prepare_dataset
 from eagle3.train.config import TrainConfig
 from eagle3.train.finetune import remap_lm_head
 from eagle3.train.loop import train_drafter
 from eagle3.vocab import VocabConfig, build_vocab_mapping
 from eagle3.workdir import WorkDir
+from stage_fixtures import build_stages_123
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=3,
@@ -43,16 +41,7 @@ def sharp_llama(tmp_path_factory, tiny_llama) -> Path:
 @pytest.fixture(scope="session")
 def stages_123(tmp_path_factory, sharp_llama) -> Path:
     """Stages 01-03 on 120 demo chats (draft vocab 128); copy before training in it."""
-    wd = tmp_path_factory.mktemp("train-base")
-    lines = (ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:120]
-    data = wd / "chats.jsonl"
-    data.write_text("\n".join(lines) + "\n")
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(sharp_llama), data=[str(data)], max_length=256,
-                                  eval_fraction=0.15, num_workers=1))
-    extract_hidden_states(ExtractConfig(work_dir=wd, target_model=str(sharp_llama), backend="hf",
-                                        samples_per_file=32, dtype="float32"))
-    build_vocab_mapping(VocabConfig(work_dir=wd, draft_vocab_size=128))
-    return wd
+    return build_stages_123(tmp_path_factory.mktemp("train-base"), sharp_llama, chats=120)
 
 
 def fresh(base: Path, dest: Path, vocab: int | None = None) -> Path:
