@@ -94,6 +94,11 @@ def load_lm_head(info: TargetInfo, rows: Sequence[int] | torch.Tensor | None = N
     return w if rows is None else w[torch.as_tensor(rows, dtype=torch.long)]
 
 
+def load_layer_tensors(info: TargetInfo, layer: int, suffixes: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Tensors of decoder layer `layer` by suffix (e.g. "self_attn.q_proj.weight"), checkpoint dtype."""
+    return load_tensors(info.source, {sfx: _candidates(info, f"model.layers.{layer}.{sfx}") for sfx in suffixes})
+
+
 def load_embedding(info: TargetInfo) -> torch.Tensor:
     """The target's input embedding [V, H], checkpoint dtype (stage 04's frozen
     embedding; stage 05's `--include-embed-tokens`)."""

@@ -10,6 +10,7 @@ from ..errors import PipelineError
 VOCAB_MODES = ("keep", "remap")
 PRECISIONS = ("auto", "bf16", "fp32")
 ATTENTIONS = ("sdpa", "reference")
+LOSS_ON = ("assistant", "all")
 
 
 @dataclass(kw_only=True)
@@ -25,6 +26,18 @@ class TrainConfig(StageConfig):
     # train-time test
     ttt_steps: int = param(7, min=1, help="draft steps unrolled per position (EAGLE-3 uses 7)")
     step_decay: float = param(0.8, help="loss weight of step k is step_decay**k")
+    # what the drafter learns from (docs/LEVERS.md measures each)
+    loss_on: str = param("assistant", choices=LOSS_ON,
+                         help="positions that carry loss in training: assistant tokens only, or every token (the "
+                              "target's distribution is known at prompt tokens too); held-out figures stay "
+                              "assistant-only")
+    aux_noise: float = param(0.0, min=0.0, help="Gaussian noise on the aux hidden states in training, its std a "
+                                                "share of each layer's per-token RMS (0: none)")
+    init_layer: int | None = param(None, help="initialise the drafter's decoder layer from this target layer "
+                                              "(-1: the last; needs the target's attention and MLP shapes)")
+    train_fraction: float = param(1.0, gt=0, max=1.0,
+                                  help="train on this share of the train split's samples, the first of a seeded "
+                                       "order (a smaller share is a subset of a larger one): data forecasts")
     # optimization
     learning_rate: float = param(1e-4, gt=0, help="peak AdamW learning rate")
     weight_decay: float = param(0.0, help="AdamW weight decay")
@@ -70,6 +83,9 @@ class TrainConfig(StageConfig):
         super().__post_init__()  # the choices and ranges declared with the fields
         if self.vocab_mode == "remap" and not self.init_from:
             raise PipelineError("vocab_mode = 'remap' only applies with --init-from DRAFTER_DIR.")
+        if self.init_layer is not None and self.init_from:
+            raise PipelineError("--init-layer starts a fresh drafter from a target layer; --init-from starts from "
+                                "an existing drafter: pass one of them.")
         if self.batch_tokens < self.max_seq_len:
             raise PipelineError(f"batch_tokens = {self.batch_tokens} is below max_seq_len = {self.max_seq_len}; "
                                 f"a batch must hold one full sample: raise --batch-tokens or lower --max-seq-len.")

@@ -20,6 +20,7 @@ no step ever reads past the end of its epoch's batches.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,29 @@ def epoch_batches(lengths: list[int], cfg: Batching, epoch: int | None) -> list[
     # Shuffle the batch order too, or long batches would cluster per window.
     g = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch + 1)
     return [full[i] for i in torch.randperm(len(full), generator=g).tolist()] + leftover
+
+
+def nested_share(samples: list[int], fraction: float, seed: int) -> list[int]:
+    """The first ceil(fraction * n) of `samples` in a seeded order, back in their own order.
+
+    The order depends on `seed` only, so for one seed the share of a smaller fraction
+    is a subset of the share of a larger one (a data forecast trains on nested data).
+    """
+    if fraction >= 1.0:
+        return list(samples)
+    n = max(1, math.ceil(fraction * len(samples)))
+    g = torch.Generator().manual_seed(seed * 100_003 + 977)
+    keep = sorted(torch.randperm(len(samples), generator=g)[:n].tolist())
+    return [samples[i] for i in keep]
+
+
+def noisy_aux(aux: torch.Tensor, share: float, num_aux: int) -> torch.Tensor:
+    """aux [B, T, A*H] plus Gaussian noise whose std is `share` of each aux layer's
+    per-token RMS (the layers' scales differ by orders of magnitude), in aux's dtype."""
+    B, T, AH = aux.shape
+    x = aux.float().view(B, T, num_aux, AH // num_aux)  # [B, T, A, H]
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()  # [B, T, A, 1]
+    return (x + share * rms * torch.randn_like(x)).view(B, T, AH).to(aux.dtype)
 
 
 def rank_batches(batches: list[list[int]], rank: int, world: int) -> list[list[int]]:

@@ -47,12 +47,13 @@ from ..vocab import target_ids
 from ..workdir import WorkDir
 from .checkpoint import latest_checkpoint, rng_states_of_all_ranks, save_checkpoint, set_rng_state
 from .config import TrainConfig
-from .data import Batching, EpochPlan, epoch_batches, load_batch, rank_batches
+from .data import Batching, EpochPlan, epoch_batches, load_batch, nested_share, noisy_aux, rank_batches
 from .distributed import Dist, barrier, close_distributed, init_distributed
 from .finetune import InitReport, load_initial_drafter
 from .loss_positions import check_loss_positions, count_loss_positions
 from .memory import GIB, predict_peak
 from .metrics import MetricSum, MetricsLog, fmt
+from .target_layer_init import init_from_target_layer
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +154,9 @@ def build_drafter(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, In
     dcfg.num_aux_layers = src.store.num_aux  # what stage 02 captured, whatever the target's default
     drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
     drafter.set_vocab_mapping(src.d2t, src.t2d)
+    if cfg.init_layer is not None:
+        layer = init_from_target_layer(drafter, src.info, cfg.init_layer)
+        log.info("the drafter's decoder layer starts from target layer %d (--init-layer %d)", layer, cfg.init_layer)
     return drafter, None
 
 
@@ -208,6 +212,7 @@ class Trainer:
         # [V_t, H], [V_d, H]
         self.embed, self.lm_rows = frozen_target_weights(cfg, src.info, drafter, device, self.bf16)
         self.local_ids = torch.arange(self.lm_rows.shape[0], device=device)  # lm_rows is already the draft vocab
+        self.draft_ids = self.drafter.draft_ids().to(device)  # [V_d] target id of each draft row
         self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
                              checkpoint_steps=cfg.checkpoint_steps)
         self.model = TTTModel(self.drafter, self.ttt)  # one forward = the whole K-step unroll (what DDP wraps)
@@ -224,7 +229,8 @@ class Trainer:
         self.lengths = self.train_split.lengths()
         # Before any step: a split where no position carries loss is refused, and samples
         # without one stay out of the epochs (a row of them would step on no gradient).
-        self.loss_positions = count_loss_positions(self.train_split, self.drafter.t2d, cfg.max_seq_len)
+        self.loss_positions = count_loss_positions(self.train_split, self.drafter.t2d, cfg.max_seq_len,
+                                                   assistant_only=cfg.loss_on == "assistant")
         if d.main:
             log.info("train split: %s", self.loss_positions.summary(cfg.max_seq_len, self.dcfg.draft_vocab_size))
         warning = check_loss_positions(self.loss_positions, max_seq_len=cfg.max_seq_len,
@@ -234,8 +240,12 @@ class Trainer:
             log.warning("%s", warning)
         # Each epoch's step count comes from its own packing (data.py); counting every
         # epoch the run reaches now stops an epoch too small for a step before training.
+        trained = nested_share(self.loss_positions.trainable(), cfg.train_fraction, cfg.seed)
+        if cfg.train_fraction < 1.0 and d.main:
+            log.info("--train-fraction %g: training on %d of the %d samples that carry loss", cfg.train_fraction,
+                     len(trained), len(self.loss_positions.trainable()))
         self.plan = EpochPlan(self.lengths, self.batching, rank=d.rank, world=d.world, grad_accum=cfg.grad_accum,
-                              samples=self.loss_positions.trainable())
+                              samples=trained)
         if cfg.max_steps:
             self.total = cfg.max_steps
             self.plan.locate(self.total - 1)
@@ -273,9 +283,23 @@ class Trainer:
         amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
         probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
                                              lm_head_weight=self.lm_rows, target_argmax=amax)  # [B, T, V_d]
+        if self.cfg.loss_on == "all":
+            # Stage 02 takes the full-vocab argmax next to assistant tokens only; elsewhere
+            # the argmax over the draft rows stands in (padding stays masked either way).
+            drafted = self.draft_ids[probs.argmax(dim=-1)]  # [B, T, V_d] -> [B, T] target ids
+            amax = torch.where(b["target_argmax"] < 0, drafted, amax)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             return self.model(b["aux"], b["input_ids"], self.embed, probs, amax, b["loss_mask"],
                               b["attention_mask"], b.get("position_ids"), b.get("segment_ids"))
+
+    def training_view(self, batch: dict) -> dict:
+        """What a train batch trains on: with --loss-on all every real token carries loss,
+        with --aux-noise the aux states are perturbed. Held-out batches never pass here."""
+        if self.cfg.loss_on == "all":
+            batch["loss_mask"] = batch["attention_mask"].to(torch.int8)
+        if self.cfg.aux_noise > 0:
+            batch["aux"] = noisy_aux(batch["aux"], self.cfg.aux_noise, self.dcfg.num_aux_layers)
+        return batch
 
     # -- one optimizer step --------------------------------------------------------
     def train_step(self) -> float:
@@ -288,7 +312,7 @@ class Trainer:
         micro = self.micro_batches(self.step)
         self.opt.zero_grad(set_to_none=True)
         for i, idx in enumerate(micro):
-            batch = self.load(self.train_split, idx)
+            batch = self.training_view(self.load(self.train_split, idx))
             self.window_tokens += int(batch["attention_mask"].sum())
             # DDP all-reduces gradients during backward. Accumulating micro-batches needs
             # that once per step, so no_sync skips it on all but the last micro-batch.

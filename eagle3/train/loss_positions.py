@@ -14,7 +14,10 @@ The rule is step 0 of `valid_positions` in eagle3/ttt.py (docs/CONVENTIONS.md §
 counted per predicted token j of a sample (drafter position t = j - 2): token j
 carries loss iff j < --max-seq-len (training crops samples there), loss_mask[j] is 1
 (an assistant token) and the target's argmax at j - 1 is in the draft vocabulary.
-The first two tokens of a sample are never predicted and are not counted. Every
+With --loss-on all every token counts as inside the mask (the held-out split still
+scores assistant tokens only); where stage 02 stored no argmax (it computes it next to
+assistant tokens only), the target's argmax over the draft rows stands in, which the
+draft vocabulary can always say. The first two tokens of a sample are never predicted and are not counted. Every
 counted position falls under exactly one reason:
 
     beyond_max_seq_len   j >= --max-seq-len
@@ -79,11 +82,13 @@ def _column(path, lay: FileLayout, name: str, dtype, count: int) -> np.ndarray:
     return np.fromfile(path, dtype=dtype, count=count, offset=lay.offset(name))
 
 
-def count_loss_positions(split: SplitView, t2d: torch.Tensor, max_seq_len: int) -> LossPositions:
+def count_loss_positions(split: SplitView, t2d: torch.Tensor, max_seq_len: int,
+                         assistant_only: bool = True) -> LossPositions:
     """Count the positions of `split` by the reason they do or do not carry loss.
 
     t2d: [V_t] bool, the draft vocabulary the run trains (stage 03's, or with
-    --init-from and --vocab-mode keep the drafter's own).
+    --init-from and --vocab-mode keep the drafter's own). assistant_only=False
+    (--loss-on all): every token may carry loss, so none falls outside the mask.
     """
     in_vocab = t2d.detach().cpu().numpy().astype(bool)  # [V_t]
     V = len(in_vocab)
@@ -94,13 +99,16 @@ def count_loss_positions(split: SplitView, t2d: torch.Tensor, max_seq_len: int) 
         lay, _ = FileLayout.read(path)
         S, T = lay.num_samples, lay.num_tokens
         offsets = _column(path, lay, "sample_offsets", np.int64, S + 1)  # [S+1]
-        mask = _column(path, lay, "loss_mask", np.int8, T).astype(bool)  # [T]
+        assistant = _column(path, lay, "loss_mask", np.int8, T).astype(bool)  # [T]
+        mask = assistant if assistant_only else np.ones(T, dtype=bool)  # [T]
         argmax = _column(path, lay, "target_argmax", np.int32, T)  # [T], -1 where never a label
         sample = np.repeat(np.arange(S), np.diff(offsets))  # [T] sample of each token
         j = np.arange(T) - offsets[:-1][sample]  # [T] index of each token within its sample
         prev = np.concatenate([[-1], argmax[:-1]])  # [T] argmax at j - 1 (same sample wherever j >= 2)
         said = (prev >= 0) & (prev < V)
         said[said] = in_vocab[prev[said]]  # [T] the draft vocab can say the target's prediction of j
+        if not assistant_only:  # stage 02 stored no argmax outside the answers: the draft rows' own stands in
+            said |= prev < 0
         valid = np.ones(S, dtype=bool)
         valid[list(entry["rejected"])] = False  # rejected samples are not in the split
         predicted = (j >= 2) & valid[sample]  # [T]
@@ -110,7 +118,7 @@ def count_loss_positions(split: SplitView, t2d: torch.Tensor, max_seq_len: int) 
         totals["beyond_max_seq_len"] += int((predicted & ~within).sum())
         totals["outside_mask"] += int((within & ~mask).sum())
         totals["outside_vocab"] += int((within & mask & ~said).sum())
-        totals["assistant"] += int((predicted & mask).sum())
+        totals["assistant"] += int((predicted & assistant).sum())
         per_sample.append(np.bincount(sample[carry], minlength=S)[valid])  # [S_valid]
     counts = np.concatenate(per_sample) if per_sample else np.zeros(0, dtype=np.int64)
     assert len(counts) == len(split), (len(counts), len(split))
