@@ -14,7 +14,7 @@ from eagle3.train.config import TrainConfig
 from eagle3.train.data import nested_share, noisy_aux
 from eagle3.train.loop import drafter_config_for_target, train_drafter
 from eagle3.train.loss_positions import count_loss_positions
-from eagle3.train.target_layer_init import init_from_target_layer
+from eagle3.train.target_layer_init import init_from_target_layer, init_head_from_target
 from eagle3.workdir import WorkDir
 from stage_fixtures import copy_stages
 
@@ -68,6 +68,33 @@ def test_init_layer_makes_the_drafter_layer_the_target_layer(tiny_llama):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_init_head_and_layer_make_the_first_draft_the_targets_tail(tiny_llama):
+    """--init-layer -1 --init-head: step 0's logits on the deepest aux state h are the
+    target's last layer, final norm and lm_head rows applied to h."""
+    info = read_target_info(tiny_llama)
+    cfg = TrainConfig(work_dir=Path("unused"), target_model=str(tiny_llama))
+    dcfg = drafter_config_for_target(info, cfg, 64)
+    drafter = Eagle3Drafter(dcfg, attention="reference").eval()
+    draft_ids = torch.arange(64) * 3  # any rows of the target vocab
+    drafter.set_vocab_mapping(draft_ids - torch.arange(64), torch.isin(torch.arange(info.vocab_size), draft_ids))
+    init_from_target_layer(drafter, info, -1)
+    aux_layers = [info.num_layers - 1, 0, 1]  # the deepest need not come last in the store's order
+    init_head_from_target(drafter, info, aux_layers)
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    T, H = 10, info.hidden_size
+    h = torch.randn(1, T, H)
+    aux = torch.cat([h, torch.randn(1, T, H), torch.randn(1, T, H)], dim=-1)  # [1, T, 3H]
+    pos = torch.arange(T)[None]
+    with torch.no_grad():
+        logits, _ = drafter(aux, torch.randn(1, T, H), position_ids=pos)
+        out = target.model.layers[-1](h, position_embeddings=target.model.rotary_emb(h, pos), position_ids=pos,
+                                      attention_mask=None)
+        out = out[0] if isinstance(out, tuple) else out
+        want = target.lm_head(target.model.norm(out))[..., draft_ids]  # [1, T, V] -> [1, T, 64]
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+
+
 def test_init_layer_refuses_a_layer_the_target_lacks_and_other_shapes(tiny_llama):
     info = read_target_info(tiny_llama)
     cfg = TrainConfig(work_dir=Path("unused"), target_model=str(tiny_llama))
@@ -96,10 +123,10 @@ def test_a_run_with_every_lever_trains_and_records_them(tmp_path, stages_123, ti
     wd = copy_stages(stages_123, tmp_path / "w")
     with caplog.at_level("INFO"):
         m = train_drafter(TrainConfig(work_dir=wd, target_model=str(tiny_llama), loss_on="all", aux_noise=0.05,
-                                      init_layer=-1, train_fraction=0.5, **SMALL))
+                                      init_layer=-1, init_head=True, train_fraction=0.5, **SMALL))
     assert m.params["loss_on"] == "all" and m.params["init_layer"] == -1 and m.params["train_fraction"] == 0.5
     assert "--train-fraction 0.5: training on" in caplog.text
-    assert "starts from target layer" in caplog.text
+    assert "starts from target layer" in caplog.text and "norm and lm_head are the target's" in caplog.text
     lines = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()]
     train = [x for x in lines if x["split"] == "train"]
     assert len(train) == 2 and all(torch.isfinite(torch.tensor(x["loss_0"])) for x in train), train

@@ -99,6 +99,11 @@ def load_layer_tensors(info: TargetInfo, layer: int, suffixes: Sequence[str]) ->
     return load_tensors(info.source, {sfx: _candidates(info, f"model.layers.{layer}.{sfx}") for sfx in suffixes})
 
 
+def load_final_norm(info: TargetInfo) -> torch.Tensor:
+    """The target's final RMSNorm weight [H], checkpoint dtype."""
+    return load_tensors(info.source, {"final norm": _candidates(info, "model.norm.weight")})["final norm"]
+
+
 def load_embedding(info: TargetInfo) -> torch.Tensor:
     """The target's input embedding [V, H], checkpoint dtype (stage 04's frozen
     embedding; stage 05's `--include-embed-tokens`)."""
@@ -131,7 +136,7 @@ class TargetHead:
         if eps is None:
             raise PipelineError(f"{info.source}/config.json has no rms_norm_eps; stage 02 needs the "
                                 f"target's final RMSNorm.")
-        norm = load_tensors(info.source, {"final norm": _candidates(info, "model.norm.weight")})["final norm"]
+        norm = load_final_norm(info)
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         log.info("target head: final norm [%d], lm_head [%d, %d] on %s", norm.shape[0], info.vocab_size,
                  info.hidden_size, device)

@@ -35,6 +35,8 @@ class TrainConfig(StageConfig):
                                                 "share of each layer's per-token RMS (0: none)")
     init_layer: int | None = param(None, help="initialise the drafter's decoder layer from this target layer "
                                               "(-1: the last; needs the target's attention and MLP shapes)")
+    init_head: bool = param(False, help="start fc (passing the deepest aux layer), the final norm and lm_head as "
+                                        "the target's own (its final norm and draft-vocab lm_head rows)")
     train_fraction: float = param(1.0, gt=0, max=1.0,
                                   help="train on this share of the train split's samples, the first of a seeded "
                                        "order (a smaller share is a subset of a larger one): data forecasts")
@@ -83,9 +85,9 @@ class TrainConfig(StageConfig):
         super().__post_init__()  # the choices and ranges declared with the fields
         if self.vocab_mode == "remap" and not self.init_from:
             raise PipelineError("vocab_mode = 'remap' only applies with --init-from DRAFTER_DIR.")
-        if self.init_layer is not None and self.init_from:
-            raise PipelineError("--init-layer starts a fresh drafter from a target layer; --init-from starts from "
-                                "an existing drafter: pass one of them.")
+        if (self.init_layer is not None or self.init_head) and self.init_from:
+            raise PipelineError("--init-layer / --init-head start a fresh drafter from the target's weights; "
+                                "--init-from starts from an existing drafter: pass one of them.")
         if self.batch_tokens < self.max_seq_len:
             raise PipelineError(f"batch_tokens = {self.batch_tokens} is below max_seq_len = {self.max_seq_len}; "
                                 f"a batch must hold one full sample: raise --batch-tokens or lower --max-seq-len.")

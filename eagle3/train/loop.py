@@ -53,7 +53,7 @@ from .finetune import InitReport, load_initial_drafter
 from .loss_positions import check_loss_positions, count_loss_positions
 from .memory import GIB, predict_peak
 from .metrics import MetricSum, MetricsLog, fmt
-from .target_layer_init import init_from_target_layer
+from .target_layer_init import init_from_target_layer, init_head_from_target
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,10 @@ def build_drafter(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, In
     if cfg.init_layer is not None:
         layer = init_from_target_layer(drafter, src.info, cfg.init_layer)
         log.info("the drafter's decoder layer starts from target layer %d (--init-layer %d)", layer, cfg.init_layer)
+    if cfg.init_head:
+        init_head_from_target(drafter, src.info, src.store.aux_layers)
+        log.info("the drafter's fc passes aux layer %d, its norm and lm_head are the target's (--init-head)",
+                 max(src.store.aux_layers))
     return drafter, None
 
 

@@ -1,4 +1,4 @@
-"""Initialise the drafter's decoder layer from one of the target's own layers (--init-layer).
+"""Start a fresh drafter from the target's own weights (--init-layer, --init-head).
 
 A fresh drafter starts from random weights and learns language from the store alone.
 Copying a trained target layer gives it the target's attention and MLP to start from:
@@ -10,7 +10,17 @@ Copying a trained target layer gives it the target's attention and MLP to start 
     hidden_norm, input_layernorm <- the target layer's input norm
     post_attention_layernorm    <- the target layer's
 
-Only for targets whose layer has the drafter's shapes (Llama-style attention with the
+--init-head starts the rest of the drafter as the target's tail:
+
+    fc       passes the deepest aux layer through (identity on its block, 0 elsewhere)
+    norm     <- the target's final norm
+    lm_head  <- the target's lm_head rows of the draft vocabulary
+
+so with both, the drafter's first prediction is the target's last layer and head
+applied to its residual stream a few layers early (id N-3 by default), instead of
+noise.
+
+--init-layer is only for targets whose layer has the drafter's shapes (Llama-style attention with the
 same heads and MLP width; not DeepSeek's MLA and MoE layers): anything else is refused
 with the shapes that differ.
 """
@@ -19,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import PipelineError
-from ..extract.target_head import load_layer_tensors
+from ..extract.target_head import load_final_norm, load_layer_tensors, load_lm_head
 from ..model import Eagle3Drafter
 from ..target import TargetInfo
 
@@ -70,3 +80,19 @@ def init_from_target_layer(drafter: Eagle3Drafter, info: TargetInfo, layer: int)
     for name, sfx in COPIED.items():
         own[name].copy_(tensors[sfx].float())
     return L
+
+
+@torch.no_grad()
+def init_head_from_target(drafter: Eagle3Drafter, info: TargetInfo, aux_layers: list[int]) -> None:
+    """fc passes the deepest of `aux_layers` (the store's order, which fc's input
+    blocks follow), norm and lm_head are the target's (module doc)."""
+    c = drafter.config
+    if c.hidden_size != c.target_hidden_size:
+        raise PipelineError(f"--init-head needs the drafter's hidden size to be the target's ({c.hidden_size} vs "
+                            f"{c.target_hidden_size}): fc cannot pass a target state through otherwise.")
+    H = c.hidden_size
+    deepest = aux_layers.index(max(aux_layers))
+    drafter.fc.weight.zero_()  # [H, A*H]: one [H, H] block per aux layer
+    drafter.fc.weight[:, deepest * H:(deepest + 1) * H] = torch.eye(H)
+    drafter.norm.weight.copy_(load_final_norm(info).float())
+    drafter.lm_head.weight.copy_(load_lm_head(info, rows=drafter.draft_ids().cpu()).float())
