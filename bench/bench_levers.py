@@ -1,0 +1,161 @@
+"""Data-efficiency levers, each served: same data, same budget, one setting changed.
+
+    python bench/bench_levers.py --work-dir W [--config configs/smollm2-135m.yaml] [--target-model M]
+                                 [--levers baseline,loss-all,...] [--num-prompts N]
+
+W is a work dir where stages 00-03 ran under --config (the SmolLM2 demo's by default).
+For each lever, a sibling work dir W-levers/<lever>/ takes W's stages 00-02 as symlinks
+(and stage 03 too, unless the lever changes the draft vocabulary), then runs stage 04
+with the config's budget plus the lever's options, stage 05, and stage 06 greedy on the
+config's held-out prompts (no untrained baseline, no timing: acceptance only). A lever
+whose stage 06 results exist is not rerun, so an interrupted bench resumes.
+
+Prints per lever: served acceptance length with its 95% interval and per position,
+stage 04's held-out expected acceptance, the difference to the baseline lever with
+its paired 95% interval (the same prompts resampled together for both drafters), and
+whether it lies beyond the baseline's own 95% interval (the rule for adopting a lever
+as a default). Every lever costs one stage 04-06 run (the demo's: ~5 minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eagle3.evaluate.figures import histogram_counts  # noqa: E402
+
+# lever -> (stage 03 options, stage 04 options); everything else is the config's.
+LEVERS: dict[str, tuple[list[str], list[str]]] = {
+    "baseline": ([], []),
+    "loss-all": ([], ["--loss-on", "all"]),
+    "aux-noise-0.1": ([], ["--aux-noise", "0.1"]),
+    "init-last-layer": ([], ["--init-layer", "-1"]),
+    "init-head": ([], ["--init-head"]),
+    "init-tail": ([], ["--init-layer", "-1", "--init-head"]),
+    "ttt-5": ([], ["--ttt-steps", "5"]),
+    "step-decay-1.0": ([], ["--step-decay", "1.0"]),
+    "step-decay-0.6": ([], ["--step-decay", "0.6"]),
+    "vocab-8192": (["--draft-vocab-size", "8192"], []),
+    "vocab-2048": (["--draft-vocab-size", "2048"], []),
+    "lr-min-0": ([], ["--min-lr-ratio", "0.0"]),
+    "steps-300": ([], ["--max-steps", "300"]),
+    "loss-all+init-tail": ([], ["--loss-on", "all", "--init-layer", "-1", "--init-head"]),
+}
+SHARED = ("00_generate", "01_dataset", "02_hidden_states")
+
+
+def script(number: str) -> Path:
+    return next(ROOT.glob(f"{number}_*.py"))
+
+
+def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None, num_prompts: int | None,
+              extra04: list[str]) -> tuple[dict, dict, float]:
+    """Stages (03,) 04, 05, 06 of one lever -> (stage 06 results, stage 04 manifest, stage 04 seconds)."""
+    opts03, opts04 = LEVERS[name]
+    wd = out / name
+    wd.mkdir(parents=True, exist_ok=True)
+    for stage in SHARED + (() if opts03 else ("03_vocab",)):
+        link = wd / stage
+        if (base / stage).exists() and not link.exists():
+            link.symlink_to((base / stage).resolve(), target_is_directory=True)
+    results = wd / "06_evaluate" / "results.json"
+    timing = wd / "bench_levers_04_seconds.txt"
+    common = ["--config", str(config), "--work-dir", str(wd)]
+    tm = ["--target-model", target] if target else []
+    if not results.is_file():
+        steps = ([("03", opts03)] if opts03 else []) + [("04", opts04 + extra04), ("05", []),
+                 ("06", ["--temperature", "0.0", "--no-baseline-untrained", "--timing-prompts", "0",
+                         *(["--num-prompts", str(num_prompts)] if num_prompts else [])])]
+        for number, opts in steps:
+            t0 = time.perf_counter()
+            subprocess.run([sys.executable, str(script(number)), *common, *([] if number == "03" else tm), *opts],
+                           cwd=ROOT, check=True)
+            if number == "04":
+                timing.write_text(f"{time.perf_counter() - t0:.1f}\n")
+    train = json.loads((wd / "04_train" / "manifest.json").read_text())
+    seconds = float(timing.read_text()) if timing.is_file() else float("nan")
+    return json.loads(results.read_text()), train, seconds
+
+
+def per_prompt(wd: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(accepted draft tokens, verification steps) per prompt of the greedy pass, in
+    prompt order, from stage 06's per-request histograms."""
+    run = json.loads((wd / "06_evaluate" / "runs" / "trained.result.json").read_text())
+    greedy = next(a for a in run["acceptance"] if a["temperature"] == 0.0)
+    K = len(greedy["histograms"][0]) - 1
+    counts = [histogram_counts(h, K) for h in greedy["histograms"]]
+    return np.array([c[1] for c in counts], float), np.array([c[0] for c in counts], float)
+
+
+def paired_interval(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
+                    resamples: int = 4000) -> tuple[float, float]:
+    """95% interval of L_a - L_b over the same prompts, resampled together (a percentile
+    bootstrap: a prompt that is hard for one drafter is hard for the other, so the
+    difference is far less noisy than either figure)."""
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, len(a[0]), size=(resamples, len(a[0])))  # [R, P]
+    diff = a[0][idx].sum(1) / a[1][idx].sum(1) - b[0][idx].sum(1) / b[1][idx].sum(1)  # [R]
+    lo, hi = np.percentile(diff, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str]:
+    out = [f"{'lever':20s}{'served L (95%)':>16s}  {'per position':16s}{'held-out est.':>14s}"
+           f"{'vs baseline (paired 95%)':>29s}{'04 s':>6s}  verdict"]
+    base = next((r for n, r, _, _ in rows if n == "baseline"), None)
+    hi = base["acceptance_length"] + base["acceptance_length_ci95"] if base else None
+    lo = base["acceptance_length"] - base["acceptance_length_ci95"] if base else None
+    for name, r, m04, secs in rows:
+        L, ci = r["acceptance_length"], r["acceptance_length_ci95"]
+        per = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
+        est = m04["counts"]["best_expected_accept_length"]
+        if base is None or name == "baseline":
+            delta, verdict = "", "" if base is None else f"interval [{lo:.3f}, {hi:.3f}]"
+        else:
+            d_lo, d_hi = paired_interval(per_prompt(out_dir / name), per_prompt(out_dir / "baseline"))
+            delta = f"{L - base['acceptance_length']:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}]"
+            verdict = "ABOVE the baseline's interval" if L > hi else (
+                "below the baseline's interval" if L < lo else "inside the baseline's interval")
+            verdict += "; paired: " + ("better" if d_lo > 0 else "worse" if d_hi < 0 else "no difference shown")
+        out.append(f"{name:20s}{f'{L:.3f} ±{ci:.3f}':>16s}  {per:16s}{est:>14.3f}{delta:>29s}{secs:>6.0f}  {verdict}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work-dir", type=Path, required=True, help="work dir with stages 00-03 done under --config")
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-135m.yaml")
+    ap.add_argument("--target-model", help="override the config's target_model (the one stage 02 read)")
+    ap.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, of: {', '.join(LEVERS)}")
+    ap.add_argument("--out", type=Path, help="where the lever work dirs go (default: W-levers)")
+    ap.add_argument("--num-prompts", type=int, help="serve only the first N held-out prompts")
+    ap.add_argument("--stage04", default="", help="extra stage 04 options for every lever (e.g. '--max-steps 300')")
+    a = ap.parse_args()
+    names = [n for n in a.levers.split(",") if n]
+    unknown = [n for n in names if n not in LEVERS]
+    if unknown:
+        raise SystemExit(f"unknown lever(s) {unknown}; choose from {list(LEVERS)}")
+    base = a.work_dir.resolve()
+    if not (base / "03_vocab" / "manifest.json").is_file():
+        raise SystemExit(f"{base}/03_vocab/manifest.json is missing: run stages 00-03 of {a.config} in {base} first.")
+    out = (a.out or base.with_name(base.name + "-levers")).resolve()
+    rows = []
+    for name in names:
+        r, m04, secs = run_lever(name, base, out, a.config.resolve(), a.target_model, a.num_prompts, a.stage04.split())
+        rows.append((name, r, m04, secs))
+        print("\n".join(report(rows, out)) + "\n", flush=True)
+    print(f"== levers on {base} ({a.config}), greedy, K = {rows[0][1]['num_speculative_tokens']}, "
+          f"{rows[0][1]['prompts']['count']} held-out prompts; work dirs under {out}")
+    print("\n".join(report(rows, out)))
+
+
+if __name__ == "__main__":
+    main()
