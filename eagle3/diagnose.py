@@ -5,6 +5,8 @@
     python -m eagle3.diagnose probe-hidden WORK_A WORK_B [--split eval] [--max-samples N] [--json]
     python -m eagle3.diagnose versions [--json]
     python -m eagle3.diagnose store-size --config CFG [--work-dir W] [--store-dtype fp8] [--json]
+    python -m eagle3.diagnose forecast --work-dir W --target-al 2.46 [--config CFG] [--fractions 0.125,0.25,0.5,1]
+                                       [--fit-upto 0.5] [--law log] [--json]
 
 `inspect` reads any drafter folder (ours, or a published one such as an SGLang-format
 drafter) and says what vLLM and SGLang will do with it: tensor names and shapes, d2t
@@ -27,6 +29,14 @@ or `--store-dtype`), for every encoding side by side, and the free space where t
 dir lies. It exits 1 when the chosen encoding does not fit: stage 02 itself refuses to
 start then (eagle3/store.py `require_free_space`, on what is still to be written).
 
+`forecast` trains stage 04 on nested fractions of W's train split (budgets proportional
+to their size, each in W/forecast/frac-<f>/ over symlinks to W's stages 00-03; a
+finished fraction is reused), fits held-out acceptance length against training tokens
+with a documented law, and prints the points, the law, the tokens (and conversations)
+expected to reach --target-al with a 95% interval, and the check: the fit on fractions
+<= --fit-upto against the largest run. It exits 1 when that check lands outside its
+interval (eagle3/forecast.py, docs/FORECAST.md).
+
 `versions` prints the installed vllm, sglang, torch and transformers against the
 minimums the drafters and engine rules here are right for (eagle3/engine_rules.py
 `VERSION_RULES`), with a verdict; it exits 1 when one is too old (or may be).
@@ -46,6 +56,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import forecast
 from .drafter_io import CONFIG_NAME, normalise_names, read_drafter_dir
 from .engine_rules import (RULES, VERSION_RULES, TargetFacts, VersionRule, captured_layers, check_drafter,
                            d2t_summary, errors, implied_head_dim, intended_layers, rules_for, sglang_name,
@@ -513,11 +524,31 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--config", help="the YAML file of the run (configs/*.yaml)")
     ps.add_argument("--work-dir", help="work dir holding stage 01's output (default: the config's)")
     ps.add_argument("--store-dtype", choices=STORE_DTYPES, help="encoding (default: the config's extract.store_dtype)")
-    for sp in (pi, pc, pp, pv, ps):
+    pf = sub.add_parser("forecast", help="train on nested fractions of the data and forecast the training tokens "
+                                         "that reach a target acceptance (docs/FORECAST.md)")
+    pf.add_argument("--work-dir", required=True, help="work dir with stages 01-03 done (its fraction runs go to "
+                                                      "WORK/forecast/)")
+    pf.add_argument("--target-al", type=float, required=True, help="held-out expected accept length to reach "
+                                                                   "(e.g. a deployment's break-even)")
+    pf.add_argument("--config", help="the YAML file of the run: its train section is the full run's settings")
+    pf.add_argument("--target-model", help="target model folder (default: the config's target_model)")
+    pf.add_argument("--fractions", default=",".join(f"{f:g}" for f in forecast.DEFAULT_FRACTIONS),
+                    help="fractions of the train split, comma-separated (default %(default)s)")
+    pf.add_argument("--fit-upto", type=float, default=forecast.DEFAULT_FIT_UPTO,
+                    help="the check fits on the fractions up to this one and predicts the largest (default "
+                         "%(default)s)")
+    pf.add_argument("--law", choices=tuple(forecast.LAWS), default=forecast.DEFAULT_LAW,
+                    help="the law fitted (default %(default)s; docs/FORECAST.md compares them)")
+    pf.add_argument("--max-steps", type=int, help="the full run's steps (default: train.max_steps, or its epochs' "
+                                                  "steps); a fraction f runs round(f * this)")
+    pf.add_argument("--warmup-steps", type=int, help="the full run's warmup steps (default: train.warmup_steps)")
+    pf.add_argument("--device", help="stage 04's --device (default: the config's)")
+    for sp in (pi, pc, pp, pv, ps, pf):
         sp.add_argument("--json", action="store_true", help="print the report as JSON")
         sp.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
-    setup_logging(logging.DEBUG if a.verbose else logging.WARNING)
+    # forecast trains for minutes: stage 04's progress lines are its only sign of life
+    setup_logging(logging.DEBUG if a.verbose else logging.INFO if a.cmd == "forecast" else logging.WARNING)
     try:
         if a.cmd == "inspect":
             r = inspect_drafter(a.dir, a.target_config)
@@ -531,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
         elif a.cmd == "store-size":
             r = store_size(a.config, a.work_dir, a.store_dtype)
             text, rc = format_store_size(r), (0 if r["ok"] else 1)
+        elif a.cmd == "forecast":
+            r = forecast.run_forecast(a.work_dir, target_al=a.target_al, config=a.config, target_model=a.target_model,
+                                      fractions=forecast.parse_fractions(a.fractions), fit_upto=a.fit_upto,
+                                      law=a.law, max_steps=a.max_steps, warmup_steps=a.warmup_steps,
+                                      device=a.device)
+            text, rc = forecast.format_report(r), (1 if r["chosen"].get("check", {}).get("inside") is False else 0)
         else:
             ranges = tuple(sorted({int(x) for x in a.ranges.split(",") if x.strip()} | {0}))
             r = probe_hidden(a.a, a.b, a.split, a.max_samples, ranges)
