@@ -25,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.evaluate.figures import histogram_counts  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from served_pairs import paired_interval, per_prompt, verdict as verdict_of  # noqa: E402
 
 # lever -> (stage 03 options, stage 04 options); everything else is the config's.
 LEVERS: dict[str, tuple[list[str], list[str]]] = {
@@ -48,6 +48,9 @@ LEVERS: dict[str, tuple[list[str], list[str]]] = {
     "lr-min-0": ([], ["--min-lr-ratio", "0.0"]),
     "steps-300": ([], ["--max-steps", "300"]),
     "loss-all+init-tail": ([], ["--loss-on", "all", "--init-layer", "-1", "--init-head"]),
+    # a second training seed, to see a lever's lift next to the run-to-run spread
+    "baseline-seed1": ([], ["--seed", "1"]),
+    "init-tail-seed1": ([], ["--init-layer", "-1", "--init-head", "--seed", "1"]),
 }
 SHARED = ("00_generate", "01_dataset", "02_hidden_states")
 
@@ -85,28 +88,6 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
     return json.loads(results.read_text()), train, seconds
 
 
-def per_prompt(wd: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(accepted draft tokens, verification steps) per prompt of the greedy pass, in
-    prompt order, from stage 06's per-request histograms."""
-    run = json.loads((wd / "06_evaluate" / "runs" / "trained.result.json").read_text())
-    greedy = next(a for a in run["acceptance"] if a["temperature"] == 0.0)
-    K = len(greedy["histograms"][0]) - 1
-    counts = [histogram_counts(h, K) for h in greedy["histograms"]]
-    return np.array([c[1] for c in counts], float), np.array([c[0] for c in counts], float)
-
-
-def paired_interval(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray],
-                    resamples: int = 4000) -> tuple[float, float]:
-    """95% interval of L_a - L_b over the same prompts, resampled together (a percentile
-    bootstrap: a prompt that is hard for one drafter is hard for the other, so the
-    difference is far less noisy than either figure)."""
-    rng = np.random.default_rng(0)
-    idx = rng.integers(0, len(a[0]), size=(resamples, len(a[0])))  # [R, P]
-    diff = a[0][idx].sum(1) / a[1][idx].sum(1) - b[0][idx].sum(1) / b[1][idx].sum(1)  # [R]
-    lo, hi = np.percentile(diff, [2.5, 97.5])
-    return float(lo), float(hi)
-
-
 def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str]:
     out = [f"{'lever':20s}{'served L (95%)':>16s}  {'per position':16s}{'held-out est.':>14s}"
            f"{'vs baseline (paired 95%)':>29s}{'04 s':>6s}  verdict"]
@@ -124,7 +105,7 @@ def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str
             delta = f"{L - base['acceptance_length']:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}]"
             verdict = "ABOVE the baseline's interval" if L > hi else (
                 "below the baseline's interval" if L < lo else "inside the baseline's interval")
-            verdict += "; paired: " + ("better" if d_lo > 0 else "worse" if d_hi < 0 else "no difference shown")
+            verdict += "; paired: " + verdict_of(d_lo, d_hi)
         out.append(f"{name:20s}{f'{L:.3f} ±{ci:.3f}':>16s}  {per:16s}{est:>14.3f}{delta:>29s}{secs:>6.0f}  {verdict}")
     return out
 

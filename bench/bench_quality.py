@@ -1,0 +1,432 @@
+"""Our stage 04 side by side with SpecForge 0.2.0's training step: same data, same budget, served.
+
+    python bench/bench_quality.py                        # the demo: configs/smollm2-135m.yaml's work dir and target
+    python bench/bench_quality.py --work-dir W --target-model M [--out DIR] [--sampled]
+    python bench/bench_quality.py ... --steps 5 --warmup-steps 2          # a short shake-out of the whole path
+
+On one stage-02 store and stage-03 vocabulary (the base work dir W, stages 00-03 done),
+with one budget (optimizer steps, the same samples in each step, tokens per step,
+K = ttt_steps, peak learning rate and warmup; defaults: the config's train section),
+on CPU:
+
+1. ours: stage 04, 05 and 06 in OUT/ours, whose 00-03 folders are symlinks to W's;
+2. SpecForge: its own drafter class, TTT forward, loss, optimizer and schedule
+   (bench/specforge_bridge.py says which of its files and what had to change for a CPU),
+   installed into --specforge-env by this script when missing. Step s trains on the samples
+   step s of our stage 04 trains on: both read eagle3/train/loop.py `Trainer`'s plan
+   (EpochPlan over the samples that carry loss); SpecForge gets them as its collator's
+   padded batch, ours packs them into rows. Its weights are converted to our export
+   format, checked logit for logit against our `Eagle3Drafter` (fails above
+   specforge_bridge.CHECK_TOLERANCE), written as a stage-04 checkpoint and exported by
+   stage 05 in OUT/specforge, then served by stage 06 there;
+3. both drafters served by stage 06 on the config's held-out prompts, greedy (and
+   T = 0.7 with --sampled), no untrained baseline, no timing.
+
+Prints, per trainer: served acceptance length with its 95% interval and per position,
+the held-out expected accept length (docs/CONVENTIONS.md §5; for SpecForge our stage 04's
+own evaluation of its weights at the same steps), seconds per optimizer step (median;
+SpecForge's share spent on its teacher beside it), the precision each trained in; then
+one line: ours minus SpecForge's served acceptance length and whether ours lies above
+SpecForge's 95% interval. OUT defaults to W/bench_quality (W's own stage folders are
+never written); every figure is also in OUT/bench_quality.json, the stages' logs in
+OUT/logs/. Rerunning reuses finished stages and a finished SpecForge run of the same
+settings (--force redoes them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import specforge_bridge as bridge  # noqa: E402
+from served_pairs import paired_interval, per_prompt, verdict  # noqa: E402
+
+from eagle3.config import build_config, load_yaml  # noqa: E402
+from eagle3.train.config import TrainConfig  # noqa: E402
+from eagle3.workdir import WorkDir  # noqa: E402
+
+UPSTREAM = ("generate", "prepare", "extract", "vocab")  # the stages both scratch work dirs share with W
+BUDGET = ("max_steps", "batch_tokens", "ttt_steps", "learning_rate", "warmup_steps", "seed")
+CHECK_SAMPLES = 4  # held-out samples through both models in the logit check
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+# --------------------------------------------------------------------------- work dirs and stages
+
+
+def scratch_work_dir(path: Path, base: WorkDir) -> WorkDir:
+    """A work dir whose upstream stage folders are symlinks to `base`'s."""
+    wd = WorkDir(path)
+    path.mkdir(parents=True, exist_ok=True)
+    for stage in UPSTREAM:
+        link, src = wd.stage_dir(stage), base.stage_dir(stage)
+        if src.exists() and not link.exists():
+            link.symlink_to(src.resolve(), target_is_directory=True)
+    return wd
+
+
+def run_stage(stage: str, wd: WorkDir, common: list[str], extra: list[str], logs: Path, name: str) -> float:
+    """Run one numbered script on `wd`; its output goes to OUT/logs/NAME-NN.log. Seconds taken."""
+    script = ROOT / WorkDir.script(stage)
+    log_path = logs / f"{name}-{WorkDir.number(stage)}.log"
+    env = dict(os.environ)
+    if not env.get("VLLM_CPU_OMP_THREADS_BIND"):  # as scripts/demo.sh: every core to vLLM's model worker
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    cmd = [sys.executable, str(script), *common, "--work-dir", str(wd.root), *extra]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    dt = time.perf_counter() - t0
+    if rc != 0:
+        tail = "".join(log_path.read_text().splitlines(True)[-15:])
+        raise SystemExit(f"{name}: `{' '.join(cmd)}` failed (exit {rc}) after {dt:.0f} s; last lines of "
+                         f"{log_path}:\n{tail}")
+    say(f"  {name:10s} {WorkDir.script(stage):28s} {dt:6.0f} s   (log {log_path})")
+    return dt
+
+
+# --------------------------------------------------------------------------- the shared plan
+
+
+def make_trainer(cfg: TrainConfig):
+    """Our stage 04's Trainer on a work dir, never fitted: its batch plan and its held-out evaluation."""
+    from eagle3.train.distributed import Dist
+    from eagle3.train.loop import Trainer, read_inputs
+
+    wd = WorkDir(cfg.work_dir)
+    return Trainer(cfg, wd, read_inputs(cfg, wd), torch.device("cpu"), Dist())
+
+
+def plan_figures(trainer) -> dict:
+    """Samples and tokens per step of the run's plan (the same for both trainers)."""
+    lengths, L = trainer.lengths, trainer.cfg.max_seq_len
+    samples, tokens, padded = [], [], []
+    for s in range(trainer.total):
+        micro = trainer.micro_batches(s)
+        samples.append(sum(len(mb) for mb in micro))
+        tokens.append(sum(min(lengths[i], L) for mb in micro for i in mb))
+        padded.append(sum(len(mb) * max(min(lengths[i], L) for i in mb) for mb in micro))  # SpecForge's collator
+    return {"steps": trainer.total, "samples_per_step": statistics.mean(samples), "tokens": tokens,
+            "tokens_per_step": statistics.mean(tokens), "padded_tokens_per_step": statistics.mean(padded),
+            "train_samples": len(trainer.plan.samples)}
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def our_figures(wd: WorkDir, plan: dict) -> dict:
+    """Stage 04's held-out curve and seconds per step (from metrics.jsonl), stage 05's exported step."""
+    from eagle3.evaluate.run import read_train_metrics
+
+    rows = read_train_metrics(wd)
+    evals = {r["step"]: r for r in rows if r["split"] == "eval" and r["step"] > 0}
+    # A log line's tokens/s covers the steps since the previous line; an evaluation (and the
+    # checkpoint after it) runs after a line is written, so it falls into the next window:
+    # windows holding one are left out of the timing.
+    per_step, prev = [], 0
+    for r in (r for r in rows if r["split"] == "train"):
+        s = r["step"]
+        if not any(prev <= e < s for e in evals) and r.get("tokens_per_s"):
+            per_step.append(sum(plan["tokens"][prev:s]) / r["tokens_per_s"] / (s - prev))
+        prev = s
+    report = json.loads(wd.export_report("json").read_text())
+    return {"evals": evals, "s_per_step": statistics.median(per_step) if per_step else None,
+            "timed_windows": len(per_step), "exported_step": report["checkpoint"]["step"]}
+
+
+def our_precision(cfg: TrainConfig) -> str:
+    from eagle3.train.loop import bf16_autocast_pays
+
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(torch.device("cpu")))
+    return "bf16 autocast, fp32 weights (stage 04 precision auto)" if bf16 else "fp32 (stage 04 precision auto)"
+
+
+# --------------------------------------------------------------------------- SpecForge
+
+
+def specforge_precision(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    from eagle3.train.loop import bf16_autocast_pays
+
+    return "autocast" if bf16_autocast_pays(torch.device("cpu")) else "fp32"
+
+
+def train_specforge(cfg: TrainConfig, precision: str, wd: WorkDir, force: bool) -> dict:
+    """SpecForge's training on our plan; writes its weights, a stage-04 checkpoint of the
+    converted weights (for stage 05) and a summary; returns the summary."""
+    from eagle3.extract.target_head import load_embedding, load_lm_head
+    from eagle3.model import Eagle3Drafter
+
+    summary_path, state_path, ckpt_path = (wd.root / "specforge_train.json", wd.root / "specforge_state.pt",
+                                           wd.root / "specforge_checkpoint.pt")
+    trainer = make_trainer(cfg)
+    s = bridge.SpecForgeSettings(target_model=cfg.target_model, ttt_steps=cfg.ttt_steps,
+                                 learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+                                 total_steps=trainer.total, max_seq_len=cfg.max_seq_len, precision=precision,
+                                 seed=cfg.seed)
+    settings = {**s.__dict__, "batch_tokens": cfg.batch_tokens, "grad_accum": cfg.grad_accum,
+                "store": str(trainer.store.dir.resolve())}
+    info = trainer.src.info
+    sf = bridge.SpecForgeTrainer(s, trainer.dcfg, trainer.drafter.d2t, trainer.drafter.t2d, load_lm_head(info),
+                                 accumulation_steps=cfg.grad_accum)
+    old = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    if old and old.get("settings") == settings and state_path.is_file() and not force:
+        say(f"  specforge  reusing {summary_path} (same settings; --force retrains)")
+        sf.load_saved_state(torch.load(state_path, weights_only=True))
+        summary = old
+    else:
+        summary = fit_specforge(sf, trainer, cfg, settings)
+        torch.save(sf.saved_state(), state_path)
+        final = summary["evals"][str(trainer.total)]
+        torch.save({"model": bridge.to_export_state(sf.saved_state()), "drafter_config": trainer.dcfg.to_dict(),
+                    "aux_layers": trainer.store.aux_layers, "step": trainer.total, "eval": final}, ckpt_path)
+    # The conversion, checked logit for logit before anything is exported from it.
+    drafter = Eagle3Drafter(trainer.dcfg)
+    drafter.load_state_dict(bridge.to_export_state(sf.saved_state()))  # strict: the names are ours exactly
+    split = trainer.store.split("eval")
+    n = min(CHECK_SAMPLES, len(split))
+    check = bridge.check_conversion(sf, drafter, load_embedding(info).float(), [split[i] for i in range(n)],
+                                    [f"eval-{i}" for i in range(n)], cfg.max_seq_len)
+    summary["conversion_check"] = check
+    summary_path.write_text(json.dumps(summary, indent=1))
+    say(f"  specforge  logit check: max |SpecForge - ours| {check['max_abs_diff']:.2e} over {check['rows_compared']:,} "
+        f"positions x {check['steps']} steps of {check['samples']} held-out samples (|logits| up to "
+        f"{check['max_abs_logit']:.1f}; tolerance {check['tolerance']:.0e})")
+    if not check["ok"]:
+        raise SystemExit(f"the converted SpecForge weights do not give SpecForge's logits (max abs difference "
+                         f"{check['max_abs_diff']:.3e} > {check['tolerance']:.0e}): the conversion in "
+                         f"bench/specforge_bridge.py (to_export_state) no longer matches SpecForge's drafter; "
+                         f"nothing was exported or served.")
+    return summary
+
+
+def fit_specforge(sf, trainer, cfg: TrainConfig, settings: dict) -> dict:
+    """SpecForge's steps on our plan; our stage 04's held-out evaluation of its weights at our eval steps."""
+    split, total = trainer.train_split, trainer.total
+    eval_steps = {s for s in range(1, total + 1) if s % cfg.eval_every == 0 or s == total}
+    step_s, teacher_s, evals, log = [], [], {}, []
+    import specforge.algorithms.eagle3.model as sf_model
+
+    teacher = sf_model.compute_target_p_padded_from_hidden
+    spent = [0.0]
+
+    def timed_teacher(*args, **kwargs):  # how much of a step is SpecForge's full-vocab teacher
+        t0 = time.perf_counter()
+        out = teacher(*args, **kwargs)
+        spent[0] += time.perf_counter() - t0
+        return out
+
+    sf_model.compute_target_p_padded_from_hidden = timed_teacher
+    try:
+        for step in range(total):
+            t0 = time.perf_counter()
+            spent[0] = 0.0
+            for mb in trainer.micro_batches(step):
+                m = sf.train_step(sf.batch([split[i] for i in mb], [str(i) for i in mb]))
+            step_s.append(time.perf_counter() - t0)
+            teacher_s.append(spent[0])
+            done = step + 1
+            if done % cfg.log_every == 0 or done == total:
+                line = {"step": done, "s_per_step": statistics.median(step_s[-cfg.log_every:]),
+                        **{k: m[k] for k in sorted(m) if k.startswith(("ploss_", "acc_")) or k == "grad_norm"},
+                        "lr": sf.backend.optimizer.get_learning_rate()}
+                log.append(line)
+                say(f"  specforge  step {done:4d}/{total}  " + "  ".join(
+                    f"{k} {v:.3g}" for k, v in line.items() if k != "step"))
+            if done in eval_steps:
+                trainer.drafter.load_state_dict(bridge.to_export_state(sf.saved_state()))
+                evals[str(done)] = trainer.evaluate()
+                say(f"  specforge  step {done:4d}  held-out expected accept length "
+                    f"{evals[str(done)]['expected_accept_length']:.3f} (our stage 04's evaluation of its weights)")
+    finally:
+        sf_model.compute_target_p_padded_from_hidden = teacher
+    return {"settings": settings, "evals": evals, "log": log, "step_s": step_s, "teacher_s": teacher_s,
+            "s_per_step": statistics.median(step_s), "teacher_s_per_step": statistics.median(teacher_s)}
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def served_rows(wd: WorkDir) -> list[dict]:
+    r = json.loads(wd.evaluate_results().read_text())
+    return [{"temperature": row["temperature"], "L": row["trained"]["acceptance_length"],
+             "ci95": row["trained"].get("ci95"), "per_position": row["trained"]["acceptance_per_position"],
+             "prompts": r["prompts"].get("count") or r["prompts"].get("num_prompts")} for row in r["acceptance"]]
+
+
+def estimate_text(evals: dict) -> str:
+    return " / ".join(f"{float(m['expected_accept_length']):.3f} @{s}" for s, m in
+                      sorted(evals.items(), key=lambda kv: int(kv[0])))
+
+
+def report(cfg: TrainConfig, plan: dict, ours: dict, sf: dict, served: dict, meta: dict,
+           paired: dict[float, tuple[float, float]]) -> list[str]:
+    K = cfg.ttt_steps
+    out = [f"== bench_quality: our stage 04 vs SpecForge {meta['specforge_version']} on {meta['work_dir']} "
+           f"(target {cfg.target_model})",
+           f"budget: {plan['steps']} optimizer steps, the same samples in each step ({plan['samples_per_step']:.1f} "
+           f"samples, {plan['tokens_per_step']:,.0f} tokens per step on average; SpecForge's collator pads them to "
+           f"{plan['padded_tokens_per_step']:,.0f}), {plan['train_samples']} train samples that carry loss, "
+           f"K = {K}, peak lr {cfg.learning_rate:g}, warmup {cfg.warmup_steps} steps, seed "
+           f"{cfg.seed}, CPU",
+           f"ours:      {meta['our_precision']}; AdamW betas (0.9, 0.95), cosine to {cfg.min_lr_ratio:g} x peak, "
+           f"clip {cfg.grad_clip:g}; packed rows; exported its best held-out checkpoint (step "
+           f"{ours['exported_step']})",
+           f"SpecForge: {meta['specforge_precision']}; its BF16Optimizer (AdamW betas (0.9, 0.999) on fp32 masters, "
+           f"cosine to 0, clip 0.5); padded batch; exported its last step; {bridge.LOSS_SUBSTITUTION}",
+           f"conversion check: max |logit difference| {sf['conversion_check']['max_abs_diff']:.2e} "
+           f"(tolerance {sf['conversion_check']['tolerance']:.0e})",
+           ""]
+    prompts = served["ours"][0]["prompts"]
+    for i, row in enumerate(served["ours"]):
+        t = row["temperature"]
+        out.append(f"served acceptance length, K = {K}, {prompts} held-out prompts, "
+                   f"{'greedy' if t == 0 else f'T = {t:g}'} (stage 06):")
+        for name in ("ours", "specforge"):
+            r = served[name][i]
+            per = " / ".join(f"{p:.2f}" for p in r["per_position"])
+            ci = f" ±{r['ci95']:.3f}" if r["ci95"] is not None else ""
+            out.append(f"  {name:10s} {r['L']:.3f}{ci}   per position {per}")
+    out += ["",
+            "training-time held-out expected accept length (1 + sum_k full_acc_k, our stage 04's evaluation):",
+            f"  {'ours':10s} {estimate_text(ours['evals'])}",
+            f"  {'specforge':10s} {estimate_text(sf['evals'])}",
+            "seconds per optimizer step (median):",
+            f"  {'ours':10s} {ours['s_per_step']:.2f}   (stage 04's log windows without an evaluation: "
+            f"{ours['timed_windows']})",
+            f"  {'specforge':10s} {sf['s_per_step']:.2f}   (of which its teacher, full-vocab logsumexp and argmax: "
+            f"{sf['teacher_s_per_step']:.2f})",
+            ""]
+    o, s = served["ours"][0], served["specforge"][0]
+    if s["ci95"] is not None:
+        hi = s["L"] + s["ci95"]
+        where = (f"above SpecForge's 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]" if o["L"] > hi else
+                 f"not above SpecForge's 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]")
+    else:
+        where = "SpecForge's run has no interval"
+    t = o["temperature"]
+    out.append(f"ours - SpecForge: {o['L'] - s['L']:+.3f} served acceptance length "
+               f"({'greedy' if t == 0 else f'T = {t:g}'}, K = {K}); ours is {where}")
+    for t, (lo, hi) in paired.items():
+        out.append(f"paired over the same prompts ({'greedy' if t == 0 else f'T = {t:g}'}): ours - SpecForge 95% "
+                   f"interval [{lo:+.3f}, {hi:+.3f}]: ours {verdict(lo, hi)}")
+    return out
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-135m.yaml",
+                    help="config whose train section gives the budget and whose evaluate section the prompts")
+    ap.add_argument("--work-dir", type=Path, help="base work dir with stages 00-03 done (default: the config's)")
+    ap.add_argument("--target-model", help="target model folder (default: the config's)")
+    ap.add_argument("--out", type=Path, help="where both runs go (default: WORK_DIR/bench_quality)")
+    ap.add_argument("--steps", type=int, help="optimizer steps (default: the config's train.max_steps)")
+    ap.add_argument("--batch-tokens", type=int, help="tokens per step (default: the config's)")
+    ap.add_argument("--ttt-steps", type=int, help="K, trained and served (default: the config's)")
+    ap.add_argument("--learning-rate", type=float, help="peak learning rate (default: the config's)")
+    ap.add_argument("--warmup-steps", type=int, help="warmup steps (default: the config's)")
+    ap.add_argument("--seed", type=int, help="initialisation and data order (default: the config's)")
+    ap.add_argument("--sampled", action="store_true", help="serve at T = 0.7 as well as greedy")
+    ap.add_argument("--specforge-precision", default="auto", choices=["auto", *bridge.PRECISIONS],
+                    help="auto: as our stage 04 on this machine (bf16 autocast where bf16 matmuls are in "
+                         "hardware, else fp32); bf16: SpecForge's default bf16 weights with fp32 masters")
+    ap.add_argument("--specforge-env", type=Path,
+                    default=ROOT / "work" / "bench-env" / f"specforge-{bridge.SPECFORGE_VERSION}",
+                    help="folder SpecForge is installed into (--no-deps) and imported from")
+    ap.add_argument("--force", action="store_true", help="retrain and re-serve both instead of reusing")
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = parse_args()
+    from eagle3.logs import setup_logging
+
+    setup_logging(logging.WARNING)
+    # Absolute paths: the stages run from the repository root, the bench from anywhere.
+    a.config = a.config.resolve()
+    y = load_yaml(a.config)
+    base = WorkDir((a.work_dir or Path(y["work_dir"])).resolve())
+    target = a.target_model or y["target_model"]
+    target = str(Path(target).resolve()) if Path(target).exists() else target  # else a hub id
+    missing = [WorkDir.script(s) for s in ("prepare", "extract", "vocab") if not base.manifest(s).is_file()]
+    if missing:
+        raise SystemExit(f"{base.root} lacks the output of {', '.join(missing)}: run stages 00-03 there first "
+                         f"(bash scripts/demo.sh does for the demo), or pass --work-dir.")
+    out = (a.out or base.root / "bench_quality").resolve()
+    flags = {"max_steps": a.steps, "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,
+             "learning_rate": a.learning_rate, "warmup_steps": a.warmup_steps, "seed": a.seed}
+    # One budget for both: the config's train section with these flags over it.
+    cfg = build_config(TrainConfig, "train", a.config, {**flags, "work_dir": str(out / "specforge"),
+                                                        "target_model": target, "device": "cpu"})
+    if cfg.max_steps is not None and cfg.warmup_steps >= cfg.max_steps:
+        raise SystemExit(f"warmup of {cfg.warmup_steps} steps in a run of {cfg.max_steps}: SpecForge's schedule "
+                         f"needs steps after its warmup (lr_scheduler.py divides by their count); pass "
+                         f"--warmup-steps below --steps.")
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    version = bridge.ensure_specforge(a.specforge_env)
+    ours_wd = scratch_work_dir(out / "ours", base)
+    sf_wd = scratch_work_dir(out / "specforge", base)
+    budget = [f"--{k.replace('_', '-')}={getattr(cfg, k)}" for k in BUDGET if getattr(cfg, k) is not None]
+    budget.append("--device=cpu")
+    common = ["--config", str(a.config), "--target-model", target]
+    force = ["--force"] if a.force else []
+    serve = ["--temperature", "0,0.7" if a.sampled else "0", "--no-baseline-untrained", "--timing-prompts", "0",
+             f"--num-speculative-tokens={cfg.ttt_steps}"]
+
+    say(f"bench_quality: base {base.root}, target {target}, out {out}, SpecForge {version} from {a.specforge_env}")
+    trainer = make_trainer(cfg)
+    plan = plan_figures(trainer)
+    del trainer
+    say("ours:")
+    run_stage("train", ours_wd, common, budget + force, logs, "ours")
+    run_stage("export", ours_wd, common, force, logs, "ours")
+    ours = our_figures(ours_wd, plan)
+    say(f"SpecForge ({specforge_precision(a.specforge_precision)}):")
+    sf = train_specforge(cfg, specforge_precision(a.specforge_precision), sf_wd, a.force)
+    run_stage("export", sf_wd, common, ["--checkpoint", str(sf_wd.root / "specforge_checkpoint.pt")],
+              logs, "specforge")
+    say("served:")
+    run_stage("evaluate", ours_wd, common, serve + force, logs, "ours")
+    run_stage("evaluate", sf_wd, common, serve + force, logs, "specforge")
+    served = {"ours": served_rows(ours_wd), "specforge": served_rows(sf_wd)}
+
+    meta = {"specforge_version": version, "work_dir": str(base.root), "our_precision": our_precision(cfg),
+            "specforge_precision": {"autocast": "bf16 autocast, fp32 weights", "fp32": "fp32",
+                                    "bf16": "bf16 weights (SpecForge's default torch_dtype)"}[
+                specforge_precision(a.specforge_precision)]}
+    paired = {row["temperature"]: paired_interval(per_prompt(ours_wd.root, row["temperature"]),
+                                                  per_prompt(sf_wd.root, row["temperature"]))
+              for row in served["ours"]}
+    lines = report(cfg, plan, ours, sf, served, meta, paired)
+    say()
+    say("\n".join(lines))
+    (out / "bench_quality.json").write_text(json.dumps(
+        {"meta": meta, "budget": {k: getattr(cfg, k) for k in BUDGET},
+         "plan": {k: v for k, v in plan.items() if k != "tokens"}, "ours": ours,
+         "specforge": {k: v for k, v in sf.items() if k not in ("step_s", "teacher_s")}, "served": served,
+         "paired_difference_ci95": {str(t): v for t, v in paired.items()}, "report": lines}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
