@@ -3,11 +3,9 @@
     python 00_generate_responses.py --config configs/tiny-llama.yaml [--temperature 0] [--max-new-tokens 256]
     python 00_generate_responses.py --config configs/kimi-k2.5.yaml --tensor-parallel-size 8 --num-shards 4 --shard-index 0
 
-Writes WORK/00_generate/ (see eagle3/generate/run.py); stage 01 reads it with `--data generated`.
+Writes WORK/00_generate/ (see eagle3/stages/s00_generate/run.py); stage 01 reads it with `--data generated`.
 """
-from eagle3.cli import run_stage
-from eagle3.generate.config import GenerateConfig
-from eagle3.generate.run import generate_responses
+from eagle3.core.cli import stage_main
 
 if __name__ == "__main__":
-    run_stage(GenerateConfig, "generate", generate_responses, __doc__)
+    stage_main("generate", __doc__)

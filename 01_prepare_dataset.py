@@ -2,10 +2,9 @@
 
     python 01_prepare_dataset.py --config configs/tiny-llama.yaml [--max-length 2048] [--strict]
 
-Writes WORK/01_dataset/ (see eagle3/prepare.py).
+Writes WORK/01_dataset/ (see eagle3/stages/s01_prepare/run.py).
 """
-from eagle3.cli import run_stage
-from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.core.cli import stage_main
 
 if __name__ == "__main__":
-    run_stage(PrepareConfig, "prepare", prepare_dataset, __doc__)
+    stage_main("prepare", __doc__)

@@ -2,7 +2,7 @@
 
 Stores, per token, the aux hidden states of the configured layers (default
 [2, N//2, N-3], docs/CONVENTIONS.md §1), the target's final-norm hidden state and
-its argmax, in WORK/02_hidden_states/ (format: eagle3/store.py).
+its argmax, in WORK/02_hidden_states/ (format: eagle3/core/store.py).
 
     python 02_extract_hidden_states.py --config configs/tiny-llama.yaml
     python 02_extract_hidden_states.py --config configs/kimi-k2.5.yaml            # vLLM, TP 8
@@ -11,8 +11,7 @@ its argmax, in WORK/02_hidden_states/ (format: eagle3/store.py).
 Killed runs resume from the last complete file; boxes of a multi-box run write
 disjoint files; copy them into one folder and rerun once to complete the manifest.
 """
-from eagle3.cli import run_stage
-from eagle3.extract import ExtractConfig, extract_hidden_states
+from eagle3.core.cli import stage_main
 
 if __name__ == "__main__":  # vLLM spawns engine processes that re-import this file
-    run_stage(ExtractConfig, "extract", extract_hidden_states, __doc__)
+    stage_main("extract", __doc__)

@@ -2,10 +2,9 @@
 
     python 03_build_vocab_mapping.py --config configs/tiny-llama.yaml [--draft-vocab-size 32000]
 
-Reads WORK/01_dataset/, writes WORK/03_vocab/ (see eagle3/vocab.py).
+Reads WORK/01_dataset/, writes WORK/03_vocab/ (see eagle3/stages/s03_vocab/run.py).
 """
-from eagle3.cli import run_stage
-from eagle3.vocab import VocabConfig, build_vocab_mapping
+from eagle3.core.cli import stage_main
 
 if __name__ == "__main__":
-    run_stage(VocabConfig, "vocab", build_vocab_mapping, __doc__)
+    stage_main("vocab", __doc__)

@@ -5,11 +5,9 @@
     python 04_train_drafter.py --config ... --init-from AQ-MedAI-drafter/ [--vocab-mode remap]
 
 Reads WORK/02_hidden_states/ and WORK/03_vocab/, writes WORK/04_train/
-(see eagle3/train/loop.py). A killed run resumes from its last checkpoint.
+(see eagle3/stages/s04_train/run.py). A killed run resumes from its last checkpoint.
 """
-from eagle3.cli import run_stage
-from eagle3.train.config import TrainConfig
-from eagle3.train.loop import train_drafter
+from eagle3.core.cli import stage_main
 
 if __name__ == "__main__":
-    run_stage(TrainConfig, "train", train_drafter, __doc__)
+    stage_main("train", __doc__)

@@ -4,10 +4,9 @@
 
 Writes the drafter folder (default WORK/05_export), an export report (export_report.json
 and .md: layers each engine captures, vocab coverage, expected accept length) and the
-stage manifest. Check any drafter folder with `python -m eagle3.diagnose inspect DIR`.
+stage manifest. Check any drafter folder with `python -m eagle3.tools.diagnose inspect DIR`.
 """
-from eagle3.cli import run_stage
-from eagle3.export import ExportConfig, export_drafter
+from eagle3.core.cli import stage_main
 
 if __name__ == "__main__":
-    run_stage(ExportConfig, "export", export_drafter, __doc__)
+    stage_main("export", __doc__)

@@ -10,10 +10,9 @@ is measured over all prompts at once, at each --temperature (default greedy and 
 tokens/s, the speedup and the break-even acceptance length single-stream on a subset
 of --timing-prompts prompts. Prompts: stage 01's held-out turns, or a file / datasets
 id (--prompts). Writes WORK/06_evaluate/results.json, evaluate.png and the manifest
-(see eagle3/evaluate/).
+(see eagle3/stages/s06_evaluate/).
 """
-from eagle3.cli import run_stage
-from eagle3.evaluate import EvaluateConfig, evaluate_drafter
+from eagle3.core.cli import stage_main
 
 if __name__ == "__main__":  # vLLM spawns processes that re-import the main module
-    run_stage(EvaluateConfig, "evaluate", evaluate_drafter, __doc__)
+    stage_main("evaluate", __doc__)

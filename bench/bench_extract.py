@@ -13,7 +13,7 @@ In one run, on the same prompts (stage 01 on the shipped demo chats, files of
      vLLM's extraction and the connector alone;
 and prints tokens/s, the time ratios to plain prefill (goal: extraction <= 1.15x),
 bytes per token on disk, and the store's read throughput into
-training-shaped batches (zero-copy samples, padded with `eagle3.store.collate`).
+training-shaped batches (zero-copy samples, padded with `eagle3.core.store.collate`).
 Both engines are started once (startup not timed) and passes alternate between
 them, so load from other processes hits both alike; figures are medians.
 """
@@ -32,14 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.logs import setup_logging  # noqa: E402
+from eagle3.core.logs import setup_logging  # noqa: E402
 
 log = logging.getLogger("bench_extract")
 
 
 def prepare(work: Path, kind: str) -> tuple[Path, Path]:
-    from eagle3.prepare import PrepareConfig, prepare_dataset
-    from eagle3.tiny import build_tiny_target
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.tools.tiny import build_tiny_target
 
     target = build_tiny_target(kind, work / "targets" / kind)
     wd = work / f"wd-{kind}"
@@ -59,8 +60,8 @@ def plain_engine(cfg, p, files):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3.extract.run import load_split
-    from eagle3.extract.vllm_backend import engine_kwargs
+    from eagle3.stages.s02_extract.run import load_split
+    from eagle3.stages.s02_extract.vllm_backend import engine_kwargs
 
     llm = LLM(**engine_kwargs(p.info, tensor_parallel_size=1, dtype=cfg.dtype, max_model_len=p.max_tokens + 1,
                               batch_tokens=cfg.batch_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -83,7 +84,7 @@ def finalize_skipped():
     """Stage 02 with each file only renamed, not finalized (no norm, argmax, checksum):
     isolates the cost of vLLM's extraction + the KV connector from the store's
     post-processing, which on a GPU box overlaps the forward on idle CPU cores and GPU 0."""
-    from eagle3 import store
+    from eagle3.core import store
 
     real = store.finalize_file
     store.finalize_file = lambda partial, final_path, **kw: os.replace(partial, final_path)
@@ -99,7 +100,7 @@ def compare(cfg, p, files, passes: int) -> dict[str, list[float]]:
     Both engines stay up (the idle one blocks on its queue), and passes alternate,
     so load from other processes on a shared machine hits all alike.
     """
-    from eagle3.extract.run import load_engine, write_files
+    from eagle3.stages.s02_extract.run import load_engine, write_files
 
     llm, plain_pass = plain_engine(cfg, p, files)
     backend, head = load_engine(cfg, p)
@@ -131,8 +132,8 @@ def read_throughput(wd: Path, batch_tokens: int, epochs: int = 3) -> tuple[float
     """Tokens/s from the store into padded [B, T, 3H] batches, shuffled order; and the token count."""
     import random
 
-    from eagle3.store import HiddenStateStore, collate
-    from eagle3.workdir import WorkDir
+    from eagle3.core.store import HiddenStateStore, collate
+    from eagle3.core.workdir import WorkDir
 
     split = HiddenStateStore.open(WorkDir(wd), needed_by="bench").split("train")
     lengths = split.lengths()
@@ -163,10 +164,10 @@ def main() -> None:
     a = ap.parse_args()
     setup_logging()
 
-    from eagle3 import store
-    from eagle3.extract import ExtractConfig
-    from eagle3.workdir import WorkDir
-    from eagle3.extract.run import (split_lengths, box_files, check_store_identity, plan_files, validate,
+    from eagle3.core import store
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.core.workdir import WorkDir
+    from eagle3.stages.s02_extract.run import (split_lengths, box_files, check_store_identity, plan_files, validate,
                                     write_results)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.logs import setup_logging  # noqa: E402
+from eagle3.core.logs import setup_logging  # noqa: E402
 
 log = logging.getLogger("bench_generate")
 
@@ -57,10 +57,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     setup_logging(logging.WARNING)
 
-    from eagle3.generate.config import GenerateConfig
-    from eagle3.generate.run import generate_responses
-    from eagle3.generate.vllm_runner import VllmEngine
-    from eagle3.tiny import build_tiny_target
+    from eagle3.stages.s00_generate.config import GenerateConfig
+    from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.stages.s00_generate.vllm_runner import VllmEngine
+    from eagle3.tools.tiny import build_tiny_target
 
     work = Path(tempfile.mkdtemp(prefix="bench_generate."))
     demo = ROOT / "work" / "targets" / "tiny-llama"

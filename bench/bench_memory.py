@@ -12,7 +12,7 @@ counting the bytes autograd keeps (saved-tensor hooks, each storage once; the
 tensors are dropped as they are saved, so no backward runs and the process needs
 only the weights, ~7 GB, plus one step's working set). One row per run, every
 position carrying loss. The measurements are fitted as c0 + c1 T + c2 T^2 per row
-and compared with eagle3/train/memory.py's formula, which then predicts the peak
+and compared with eagle3/stages/s04_train/memory.py's formula, which then predicts the peak
 per GPU (weights, AdamW, grads, bf16 copies, frozen embedding, batch, activations,
 backward transient, DDP buckets) at 2048/4096/8192-token rows for the shipped
 config. About 7 minutes on 2 cores (a forward is ~1.6 GFLOP per token and step).
@@ -37,7 +37,7 @@ check, exit status 1 if any fails (2 without a CUDA device):
              the reference widths, one packed row of the config's batch_tokens in
              4096-token samples, bf16 autocast: a finite loss.
   memory     peak torch.cuda.max_memory_allocated of those steps within MEMORY_RTOL
-             (10%) of eagle3/train/memory.py's prediction (single process, no DDP).
+             (10%) of eagle3/stages/s04_train/memory.py's prediction (single process, no DDP).
 
 --dry-run runs the attention and training checks on the CPU at tiny widths (the CPU
 kernels) and skips the memory check.
@@ -52,10 +52,10 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eagle3.train.memory import (GIB, bf16_copy_bytes, measure_training_forward, param_count,  # noqa: E402
+from eagle3.core.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.stages.s04_train.memory import (GIB, bf16_copy_bytes, measure_training_forward, param_count,  # noqa: E402
                                  predict_peak, saved_bytes_per_token)
-from eagle3.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
+from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KIMI = dict(hidden_size=7168, num_attention_heads=56, num_key_value_heads=8, head_dim=128, intermediate_size=18432,
@@ -124,7 +124,7 @@ def kimi_predictions(K: int) -> None:
 # autocast against the float64 reference attention, at ATTN_SHAPE (module doc: how it
 # was set from the correct path's measured bf16 error, and what defect 1 gives there).
 ATTN_RTOL = 3e-2
-MEMORY_RTOL = 0.10  # measured peak within 10% of eagle3/train/memory.py's prediction
+MEMORY_RTOL = 0.10  # measured peak within 10% of eagle3/stages/s04_train/memory.py's prediction
 ATTN_SHAPE = dict(rows=2, row_len=96)  # with TINY widths and the config's ttt_steps
 ATTN_PACKED_SAMPLES = ([40, 31, 25], [57, 39])  # sample lengths per row in the packed layout
 

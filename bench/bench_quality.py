@@ -13,7 +13,7 @@ on CPU:
 2. SpecForge: its own drafter class, TTT forward, loss, optimizer and schedule
    (bench/specforge_bridge.py says which of its files and what had to change for a CPU),
    installed into --specforge-env by this script when missing. Step s trains on the samples
-   step s of our stage 04 trains on: both read eagle3/train/loop.py `Trainer`'s plan
+   step s of our stage 04 trains on: both read eagle3/stages/s04_train/run.py `Trainer`'s plan
    (EpochPlan over the samples that carry loss); SpecForge gets them as its collator's
    padded batch, ours packs them into rows. Its weights are converted to our export
    format, checked logit for logit against our `Eagle3Drafter` (fails above
@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import specforge_bridge as bridge  # noqa: E402
 from served_pairs import paired_interval, per_prompt, verdict  # noqa: E402
 
-from eagle3.config import build_config, load_yaml  # noqa: E402
-from eagle3.train.config import TrainConfig  # noqa: E402
-from eagle3.workdir import WorkDir  # noqa: E402
+from eagle3.core.config import build_config, load_yaml  # noqa: E402
+from eagle3.stages.s04_train.config import TrainConfig  # noqa: E402
+from eagle3.core.workdir import WorkDir  # noqa: E402
 
 UPSTREAM = ("generate", "prepare", "extract", "vocab")  # the stages both scratch work dirs share with W
 BUDGET = ("max_steps", "batch_tokens", "ttt_steps", "learning_rate", "warmup_steps", "seed")
@@ -106,8 +106,8 @@ def run_stage(stage: str, wd: WorkDir, common: list[str], extra: list[str], logs
 
 def make_trainer(cfg: TrainConfig):
     """Our stage 04's Trainer on a work dir, never fitted: its batch plan and its held-out evaluation."""
-    from eagle3.train.distributed import Dist
-    from eagle3.train.loop import Trainer, read_inputs
+    from eagle3.stages.s04_train.distributed import Dist
+    from eagle3.stages.s04_train.run import Trainer, read_inputs
 
     wd = WorkDir(cfg.work_dir)
     return Trainer(cfg, wd, read_inputs(cfg, wd), torch.device("cpu"), Dist())
@@ -132,7 +132,7 @@ def plan_figures(trainer) -> dict:
 
 def our_figures(wd: WorkDir, plan: dict) -> dict:
     """Stage 04's held-out curve and seconds per step (from metrics.jsonl), stage 05's exported step."""
-    from eagle3.evaluate.run import read_train_metrics
+    from eagle3.stages.s06_evaluate.run import read_train_metrics
 
     rows = read_train_metrics(wd)
     evals = {r["step"]: r for r in rows if r["split"] == "eval" and r["step"] > 0}
@@ -151,7 +151,7 @@ def our_figures(wd: WorkDir, plan: dict) -> dict:
 
 
 def our_precision(cfg: TrainConfig) -> str:
-    from eagle3.train.loop import bf16_autocast_pays
+    from eagle3.stages.s04_train.run import bf16_autocast_pays
 
     bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(torch.device("cpu")))
     return "bf16 autocast, fp32 weights (stage 04 precision auto)" if bf16 else "fp32 (stage 04 precision auto)"
@@ -163,7 +163,7 @@ def our_precision(cfg: TrainConfig) -> str:
 def specforge_precision(choice: str) -> str:
     if choice != "auto":
         return choice
-    from eagle3.train.loop import bf16_autocast_pays
+    from eagle3.stages.s04_train.run import bf16_autocast_pays
 
     return "autocast" if bf16_autocast_pays(torch.device("cpu")) else "fp32"
 
@@ -171,8 +171,8 @@ def specforge_precision(choice: str) -> str:
 def train_specforge(cfg: TrainConfig, precision: str, wd: WorkDir, force: bool) -> dict:
     """SpecForge's training on our plan; writes its weights, a stage-04 checkpoint of the
     converted weights (for stage 05) and a summary; returns the summary."""
-    from eagle3.extract.target_head import load_embedding, load_lm_head
-    from eagle3.model import Eagle3Drafter
+    from eagle3.core.target_head import load_embedding, load_lm_head
+    from eagle3.core.model import Eagle3Drafter
 
     summary_path, state_path, ckpt_path = (wd.root / "specforge_train.json", wd.root / "specforge_state.pt",
                                            wd.root / "specforge_checkpoint.pt")
@@ -359,7 +359,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     a = parse_args()
-    from eagle3.logs import setup_logging
+    from eagle3.core.logs import setup_logging
 
     setup_logging(logging.WARNING)
     # Absolute paths: the stages run from the repository root, the bench from anywhere.

@@ -5,7 +5,7 @@
 
 Default mode, in one process, for each encoding of `extract.store_dtype` (bf16, fp8):
   1. bytes per token at SmolLM2's widths (H = 576, 3 aux layers) and Kimi-K2.5's
-     (H = 7168), computed from the layout (eagle3/store.py), and the disk per million
+     (H = 7168), computed from the layout (eagle3/core/store.py), and the disk per million
      tokens; beside them what per-block fp8 scales (64 values a block) would cost;
   2. on a synthetic store (`--hidden`, `--tokens` in `--files` files; Gaussian states with
      a few large channels, as real residual streams have): finalize tokens/s (the step
@@ -13,7 +13,7 @@ Default mode, in one process, for each encoding of `extract.store_dtype` (bf16, 
      read tokens/s (shuffled samples through the reader and into training tensors, padded
      with `store.collate` and packed with stage 04's `load_batch`), page cache warm;
   3. on a real target's states (`--target`, default the demo's SmolLM2-135M-Instruct,
-     built at work/targets/smollm2-135m by `python -m eagle3.targets smollm2` if missing):
+     built at work/targets/smollm2-135m by `python -m eagle3.tools.targets smollm2` if missing):
      stage 01 on `--chats` demo chats, stage 02 (hf backend) once per encoding, its tokens/s, and
      through the reader the fp8 store against the bf16 one: per aux layer and for the
      final state the per-token relative L2 error (median, p90, max; it holds the two runs'
@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3 import store  # noqa: E402
+from eagle3.core import store# noqa: E402
 
 ENCODINGS = list(store.ENCODINGS)
 WIDTHS = {"SmolLM2-135M (H=576)": 576, "Kimi-K2.5 (H=7168)": 7168}
@@ -63,7 +63,7 @@ HEAD_ROWS = 4096  # synthetic finalize: rows of the lm_head the argmax runs over
 
 
 def bytes_table() -> list[str]:
-    out = ["== bytes per token (3 aux layers + final; computed from eagle3/store.py's layout)",
+    out = ["== bytes per token (3 aux layers + final; computed from eagle3/core/store.py's layout)",
            f"{'target':24s}{'encoding':10s}{'B/token':>10s}{'GB per 1M tokens':>18s}{'vs bf16':>9s}"]
     for label, H in WIDTHS.items():
         ref = store.bytes_per_token(H, 3)
@@ -142,7 +142,7 @@ def open_store(d: Path, entries: list[dict], hidden: int, name: str) -> store.Hi
 
 def read_pass(s: store.HiddenStateStore, packed: bool, batch_tokens: int = 8192) -> float:
     """Seconds for one shuffled pass over the split into training tensors."""
-    from eagle3.train.data import load_batch
+    from eagle3.stages.s04_train.data import load_batch
 
     split = s.split("train")
     lengths = [e for f in split.files for e in np.diff(_offsets(s.dir / f["name"])).tolist()]
@@ -237,14 +237,16 @@ def _summary(err: torch.Tensor) -> str:
 
 
 def quality(target: Path | None, chats: int, work: Path) -> list[str]:
-    from eagle3.extract import ExtractConfig, extract_hidden_states
-    from eagle3.extract.target_head import load_lm_head
-    from eagle3.prepare import PrepareConfig, prepare_dataset
-    from eagle3.target import read_target_info
-    from eagle3.workdir import WorkDir
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.core.target_head import load_lm_head
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.core.target import read_target_info
+    from eagle3.core.workdir import WorkDir
 
     if target is None:
-        from eagle3.targets import build_target
+        from eagle3.tools.targets import build_target
 
         target = build_target("smollm2", ROOT / "work" / "targets" / "smollm2-135m")  # does nothing when built
     data = work / "chats.jsonl"
@@ -310,8 +312,8 @@ def quality(target: Path | None, chats: int, work: Path) -> list[str]:
 
 
 def served(config: Path, work: Path, formats: list[str]) -> list[str]:
-    from eagle3.config import load_yaml
-    from eagle3.workdir import WorkDir
+    from eagle3.core.config import load_yaml
+    from eagle3.core.workdir import WorkDir
 
     src = WorkDir(work)
     if not src.manifest("prepare").is_file():
@@ -372,14 +374,14 @@ def main() -> None:
     ap.add_argument("--work-dir", type=Path, help="the demo work dir with stages 00-01 done (default: the config's)")
     ap.add_argument("--formats", default=",".join(ENCODINGS))
     a = ap.parse_args()
-    from eagle3.logs import setup_logging
+    from eagle3.core.logs import setup_logging
 
     setup_logging(logging.WARNING)
     def show(lines: list[str]) -> None:
         print("\n".join(lines) + "\n", flush=True)
 
     if a.served:
-        from eagle3.config import load_yaml
+        from eagle3.core.config import load_yaml
 
         work = a.work_dir or Path(load_yaml(a.config)["work_dir"])
         show(served(a.config, work, [f for f in a.formats.split(",") if f]))

@@ -11,7 +11,7 @@ clip, AdamW; tokens/s counts real (non-padding) tokens. Three parts:
 1. one full row of T tokens per step (T from --seq): reference vs sdpa attention,
    K = 1 and 7. The first step of each run warms up and is not timed.
 2. the same sample set (long-tail lengths, below) trained as right-padded batches
-   (eagle3.train.data's length-sorted grouping) and as packed rows, at
+   (eagle3.stages.s04_train.data's length-sorted grouping) and as packed rows, at
    max_seq_len 2048 and batch_tokens 4096, both attentions, K = 1 and 7.
 3. padding share (padding positions / computed positions) of an epoch's batches,
    padded vs packed, on the shipped demo chats (tiny tokenizer; tiny-llama.yaml's
@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.batching import padding_share  # noqa: E402
-from eagle3.model import DrafterConfig, Eagle3Drafter  # noqa: E402
-from eagle3.train.data import Batching, epoch_batches  # noqa: E402
-from eagle3.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
+from eagle3.core.batching import padding_share  # noqa: E402
+from eagle3.core.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.stages.s04_train.data import Batching, epoch_batches  # noqa: E402
+from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
 
 H, HEADS, V_D, V_T = 512, 8, 8192, 32768
 
@@ -149,7 +149,7 @@ def part2(total_tokens: int) -> None:
 
 
 def part3() -> None:
-    from eagle3.tiny import build_tokenizer, chat_token_ids
+    from eagle3.tools.tiny import build_tokenizer, chat_token_ids
 
     print("\n3. padding share of one epoch (padding positions / computed positions)")
     demo = [len(s) for s in chat_token_ids(build_tokenizer())]

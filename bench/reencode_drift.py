@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from eagle3.chats import BadRecord  # noqa: E402
-from eagle3.loss_mask import Answer, assistant_suffix, reencode_differs  # noqa: E402
+from eagle3.core.chats import BadRecord  # noqa: E402
+from eagle3.core.loss_mask import Answer, assistant_suffix, reencode_differs  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -35,8 +35,8 @@ def main(argv=None) -> None:
     ap.add_argument("--target", required=True)
     ap.add_argument("--template", default="own", help="own, or a template name of tests/chat_templates.py")
     args = ap.parse_args(argv)
-    from eagle3.target import load_tokenizer
-    from eagle3.workdir import WorkDir
+    from eagle3.core.target import load_tokenizer
+    from eagle3.core.workdir import WorkDir
 
     tok = load_tokenizer(args.target)
     if args.template != "own":

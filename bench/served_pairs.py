@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.evaluate.figures import histogram_counts
+from eagle3.stages.s06_evaluate.figures import histogram_counts
 
 
 def per_prompt(work_dir: Path, temperature: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     a = ap.parse_args()
 
-    from eagle3.tiny import build_tiny_target
+    from eagle3.tools.tiny import build_tiny_target
 
     rows = [r for r in fh.ROWS if a.stages is None or r.stage in a.stages.split(",")]
     t_start = time.monotonic()

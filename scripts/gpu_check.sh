@@ -108,7 +108,7 @@ step() {  # step NAME COMMAND...: run, log, one FAIL line on error
     fi
 }
 
-step "target build" $PY -m eagle3.targets smollm2 --out "$TARGET" || exit 1
+step "target build" $PY -m eagle3.tools.targets smollm2 --out "$TARGET" || exit 1
 # 128 of the demo prompts, every k-th one (all categories, some two-turn chats).
 k=$(( $(wc -l < data/demo_prompts.jsonl) / 128 ))
 awk -v k="$k" 'NR % k == 1 && n < 128 { print; n++ }' data/demo_prompts.jsonl > "$WORK/prompts.jsonl"
@@ -124,9 +124,9 @@ mkdir -p "$WORK-hf" && cp -r "$WORK/00_generate" "$WORK/01_dataset" "$WORK-hf/"
 step "stage 02 extract (HF backend, reference)" $PY 02_extract_hidden_states.py --config $CONFIG \
     --work-dir "$WORK-hf" --target-model "$TARGET" --backend hf || exit 1
 # Row by row on 4 samples, then the vLLM store's layers against transformers' (float32, GPU).
-$PY -m eagle3.check_stores "$WORK" "$WORK-hf" --samples 4 --target "$TARGET" --device cuda 2>> "$LOG" \
+$PY -m eagle3.tools.check_stores "$WORK" "$WORK-hf" --samples 4 --target "$TARGET" --device cuda 2>> "$LOG" \
     | sed 's/^\(PASS\|FAIL\) /\1 stage 02 vLLM vs HF: /' | tee "$WORK/check_stores.txt" \
-    || fail "stage 02 vLLM vs HF (eagle3.check_stores exit non-zero; see $LOG)"
+    || fail "stage 02 vLLM vs HF (eagle3.tools.check_stores exit non-zero; see $LOG)"
 grep -q '^FAIL' "$WORK/check_stores.txt" && failed=1
 step "stage 03 vocab" $PY 03_build_vocab_mapping.py "${common[@]}" || exit 1
 step "stage 04 train (bf16 autocast, GPU)" $PY 04_train_drafter.py "${common[@]}" --device cuda --precision bf16 \
@@ -160,7 +160,7 @@ sys.exit(0 if all(oks) else 1)
 PY
 
 # -- stage 04 under torchrun: 2 processes (NCCL) against 1 with grad_accum 2 ----------
-# Batches are interleaved over ranks (eagle3/train/data.py), so the two runs read the
+# Batches are interleaved over ranks (eagle3/stages/s04_train/data.py), so the two runs read the
 # same micro-batches per step; fp32 leaves them differing only in the order gradients
 # are summed, which bf16 roundings would amplify. The tolerance is the CPU test's for
 # two gloo processes (tests/test_train.py).
@@ -180,7 +180,7 @@ else
         $PY - "$WORK-ddp1" "$WORK-ddp2" <<'PY' || failed=1
 import json, sys
 import torch
-from eagle3.workdir import WorkDir
+from eagle3.core.workdir import WorkDir
 one, two = WorkDir(sys.argv[1]), WorkDir(sys.argv[2])
 ATOL, RTOL, LOSS_RTOL = 1e-5, 1e-4, 1e-4
 def losses(wd):

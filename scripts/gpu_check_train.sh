@@ -5,7 +5,7 @@
 # Kimi-K2.5's drafter widths (hidden 7168, 56 x 128 heads, MLP 18432, vocab
 # 32000/163840, K = 7) on one packed row of configs/kimi-k2.5.yaml's batch_tokens in
 # 4096-token samples, and holds the peak torch.cuda.max_memory_allocated to within 10%
-# of eagle3/train/memory.py's prediction. One PASS/FAIL line per check; exit 1 if one
+# of eagle3/stages/s04_train/memory.py's prediction. One PASS/FAIL line per check; exit 1 if one
 # fails, 2 (one FAIL line) without a CUDA device or torch. Needs one GPU with ~70 GB
 # free; takes a minute or two. Called by scripts/gpu_check.sh.
 #

@@ -63,8 +63,8 @@ def cuda_group(rank: int, local_rank: int) -> dict:
     dist.init_process_group = init
     torch.cuda.set_device = lambda device: seen["set_device"].append(str(torch.device("cuda", device)
                                                                          if isinstance(device, int) else device))
-    from eagle3.train.loop import init_distributed
-    from eagle3.train.metrics import MetricSum
+    from eagle3.stages.s04_train.run import init_distributed
+    from eagle3.stages.s04_train.metrics import MetricSum
 
     d = init_distributed(torch.device("cuda", local_rank))
     seen.update(world=d.world, rank=d.rank)
@@ -80,8 +80,8 @@ def cuda_group(rank: int, local_rank: int) -> dict:
 
 
 def foreign(rank: int, local_rank: int) -> dict:
-    from eagle3.errors import PipelineError
-    from eagle3.train.distributed import all_reduce_sum
+    from eagle3.core.errors import PipelineError
+    from eagle3.stages.s04_train.distributed import all_reduce_sum
 
     dist.init_process_group("cuda:gloo")
     try:
@@ -92,8 +92,8 @@ def foreign(rank: int, local_rank: int) -> dict:
 
 
 def rng(rank: int, local_rank: int) -> dict:
-    from eagle3.train.checkpoint import rng_states_of_all_ranks, set_rng_state
-    from eagle3.train.distributed import init_distributed
+    from eagle3.stages.s04_train.checkpoint import rng_states_of_all_ranks, set_rng_state
+    from eagle3.stages.s04_train.distributed import init_distributed
 
     cpu = torch.device("cpu")
     d = init_distributed(cpu)

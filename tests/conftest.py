@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.tiny import build_tiny_target  # noqa: E402
+from eagle3.tools.tiny import build_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,7 +33,8 @@ def tiny_llama(tiny_targets) -> Path:
 @pytest.fixture(scope="session")
 def prepared_llama(tmp_path_factory, tiny_llama) -> Path:
     """A work dir where stage 01 ran on the shipped demo chats with the tiny Llama."""
-    from eagle3.prepare import PrepareConfig, prepare_dataset
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
 
     wd = tmp_path_factory.mktemp("work-llama")
     prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama),
@@ -54,8 +55,8 @@ def stages_123(tmp_path_factory, tiny_llama) -> Path:
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Make any attempt to load a model fail loudly: for checks that must happen before."""
-    from eagle3.extract import run as run_mod
-    from eagle3.extract import target_head
+    from eagle3.stages.s02_extract import run as run_mod
+    from eagle3.core import target_head
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded although the run should not need one")

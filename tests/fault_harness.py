@@ -47,7 +47,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.workdir import STAGES, WorkDir  # noqa: E402
+from eagle3.core.stages import STAGE
+from eagle3.core.workdir import WorkDir  # noqa: E402
 
 
 def write_config(path: Path, target: Path, chats: Path) -> Path:
@@ -186,7 +187,7 @@ class Row:
 
     @property
     def script(self) -> str:
-        return STAGES[self.stage][1]
+        return STAGE[self.stage].script
 
 
 _UP = ("generate", "prepare", "extract", "vocab", "train", "export")  # upstream stages, in order
@@ -199,7 +200,7 @@ ROWS = [
     Row("export", _UP[:5], _equal_files(_not_volatile)),
     Row("evaluate", _UP[:6], _evaluate_check, engine=True),
 ]
-ROWS = [r for r in ROWS if r.stage in STAGES]  # stage 00 only where it exists
+ROWS = [r for r in ROWS if r.stage in STAGE]  # stage 00 only where it exists
 
 
 def command(row: Row, config: Path, work: Path) -> list[str]:
@@ -341,7 +342,7 @@ def _inputs_changed(wd: WorkDir, ref: WorkDir, stages: tuple[str, ...]) -> list[
 
 def _manifest_problems(wd: WorkDir, stage: str, *, final: bool = False) -> list[str]:
     """A manifest that exists must be whole and describe files that are all there (after a rerun: must exist)."""
-    from eagle3.manifest import sha256_file
+    from eagle3.core.manifest import sha256_file
 
     path = wd.manifest(stage)
     if not path.exists():

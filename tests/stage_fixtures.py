@@ -7,10 +7,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from eagle3.extract.config import ExtractConfig
-from eagle3.extract.run import extract_hidden_states
-from eagle3.prepare import PrepareConfig, prepare_dataset
-from eagle3.vocab import VocabConfig, build_vocab_mapping
+from eagle3.stages.s02_extract.config import ExtractConfig
+from eagle3.stages.s02_extract.run import extract_hidden_states
+from eagle3.stages.s01_prepare.run import prepare_dataset
+from eagle3.stages.s01_prepare.config import PrepareConfig
+from eagle3.stages.s03_vocab.run import build_vocab_mapping
+from eagle3.stages.s03_vocab.config import VocabConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 

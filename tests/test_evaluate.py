@@ -17,16 +17,18 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, load_drafter_dir,
+from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, load_drafter_dir,
                                save_drafter_dir)
-from eagle3.errors import PipelineError
-from eagle3.evaluate import (EvaluateConfig, assistant_turns, evaluate_drafter, held_out_prompts, report_lines,
-                             summarise, training_expectation, write_untrained_drafter)
-from eagle3.evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s06_evaluate.report import report_lines, summarise
+from eagle3.stages.s06_evaluate.prompts import assistant_turns, held_out_prompts
+from eagle3.stages.s06_evaluate.run import evaluate_drafter, training_expectation, write_untrained_drafter
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
+from eagle3.stages.s06_evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
                                      timing_problems)
-from eagle3.evaluate.prompts import Prompt, categories, file_prompts, timing_subset
-from eagle3.model import DrafterConfig, Eagle3Drafter
-from eagle3.workdir import WorkDir
+from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, timing_subset
+from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 K = 3
@@ -73,7 +75,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 def test_prompt_file_renders_with_the_chat_template_and_keeps_categories(tmp_path, tiny_llama):
     from transformers import AutoTokenizer
 
-    from eagle3.loss_mask import render
+    from eagle3.core.loss_mask import render
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     f = write_jsonl(tmp_path / "p.jsonl", [
@@ -131,7 +133,7 @@ def test_prompt_sets_in_stage_00_shapes_give_their_first_unanswered_turn(tmp_pat
     (the demo's prompt files, MT-Bench `turns`) give their first turn, system kept."""
     from transformers import AutoTokenizer
 
-    from eagle3.loss_mask import render
+    from eagle3.core.loss_mask import render
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     system = {"role": "system", "content": "Be brief."}
@@ -351,7 +353,7 @@ def test_config_validation():
     with pytest.raises(PipelineError, match="needs a prompt set"):
         EvaluateConfig(work_dir=Path("w"), target_model="t", category_field="category")
     assert EvaluateConfig(work_dir=Path("w"), target_model="t").temperature == [0.0, 0.7]
-    from eagle3.config import build_config
+    from eagle3.core.config import build_config
 
     cfg = build_config(EvaluateConfig, "evaluate", ROOT / "configs" / "tiny-llama.yaml")
     assert cfg.num_speculative_tokens == 3 and cfg.num_prompts is None and cfg.timed_passes == 2
@@ -389,7 +391,7 @@ def test_evaluate_refuses_another_target(tmp_path, prepared_llama, tiny_llama):
 
 
 def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama, monkeypatch):
-    import eagle3.evaluate.engine as ev
+    import eagle3.stages.s06_evaluate.engine as ev
 
     drafter = write_drafter(tmp_path / "d")
     monkeypatch.setattr(ev, "_worker_cmd", lambda req, out: [
@@ -406,8 +408,8 @@ def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama
 
 
 def test_layer_capture_names_each_engines_layers_and_flags_a_mismatch(tmp_path, tiny_llama, caplog):
-    from eagle3.evaluate.run import _log_capture, capture_lines, layer_capture
-    from eagle3.target import read_target_info
+    from eagle3.stages.s06_evaluate.run import _log_capture, capture_lines, layer_capture
+    from eagle3.core.target import read_target_info
 
     info = read_target_info(str(tiny_llama))
     cfg = json.loads((write_drafter(tmp_path / "d") / CONFIG_NAME).read_text())
@@ -459,7 +461,7 @@ def test_script_reports_bad_input_in_one_line(tmp_path, tiny_llama):
     p = subprocess.run([sys.executable, str(ROOT / "06_evaluate_drafter.py"), "--work-dir", str(tmp_path / "w"),
                         "--target-model", str(tiny_llama)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and "01_prepare_dataset.py" in p.stderr and "Traceback" not in p.stderr
-    w = subprocess.run([sys.executable, "-m", "eagle3.evaluate"], capture_output=True, text=True, timeout=300,
+    w = subprocess.run([sys.executable, "-m", "eagle3.stages.s06_evaluate"], capture_output=True, text=True, timeout=300,
                        cwd=ROOT)
     assert w.returncode != 0 and "06_evaluate_drafter.py" in w.stderr
 
@@ -481,7 +483,7 @@ def test_timings_disturbed_by_other_load_are_flagged():
 
 
 def test_per_token_expansion_used_for_sampled_verification():
-    from eagle3.evaluate.engine import _expand_per_token
+    from eagle3.stages.s06_evaluate.engine import _expand_per_token
 
     # Request temperatures spread over their draft tokens (2, 3 and 1 of them).
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
@@ -492,7 +494,7 @@ def test_per_token_expansion_used_for_sampled_verification():
         [960, 960, 5, 5, 5, 960]
 
 
-# -- the package's steps (eagle3/evaluate/) ---------------------------------------------------
+# -- the package's steps (eagle3/stages/s06_evaluate/) ---------------------------------------------------
 
 def spec_pass(temperature: float, tokens: list[list[int]]) -> dict:
     """One acceptance pass of a drafter run as `serve_and_measure` returns it (4 steps, 6 accepted)."""
@@ -501,7 +503,7 @@ def spec_pass(temperature: float, tokens: list[list[int]]) -> dict:
 
 
 def test_run_figures_compare_greedy_outputs_with_plain_and_check_the_teacher():
-    from eagle3.evaluate.figures import run_figures, teacher_check
+    from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
 
     plain = [[1, 2, 3], [4, 5], [6]]
     raw = {"plain": {"init_s": 2.0, "acceptance": [{"temperature": 0.0, "wall_s": 0.5, "tokens": plain}],
@@ -527,7 +529,7 @@ def test_run_figures_compare_greedy_outputs_with_plain_and_check_the_teacher():
 
 
 def test_config_shares_the_stage_fields_and_the_dtype_table():
-    from eagle3.config import StageConfig, build_config, identity_params
+    from eagle3.core.config import StageConfig, build_config, identity_params
 
     cfg = EvaluateConfig(work_dir=Path("w"), target_model="t", dtype="bf16")
     assert isinstance(cfg, StageConfig) and cfg.dtype == "bfloat16" and cfg.force is False
@@ -538,11 +540,9 @@ def test_config_shares_the_stage_fields_and_the_dtype_table():
 
 
 def test_stage_06_file_names_come_from_the_work_dir():
-    from eagle3.evaluate import PLOT_PNG, RESULTS_JSON
-
     wd = WorkDir(Path("w"))
-    assert wd.evaluate_results() == Path("w/06_evaluate/results.json") and RESULTS_JSON == "results.json"
-    assert wd.evaluate_plot() == Path("w/06_evaluate/evaluate.png") and PLOT_PNG == "evaluate.png"
+    assert wd.evaluate_results() == Path("w/06_evaluate/results.json")
+    assert wd.evaluate_plot() == Path("w/06_evaluate/evaluate.png")
     assert wd.engine_log("plain") == Path("w/06_evaluate/logs/plain.log")
     assert wd.engine_request("trained").parent == wd.engine_result("trained").parent == Path("w/06_evaluate/runs")
 
@@ -550,7 +550,7 @@ def test_stage_06_file_names_come_from_the_work_dir():
 def test_engine_shutdown_is_best_effort():
     from types import SimpleNamespace
 
-    from eagle3.vllm_shutdown import shutdown_llm
+    from eagle3.engines.vllm_shutdown import shutdown_llm
 
     def fake_llm(shutdown):
         return SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=shutdown)))
@@ -571,7 +571,7 @@ def test_worker_shuts_the_engine_down_when_a_pass_fails(monkeypatch):
     (Imports vLLM's CPU build: ~5 s.)"""
     from types import SimpleNamespace
 
-    import eagle3.evaluate.engine as engine
+    import eagle3.stages.s06_evaluate.engine as engine
 
     calls = []
 
@@ -590,7 +590,7 @@ def test_worker_shuts_the_engine_down_when_a_pass_fails(monkeypatch):
 
 
 def test_plot_draws_positions_categories_and_training_curves(tmp_path):
-    from eagle3.evaluate.report import write_plot
+    from eagle3.stages.s06_evaluate.report import write_plot
 
     block = {"acceptance_length": 2.0, "acceptance_per_position": [0.5, 0.3, 0.2], "ci95": 0.1,
              "by_category": {"math": {"acceptance_length": 2.2, "ci95": 0.2}, "code": {"acceptance_length": 1.8}}}

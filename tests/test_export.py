@@ -14,13 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
+from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
                                hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
-from eagle3.errors import PipelineError
-from eagle3.export import REPORT_JSON, REPORT_MD, ExportConfig, export_drafter, read_training_checkpoint
-from eagle3.manifest import write_manifest
-from eagle3.model import DrafterConfig, Eagle3Drafter, TTTCache
-from eagle3.workdir import WorkDir
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s05_export.run import REPORT_JSON, REPORT_MD, export_drafter, read_training_checkpoint
+from eagle3.stages.s05_export.config import ExportConfig
+from eagle3.core.manifest import write_manifest
+from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYERS = [2, 4, 5]  # default [2, N//2, N-3] of the 8-layer tiny Llama
@@ -94,7 +95,7 @@ def test_training_checkpoint_reader(tmp_path):
 
 
 def test_expected_accept_length_is_only_taken_at_the_checkpoints_own_step():
-    from eagle3.export import expected_accept_length
+    from eagle3.stages.s05_export.run import expected_accept_length
 
     assert expected_accept_length({"step": 5, "eval": {"expected_accept_length": 2.5}}, None)[0] == 2.5
     # A step checkpoint saved without evaluation must not borrow the best step's figure.
@@ -127,7 +128,7 @@ def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None,
     write_manifest(wd, "extract", params={"aux_layers": None}, inputs={}, counts={}, outputs=[],
                    extra={"aux_layers": list(layers)})
     wd.checkpoints().mkdir(parents=True, exist_ok=True)
-    # Stage 04's format (eagle3/train/checkpoint.py), the parts stage 05 reads.
+    # Stage 04's format (eagle3/stages/s04_train/checkpoint.py), the parts stage 05 reads.
     ev = metrics if metrics is not None else {"expected_accept_length": 1.875, "full_acc": [0.5, 0.25, 0.125]}
     torch.save({"model": m.state_dict(), "drafter_config": m.config.to_dict(), "step": 123,
                 "aux_layers": list(ckpt_layers or layers), "optimizer": {}, "eval": ev,

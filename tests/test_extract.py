@@ -1,4 +1,4 @@
-"""Stage 02 (eagle3/extract/): both backends, resume, shards, validation, the next reader.
+"""Stage 02 (eagle3/stages/s02_extract/): both backends, resume, shards, validation, the next reader.
 
 Runs on the tiny targets on CPU. vLLM's CPU build is required, not optional: the
 vLLM tests fail (never skip) when it cannot run. One vLLM engine per target
@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import store
-from eagle3.errors import PipelineError
-from eagle3.extract import ExtractConfig, extract_hidden_states
-from eagle3.extract import run as run_mod
-from eagle3.manifest import read_manifest
-from eagle3.store import HiddenStateStore
-from eagle3.workdir import WorkDir
+from eagle3.core import store
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s02_extract.run import extract_hidden_states
+from eagle3.stages.s02_extract.config import ExtractConfig
+from eagle3.stages.s02_extract import run as run_mod
+from eagle3.core.manifest import read_manifest
+from eagle3.core.store import HiddenStateStore
+from eagle3.core.workdir import WorkDir
 from stage_fixtures import kill_after_entries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +35,8 @@ AUX = [2, 4, 5]  # the default [2, N//2, N-3] for the 8-layer tiny targets
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_targets):
     """kind -> a work dir where stage 01 ran on the first N_CHATS demo chats (built lazily)."""
-    from eagle3.prepare import PrepareConfig, prepare_dataset
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
 
     root = tmp_path_factory.mktemp("extract")
     chats = root / "chats.jsonl"
@@ -269,7 +271,7 @@ def test_rerun_with_other_layers_refused_without_force(hf_store, tiny_targets, t
 
 
 def test_nonfinite_samples_are_counted_not_dropped_silently(prepared, tiny_targets, tmp_path, monkeypatch):
-    from eagle3.extract import hf_backend
+    from eagle3.stages.s02_extract import hf_backend
 
     real, poisoned = hf_backend.HFBackend.forward, []
 
@@ -375,8 +377,10 @@ def test_a_retrained_target_does_not_reuse_the_store(tmp_path, tiny_llama):
 
     from safetensors.torch import load_file, save_file
 
-    from eagle3.extract import ExtractConfig, extract_hidden_states
-    from eagle3.prepare import PrepareConfig, prepare_dataset
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
 
     target = tmp_path / "target"
     shutil.copytree(tiny_llama, target)

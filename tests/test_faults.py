@@ -29,10 +29,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3 import store
-from eagle3.atomic import DiskFullError, atomic_path, save_numpy, save_torch, write_json
-from eagle3.errors import PipelineError
-from eagle3.workdir import WorkDir
+from eagle3.core import store
+from eagle3.core.atomic import DiskFullError, atomic_path, save_numpy, save_torch, write_json
+from eagle3.core.errors import PipelineError
+from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,10 +101,12 @@ def test_atomic_writers_on_a_full_tmpfs(tiny_fs, tmp_path):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_llama):
     """Stages 01 and 03 on 60 demo chats, and an unbroken stage 02 store to compare with."""
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
-    from eagle3.prepare import PrepareConfig, prepare_dataset
-    from eagle3.vocab import VocabConfig, build_vocab_mapping
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.stages.s03_vocab.run import build_vocab_mapping
+    from eagle3.stages.s03_vocab.config import VocabConfig
 
     root = tmp_path_factory.mktemp("faults")
     data = root / "chats.jsonl"
@@ -125,8 +127,8 @@ STORE_DTYPES = ["bf16", "fp8"]
 def stores(base, tiny_llama, tmp_path_factory):
     """store_dtype -> a work dir with stages 01, 03 and an unbroken stage 02 store of that
     encoding (bf16: `base` itself; others built on first use)."""
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     class Stores(dict):
         def __missing__(self, name):
@@ -155,8 +157,8 @@ def copy_inputs(base: WorkDir, dest: Path, stages=("prepare", "vocab")) -> WorkD
 @pytest.mark.parametrize("store_dtype", STORE_DTYPES)
 def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, stores, store_dtype, tiny_llama, tmp_path,
                                                                     monkeypatch):
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     ref = store_files(stores[store_dtype])
     bf16 = store_files(stores["bf16"])  # an fp8 file is written from a bf16 partial file of this size
@@ -216,10 +218,10 @@ def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, stores,
 @pytest.mark.parametrize("store_dtype", STORE_DTYPES)
 def test_flipped_byte_stops_stage04_and_a_stage02_rerun_redoes_that_file(stores, store_dtype, tiny_llama, tmp_path,
                                                                           caplog):
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
-    from eagle3.train.config import TrainConfig
-    from eagle3.train.loop import train_drafter
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s04_train.config import TrainConfig
+    from eagle3.stages.s04_train.run import train_drafter
 
     base = stores[store_dtype]
     wd = copy_inputs(base, tmp_path / "work", stages=("prepare", "vocab", "extract"))

@@ -5,11 +5,11 @@ import re
 
 import pytest
 
-from eagle3 import diagnose
-from eagle3.errors import PipelineError
-from eagle3.forecast import (LAWS, Point, build_report, fit_law, format_report, fraction_budget, parse_fractions,
+from eagle3.tools import diagnose
+from eagle3.core.errors import PipelineError
+from eagle3.tools.forecast import (LAWS, Point, build_report, fit_law, format_report, fraction_budget, parse_fractions,
                              per_position_acceptance, t_quantile_two_sided)
-from eagle3.workdir import WorkDir
+from eagle3.core.workdir import WorkDir
 
 K = 3
 TOKENS = [4_000, 8_000, 16_000, 32_000, 64_000, 128_000]

@@ -1,5 +1,5 @@
 """Stage 00 (the target answers the inputs: assistant turns regenerated, prompts answered),
-eagle3/generate/.
+eagle3/stages/s00_generate/.
 
 The first tests drive the turn logic and the empty-result refusals with a scripted
 engine (no vLLM, milliseconds to seconds).
@@ -18,12 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3.chats import RawRecord
-from eagle3.generate.config import GenerateConfig
-from eagle3.generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Generation, Turns,
+from eagle3.core.chats import RawRecord
+from eagle3.stages.s00_generate.config import GenerateConfig
+from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Generation, Turns,
                                           from_raw, regenerate, request_seed)
-from eagle3.loss_mask import assistant_suffix
-from eagle3.workdir import WorkDir
+from eagle3.core.loss_mask import assistant_suffix
+from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
@@ -41,7 +41,7 @@ def demo_records(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tok():
-    from eagle3.tiny import build_tokenizer
+    from eagle3.tools.tiny import build_tokenizer
 
     return build_tokenizer()
 
@@ -97,7 +97,7 @@ def test_turns_go_in_rounds_each_conditioned_on_the_regenerated_turns_before(tok
 
 
 def _prompt_of(c: Conversation, t: Turns, j: int) -> list[int]:
-    from eagle3.loss_mask import spliced_sample
+    from eagle3.core.loss_mask import spliced_sample
 
     ids, _ = spliced_sample(t.tok, c.messages[: c.turns[j] + 1], c.answers, t.suffix, t.template_kwargs, upto=j)
     return ids.tolist()
@@ -130,8 +130,8 @@ def test_empty_answers_and_long_prompts_are_counted_by_reason(tok):
 
 
 def test_prompts_get_one_answer_per_user_turn_each_conditioned_on_the_answers_before(tok):
-    from eagle3.generate.run import chunk_counts
-    from eagle3.loss_mask import render
+    from eagle3.stages.s00_generate.run import chunk_counts
+    from eagle3.core.loss_mask import render
 
     t = turns_of(tok)
     eot = t.suffix[0]
@@ -177,8 +177,8 @@ def _gen(tmp_path, target, data, **kw) -> GenerateConfig:
 
 
 def test_no_conversation_to_answer_stops_before_an_engine_starts(tmp_path, tiny_llama):
-    from eagle3.errors import PipelineError
-    from eagle3.generate.run import generate_responses
+    from eagle3.core.errors import PipelineError
+    from eagle3.stages.s00_generate.run import generate_responses
 
     data = tmp_path / "p.jsonl"
     data.write_text("".join(json.dumps({"text": f"opener {i}"}) + "\n" for i in range(5)) + "{oops\n")
@@ -196,8 +196,8 @@ def test_no_conversation_to_answer_stops_before_an_engine_starts(tmp_path, tiny_
 
 
 def test_nothing_left_after_generation_is_an_error_and_most_dropped_a_warning(tmp_path, tiny_llama, tok, caplog):
-    from eagle3.errors import PipelineError
-    from eagle3.generate.run import generate_responses
+    from eagle3.core.errors import PipelineError
+    from eagle3.stages.s00_generate.run import generate_responses
 
     eot = turns_of(tok).suffix[0]
     data = tmp_path / "p.jsonl"
@@ -231,7 +231,7 @@ def test_request_seed_depends_on_seed_sample_and_turn_only():
 
 
 def test_bad_chat_template_kwargs_are_refused_naming_the_flag(tmp_path):
-    from eagle3.errors import PipelineError
+    from eagle3.core.errors import PipelineError
 
     with pytest.raises(PipelineError, match="--chat-template-kwargs"):
         GenerateConfig(work_dir=tmp_path, target_model="x", data=["a.jsonl"], chat_template_kwargs="{thinking")
@@ -264,7 +264,7 @@ class Counting:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    from eagle3.generate.vllm_runner import VllmEngine
+    from eagle3.stages.s00_generate.vllm_runner import VllmEngine
 
     eng = VllmEngine(str(tiny_llama), dtype="float32", max_model_len=256, max_num_seqs=64,
                      gpu_memory_utilization=0.3, kv_cache_gib=0.5, enforce_eager=True)
@@ -303,7 +303,7 @@ def lines_of(wd: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def unbroken(engine, tiny_llama, chats, tmp_path_factory) -> Path:
-    from eagle3.generate.run import generate_responses
+    from eagle3.stages.s00_generate.run import generate_responses
 
     wd = tmp_path_factory.mktemp("gen-unbroken")
     generate_responses(gen_cfg(wd, tiny_llama, chats), engine=Counting(engine))
@@ -329,8 +329,10 @@ def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
 
 
 def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_before(unbroken, engine, tiny_llama):
-    from eagle3.generate.conversation import Request as Req
-    from eagle3.prepare import PrepareConfig, load_split, prepare_dataset
+    from eagle3.stages.s00_generate.conversation import Request as Req
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.core.dataset import load_split
+    from eagle3.stages.s01_prepare.config import PrepareConfig
 
     m = prepare_dataset(PrepareConfig(work_dir=unbroken, target_model=str(tiny_llama), data=["generated"],
                                       max_length=512, eval_fraction=0.0, num_workers=1))
@@ -367,8 +369,10 @@ def test_prompt_shapes_go_through_stages_00_and_01_every_conversation_answered(e
     and each answer is one training sample of stage 01, masked token for token."""
     import datasets
 
-    from eagle3.generate.run import generate_responses
-    from eagle3.prepare import PrepareConfig, load_split, prepare_dataset
+    from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.core.dataset import load_split
+    from eagle3.stages.s01_prepare.config import PrepareConfig
 
     openers = [f"Hi, how is your day {i}?" for i in range(6)]
     folder = tmp_path / "saved"
@@ -391,7 +395,7 @@ def test_prompt_shapes_go_through_stages_00_and_01_every_conversation_answered(e
 
 
 def test_engine_returns_the_stop_token_with_the_answer(engine, tiny_llama):
-    from eagle3.generate.conversation import Request as Req
+    from eagle3.stages.s00_generate.conversation import Request as Req
 
     eng = Counting(engine)
     eng.set_sampling(0.0, 1.0, [])
@@ -405,7 +409,7 @@ def test_engine_returns_the_stop_token_with_the_answer(engine, tiny_llama):
 
 
 def test_kill_and_resume_equals_the_unbroken_run(unbroken, engine, tiny_llama, chats, tmp_path):
-    from eagle3.generate.run import generate_responses
+    from eagle3.stages.s00_generate.run import generate_responses
 
     cfg = gen_cfg(tmp_path, tiny_llama, chats)
     with pytest.raises(KeyboardInterrupt):  # killed in the middle of chunk 1 (after 3 rounds)
@@ -425,9 +429,10 @@ def test_kill_and_resume_equals_the_unbroken_run(unbroken, engine, tiny_llama, c
 
 
 def test_two_shards_combined_equal_one_run(unbroken, engine, tiny_llama, chats, tmp_path):
-    from eagle3.errors import PipelineError
-    from eagle3.generate.run import generate_responses
-    from eagle3.prepare import PrepareConfig, prepare_dataset
+    from eagle3.core.errors import PipelineError
+    from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
 
     boxes = [tmp_path / f"box{i}" for i in range(2)]
     for i, wd in enumerate(boxes):
@@ -447,8 +452,8 @@ def test_two_shards_combined_equal_one_run(unbroken, engine, tiny_llama, chats, 
 
 
 def test_other_settings_are_refused_without_force(unbroken, engine, tiny_llama, chats):
-    from eagle3.errors import PipelineError
-    from eagle3.generate.run import generate_responses
+    from eagle3.core.errors import PipelineError
+    from eagle3.stages.s00_generate.run import generate_responses
 
     with pytest.raises(PipelineError, match="temperature"):
         generate_responses(gen_cfg(unbroken, tiny_llama, chats, temperature=0.7), engine=Counting(engine))
@@ -462,8 +467,10 @@ def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thi
     from transformers import LlamaConfig
 
     from chat_templates import make_tokenizer
-    from eagle3.generate.run import generate_responses
-    from eagle3.prepare import PrepareConfig, load_split, prepare_dataset
+    from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.core.dataset import load_split
+    from eagle3.stages.s01_prepare.config import PrepareConfig
     from test_loss_mask import KIMI_THINKING
 
     tok = make_tokenizer(KIMI_THINKING)
@@ -511,7 +518,7 @@ def test_data_parallel_engines_write_the_same_chunks(unbroken, tiny_llama, chats
     """Two engines in spawned processes split the chunks; each chunk is the one engine's. Their
     engine cores run inside those processes (`engine_in_process`, as the SmolLM2 config runs
     stage 00): the same chunks as the test session's separately spawned engine core."""
-    from eagle3.generate.run import generate_responses
+    from eagle3.stages.s00_generate.run import generate_responses
 
     m = generate_responses(gen_cfg(tmp_path, tiny_llama, chats, data_parallel_size=2, max_model_len=256,
                                    kv_cache_gib=0.5, enforce_eager=True, engine_in_process=True))

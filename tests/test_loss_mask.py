@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from chat_templates import TEMPLATES, make_tokenizer
-from eagle3.chats import BadRecord
-from eagle3.loss_mask import assistant_suffix, build_sample
+from eagle3.core.chats import BadRecord
+from eagle3.core.loss_mask import assistant_suffix, build_sample
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 TURNS = [
@@ -85,7 +85,7 @@ class NoOffsetsChattyTokenizer:
 
 
 def test_works_without_offsets_mapping_and_quiets_tokenizer_logging(caplog):
-    from eagle3.logs import quiet_tokenizers
+    from eagle3.core.logs import quiet_tokenizers
 
     inner = make_tokenizer(TEMPLATES["kimi_k2"])
     tok = NoOffsetsChattyTokenizer(inner)
@@ -114,7 +114,7 @@ def test_template_that_rewrites_earlier_turns_is_reported_not_mis_masked():
 
 # -- regenerated answers (stage 00): the generated ids spliced into the template ------------------
 
-from eagle3.loss_mask import Answer, reencode_differs, spliced_sample  # noqa: E402
+from eagle3.core.loss_mask import Answer, reencode_differs, spliced_sample  # noqa: E402
 
 # Kimi-K2.5 style thinking: the generation prompt opens <think> (or gives an empty
 # <think></think> with `thinking: false`), the model writes its reasoning, </think>, the

@@ -1,4 +1,4 @@
-"""eagle3/train/memory.py: the per-token activation formula against a measurement.
+"""eagle3/stages/s04_train/memory.py: the per-token activation formula against a measurement.
 
 The formula is what stage 04 prints and bench/bench_memory.py scales to the
 reference widths; here it is checked at small, all-different widths on the CPU
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.cpu import bf16_fused_attention_ok
-from eagle3.model import DrafterConfig, Eagle3Drafter
-from eagle3.train.memory import (bf16_copy_bytes, measure_saved_bytes, measure_training_forward, param_count,
+from eagle3.core.cpu import bf16_fused_attention_ok
+from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.stages.s04_train.memory import (bf16_copy_bytes, measure_saved_bytes, measure_training_forward, param_count,
                                  predict_peak, saved_bytes_per_token)
 
 CFG = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=160,

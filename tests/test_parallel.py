@@ -1,4 +1,4 @@
-"""The data-parallel supervisor of stages 00 and 02 (eagle3/parallel.py), with plain workers.
+"""The data-parallel supervisor of stages 00 and 02 (eagle3/engines/parallel.py), with plain workers.
 
 Spawns 6 small processes in all (no model, no vLLM): ~5 s on 2 cores.
 """
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from eagle3 import parallel
+from eagle3.engines import parallel
 
 
 def _square_worker(offset: int, share: list[int], rank: int, report) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import build_config
-from eagle3.workdir import WorkDir
+from eagle3.core.config import build_config
+from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "tiny-llama.yaml"
@@ -33,7 +33,7 @@ def write_prompt_file(path: Path) -> Path:
     """Questions of three of the demo's topics, new draws (seeded), both record shapes."""
     import random
 
-    from eagle3 import synthetic_chats
+    from eagle3.tools import synthetic_chats
 
     rng = random.Random(7)
     rows = []
@@ -53,15 +53,19 @@ def stage_config(cls, section: str, work: Path, target: Path, **overrides):
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    from eagle3.evaluate import EvaluateConfig, evaluate_drafter
-    from eagle3.export import ExportConfig, export_drafter
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
-    from eagle3.prepare import PrepareConfig, prepare_dataset
-    from eagle3.tiny import build_tiny_target
-    from eagle3.train.config import TrainConfig
-    from eagle3.train.loop import train_drafter
-    from eagle3.vocab import VocabConfig, build_vocab_mapping
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
+    from eagle3.stages.s06_evaluate.config import EvaluateConfig
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.tools.tiny import build_tiny_target
+    from eagle3.stages.s04_train.config import TrainConfig
+    from eagle3.stages.s04_train.run import train_drafter
+    from eagle3.stages.s03_vocab.run import build_vocab_mapping
+    from eagle3.stages.s03_vocab.config import VocabConfig
 
     root = tmp_path_factory.mktemp("e2e")
     target = build_tiny_target("llama", root / "target", train_steps=TARGET_STEPS)
@@ -140,29 +144,26 @@ def test_timing_is_single_stream_on_the_subset(demo_run):
 
 
 def test_results_plot_and_manifest_are_written(demo_run):
-    from eagle3.evaluate import PLOT_PNG, RESULTS_JSON
-
     wd, _, r = demo_run
-    d = wd.stage_dir("evaluate")
-    assert json.loads((d / RESULTS_JSON).read_text())["acceptance_length"] == r["acceptance_length"]
-    assert (d / PLOT_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(wd.evaluate_results().read_text())["acceptance_length"] == r["acceptance_length"]
+    assert wd.evaluate_plot().read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     m = json.loads(wd.manifest("evaluate").read_text())
     assert m["counts"]["acceptance_length"] == r["acceptance_length"]
-    assert set(m["outputs"]) == {RESULTS_JSON, PLOT_PNG}
+    assert set(m["outputs"]) == {wd.evaluate_results().name, wd.evaluate_plot().name}
 
 
 def test_rerun_does_nothing(demo_run):
-    from eagle3.evaluate import RESULTS_JSON, evaluate_drafter
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
 
     wd, cfg, r = demo_run
-    f = wd.stage_dir("evaluate") / RESULTS_JSON
+    f = wd.evaluate_results()
     before = f.stat().st_mtime_ns
     assert evaluate_drafter(cfg)["acceptance_length"] == r["acceptance_length"]  # no engine started
     assert f.stat().st_mtime_ns == before
 
 
 def test_demo_summary(demo_run):
-    from eagle3.demo import summary_text
+    from eagle3.tools.demo import summary_text
 
     wd, _, r = demo_run
     text = summary_text(wd.root, elapsed_s=125)

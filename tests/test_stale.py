@@ -1,4 +1,4 @@
-"""Stale artifacts are named, not used (eagle3/manifest.py).
+"""Stale artifacts are named, not used (eagle3/core/manifest.py).
 
 Two halves. The mechanism on manifests alone, on every edge of the stage graph: a
 stage rebuilt after its consumers read it makes every stage built on it refuse, with
@@ -20,10 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.errors import PipelineError
-from eagle3.manifest import (_load, completed, find_stale, manifest_fingerprint, read_manifest, stage_run,
+from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import (_load, completed, find_stale, manifest_fingerprint, read_manifest, stage_run,
                              write_manifest)
-from eagle3.workdir import STAGES, WorkDir
+from eagle3.core.stages import STAGE
+from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,12 +38,12 @@ GRAPH = {
     "export": ["train", "extract", "vocab"],
     "evaluate": ["prepare", "export"],
 }
-if "generate" not in STAGES:  # stage 00 not in this checkout yet
+if "generate" not in STAGE:  # stage 00 not in this checkout yet
     GRAPH.pop("generate")
     GRAPH["prepare"] = []
 ORDER = list(GRAPH)
 EDGES = [(up, down) for down, ups in GRAPH.items() for up in ups]
-FOLDER = {s: STAGES[s][0] for s in STAGES}
+FOLDER = {s: STAGE[s].folder for s in STAGE}
 
 
 def descendants(stage: str) -> set[str]:
@@ -93,7 +94,7 @@ def test_every_edge_a_rebuilt_input_makes_its_consumers_refuse(chain, up, down):
         if reader == down:
             assert f"{FOLDER[up]} was rebuilt after {FOLDER[down]} consumed it" in msg
         # every stage built on the rebuilt one, each by its script with --force, in pipeline order
-        hints = [f"`python {STAGES[s][1]} --work-dir {chain.root} --force` (with your --config)"
+        hints = [f"`python {STAGE[s].script} --work-dir {chain.root} --force` (with your --config)"
                  for s in sorted(descendants(up), key=ORDER.index)]
         assert "rerun " + ", then ".join(hints) + "; or pass --allow-stale" in msg, msg
         # the reader's own chain: the links and the stages between the rebuilt one and the reader
@@ -178,13 +179,16 @@ TRAIN_SMALL = dict(max_steps=4, batch_tokens=1024, max_seq_len=256, log_every=2,
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory, tiny_llama):
     """Stages 01-05 on 60 demo chats (draft vocab 64)."""
-    from eagle3.export import ExportConfig, export_drafter
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
-    from eagle3.prepare import PrepareConfig, prepare_dataset
-    from eagle3.train.config import TrainConfig
-    from eagle3.train.loop import train_drafter
-    from eagle3.vocab import VocabConfig, build_vocab_mapping
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.stages.s04_train.config import TrainConfig
+    from eagle3.stages.s04_train.run import train_drafter
+    from eagle3.stages.s03_vocab.run import build_vocab_mapping
+    from eagle3.stages.s03_vocab.config import VocabConfig
 
     root = tmp_path_factory.mktemp("stale")
     data = root / "chats.jsonl"
@@ -219,8 +223,8 @@ def test_real_stages_record_the_manifests_they_read(pipeline):
 
 
 def test_vocab_rebuilt_after_training_stops_export_until_allowed_or_retrained(pipeline, tiny_llama, tmp_path):
-    from eagle3.train.config import TrainConfig
-    from eagle3.train.loop import train_drafter
+    from eagle3.stages.s04_train.config import TrainConfig
+    from eagle3.stages.s04_train.run import train_drafter
 
     wd = WorkDir(tmp_path / "work")
     shutil.copytree(pipeline.root, wd.root)
@@ -255,7 +259,8 @@ def test_vocab_rebuilt_after_training_stops_export_until_allowed_or_retrained(pi
 
 
 def test_dataset_rebuilt_names_every_stage_to_rerun(pipeline, tiny_llama, tmp_path):
-    from eagle3.export import ExportConfig, export_drafter
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s05_export.config import ExportConfig
 
     wd = WorkDir(tmp_path / "work")
     shutil.copytree(pipeline.root, wd.root)

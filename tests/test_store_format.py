@@ -1,4 +1,4 @@
-"""The store's encodings (eagle3/store.py): fp8 states, the store size, the disk-space refusal.
+"""The store's encodings (eagle3/core/store.py): fp8 states, the store size, the disk-space refusal.
 
 Unit part (no model): the fp8 quantiser's bounds, the fp8 file layout and bytes per
 token, a killed finalize, files of two encodings mixed, `require_free_space` and
@@ -23,9 +23,9 @@ import torch
 import yaml
 from safetensors import safe_open
 
-from eagle3 import store
-from eagle3.errors import PipelineError
-from eagle3.workdir import WorkDir
+from eagle3.core import store
+from eagle3.core.errors import PipelineError
+from eagle3.core.workdir import WorkDir
 from stage_fixtures import kill_after_entries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,7 +96,7 @@ def test_bytes_per_token_meet_the_goal_at_both_widths():
 
 
 def test_config_choices_are_the_store_encodings():
-    from eagle3.extract.config import STORE_DTYPES
+    from eagle3.stages.s02_extract.config import STORE_DTYPES
 
     assert STORE_DTYPES == tuple(store.ENCODINGS)
 
@@ -187,7 +187,7 @@ def test_fp8_file_layout_header_and_values(tmp_path):
 def test_killed_fp8_finalize_leaves_only_dot_named_files(tmp_path, monkeypatch):
     """A kill before the rename leaves the bf16 partial and the compact file being written,
     both dot-named (never read) and both matched by the leftover pattern stage 02 removes
-    on restart (`partial_name(...) + "*"`, eagle3/extract/run.py)."""
+    on restart (`partial_name(...) + "*"`, eagle3/stages/s02_extract/run.py)."""
     import os
 
     partial, _ = _partial(tmp_path, [4, 5])
@@ -252,7 +252,8 @@ def test_require_free_space_names_both_numbers_and_the_fixes(tmp_path, monkeypat
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_llama) -> Path:
-    from eagle3.prepare import PrepareConfig, prepare_dataset
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
 
     root = tmp_path_factory.mktemp("store-format")
     chats = root / "chats.jsonl"
@@ -269,7 +270,7 @@ def fresh_wd(prepared: Path, dst: Path) -> Path:
 
 
 def cfg_for(wd: Path, target: Path, **kw):
-    from eagle3.extract import ExtractConfig
+    from eagle3.stages.s02_extract.config import ExtractConfig
 
     return ExtractConfig(**{"work_dir": wd, "target_model": str(target), "backend": "hf", "samples_per_file": 4, **kw})
 
@@ -283,7 +284,7 @@ def store_files(wd: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def stores(prepared, tiny_llama, tmp_path_factory) -> dict[str, Path]:
     """store_dtype -> a work dir with a complete store of that encoding (built lazily, once)."""
-    from eagle3.extract import extract_hidden_states
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     class Stores(dict):
         def __missing__(self, name):
@@ -298,8 +299,8 @@ def stores(prepared, tiny_llama, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fp8_store_holds_the_bf16_stores_states_in_half_the_bytes(stores):
-    from eagle3.check_stores import compare_stores
-    from eagle3.manifest import read_manifest
+    from eagle3.tools.check_stores import compare_stores
+    from eagle3.core.manifest import read_manifest
 
     bf, f8 = stores["bf16"], stores["fp8"]
     m = read_manifest(WorkDir(f8), "extract", needed_by="test")
@@ -334,7 +335,7 @@ def test_fp8_store_holds_the_bf16_stores_states_in_half_the_bytes(stores):
 
 
 def test_rerun_with_the_other_encoding_is_refused_until_force(stores, tiny_llama, tmp_path, no_model_load):
-    from eagle3.extract import extract_hidden_states
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     wd = tmp_path / "wd"
     shutil.copytree(stores["fp8"], wd)
@@ -345,8 +346,8 @@ def test_rerun_with_the_other_encoding_is_refused_until_force(stores, tiny_llama
 
 def test_stage02_refuses_a_too_small_disk_before_the_engine_loads(stores, prepared, tiny_llama, tmp_path,
                                                                    monkeypatch, no_model_load):
-    from eagle3.extract import extract_hidden_states
-    from eagle3.extract import run as run_mod
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s02_extract import run as run_mod
 
     wd = fresh_wd(prepared, tmp_path / "wd")
     lengths = {s: run_mod.split_lengths(WorkDir(wd), s) for s in ("train", "eval")}
@@ -375,7 +376,7 @@ def test_stage02_refuses_a_too_small_disk_before_the_engine_loads(stores, prepar
 
 
 def test_fp8_kill_and_resume_equals_unbroken_run(prepared, stores, tiny_llama, tmp_path):
-    from eagle3.extract import extract_hidden_states
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     wd = fresh_wd(prepared, tmp_path)
     cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
@@ -391,8 +392,8 @@ def test_fp8_kill_and_resume_equals_unbroken_run(prepared, stores, tiny_llama, t
 
 
 def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path, monkeypatch):
-    from eagle3.extract import extract_hidden_states
-    from eagle3.extract import run as run_mod
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s02_extract import run as run_mod
 
     boxes = [fresh_wd(prepared, tmp_path / f"box{i}") for i in range(2)]
     for i, wd in enumerate(boxes):
@@ -407,8 +408,8 @@ def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path,
 
 
 def test_diagnose_store_size_matches_the_stores_written(stores, prepared, tiny_llama, tmp_path, monkeypatch, capsys):
-    from eagle3 import diagnose
-    from eagle3.manifest import read_manifest
+    from eagle3.tools import diagnose
+    from eagle3.core.manifest import read_manifest
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"work_dir": str(prepared), "target_model": str(tiny_llama),

@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from eagle3.errors import PipelineError
-from eagle3.target import (default_aux_layers, load_tokenizer, read_target_info, tokenizer_fingerprint,
+from eagle3.core.errors import PipelineError
+from eagle3.core.target import (default_aux_layers, load_tokenizer, read_target_info, tokenizer_fingerprint,
                            validate_aux_layers)
 
 
@@ -47,7 +47,7 @@ def test_reference_case_config_shape(tmp_path):
 
 
 def test_tiny_targets_are_deterministic_and_load(tmp_path, tiny_llama):
-    from eagle3.tiny import build_tiny_target
+    from eagle3.tools.tiny import build_tiny_target
     from transformers import AutoModelForCausalLM
 
     again = build_tiny_target("llama", tmp_path / "again")
@@ -73,7 +73,7 @@ def test_weights_fingerprint_tells_a_retrained_target_apart(tmp_path, tiny_llama
 
     from safetensors.torch import load_file, save_file
 
-    from eagle3.target import weights_fingerprint
+    from eagle3.core.target import weights_fingerprint
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama, copy)

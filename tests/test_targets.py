@@ -1,4 +1,4 @@
-"""eagle3.targets: the real target built from a registry package, and tied embeddings
+"""eagle3.tools.targets: the real target built from a registry package, and tied embeddings
 (no lm_head.weight tensor) through stages 02, 04 and 05 on a tiny tied target.
 
 Cost: ~80 s on 2 shared cores. The fetch/sha/idempotence tests run in milliseconds on
@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3 import targets
-from eagle3.errors import PipelineError
-from eagle3.targets import SOURCE_FILE, TargetSpec
+from eagle3.tools import targets
+from eagle3.core.errors import PipelineError
+from eagle3.tools.targets import SOURCE_FILE, TargetSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,8 +146,8 @@ def tied_tiny(tiny_llama, tmp_path_factory) -> Path:
 def test_tied_target_has_no_lm_head_tensor_and_head_reads_the_embedding(tied_tiny):
     from safetensors import safe_open
 
-    from eagle3.extract.target_head import load_lm_head
-    from eagle3.target import read_target_info
+    from eagle3.core.target_head import load_lm_head
+    from eagle3.core.target import read_target_info
 
     with safe_open(tied_tiny / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
@@ -162,16 +162,19 @@ def test_tied_target_through_stages_02_to_05(tied_tiny, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3.config import build_config
-    from eagle3.export import ExportConfig, export_drafter
-    from eagle3.extract.config import ExtractConfig
-    from eagle3.extract.run import extract_hidden_states
-    from eagle3.prepare import PrepareConfig, prepare_dataset
-    from eagle3.store import HiddenStateStore
-    from eagle3.train.config import TrainConfig
-    from eagle3.train.loop import train_drafter
-    from eagle3.vocab import VocabConfig, build_vocab_mapping
-    from eagle3.workdir import WorkDir
+    from eagle3.core.config import build_config
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.core.store import HiddenStateStore
+    from eagle3.stages.s04_train.config import TrainConfig
+    from eagle3.stages.s04_train.run import train_drafter
+    from eagle3.stages.s03_vocab.run import build_vocab_mapping
+    from eagle3.stages.s03_vocab.config import VocabConfig
+    from eagle3.core.workdir import WorkDir
 
     cfg_file = ROOT / "configs" / "tiny-llama.yaml"
 

@@ -12,13 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.errors import PipelineError
-from eagle3.manifest import read_manifest
-from eagle3.train.config import TrainConfig
-from eagle3.train.finetune import remap_lm_head
-from eagle3.train.loop import train_drafter
-from eagle3.vocab import VocabConfig, build_vocab_mapping
-from eagle3.workdir import WorkDir
+from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import read_manifest
+from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s04_train.finetune import remap_lm_head
+from eagle3.stages.s04_train.run import train_drafter
+from eagle3.stages.s03_vocab.run import build_vocab_mapping
+from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.core.workdir import WorkDir
 from stage_fixtures import build_stages_123
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +98,8 @@ def test_two_process_gloo_run_equals_one_process_with_grad_accum(tmp_path, stage
 @pytest.fixture(scope="session")
 def trained_export(tmp_path_factory, stages_123, sharp_llama):
     """A drafter trained on mapping A (128 tokens) and exported as SGLang/vLLM expect."""
-    from eagle3.export import ExportConfig, export_drafter
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s05_export.config import ExportConfig
 
     wd = fresh(stages_123, tmp_path_factory.mktemp("ft") / "w1")
     m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), max_steps=40, learning_rate=3e-3,
@@ -167,7 +169,8 @@ def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stag
                                                                    caplog):
     """With --init-from, step 0 is a candidate for best.pt: a learning rate that only
     hurts a converged drafter leaves best.pt (and stage 05's export) its input."""
-    from eagle3.export import ExportConfig, export_drafter
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s05_export.config import ExportConfig
 
     _, export_dir, _ = trained_export
     wd = fresh(stages_123, tmp_path / "w7")

@@ -2,8 +2,8 @@
 epoch's packing that carries loss, and a train split where nothing carries loss is
 refused before training.
 
-Covers eagle3/train/data.py (EpochPlan, the packed leftover), eagle3/batching.py
-(fold_leftover), eagle3/train/loss_positions.py and their use in eagle3/train/loop.py.
+Covers eagle3/stages/s04_train/data.py (EpochPlan, the packed leftover), eagle3/core/batching.py
+(fold_leftover), eagle3/stages/s04_train/loss_positions.py and their use in eagle3/stages/s04_train/run.py.
 Each epoch is shuffled and packed anew, so epochs differ in batch count; counting
 every epoch's steps from epoch 0's packing made a step read past the end of a
 shorter epoch (no sample: the optimizer and scheduler stepped on no gradient).
@@ -20,15 +20,16 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.batching import fold_leftover, pack_greedy
-from eagle3.errors import PipelineError
-from eagle3.store import HiddenStateStore
-from eagle3.train import loop
-from eagle3.train.config import TrainConfig
-from eagle3.train.data import Batching, EpochPlan, epoch_batches
-from eagle3.train.loss_positions import check_loss_positions, count_loss_positions
-from eagle3.vocab import VocabConfig, build_vocab_mapping
-from eagle3.workdir import WorkDir
+from eagle3.core.batching import fold_leftover, pack_greedy
+from eagle3.core.errors import PipelineError
+from eagle3.core.store import HiddenStateStore
+from eagle3.stages.s04_train import run as train_run
+from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s04_train.data import Batching, EpochPlan, epoch_batches
+from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_loss_positions
+from eagle3.stages.s03_vocab.run import build_vocab_mapping
+from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.core.workdir import WorkDir
 from stage_fixtures import copy_stages
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -127,7 +128,7 @@ def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stag
                                                                    caplog):
     a, b = copy_stages(stages_123, tmp_path / "a"), copy_stages(stages_123, tmp_path / "b")
     read, valid = {}, {}
-    micro_batches, forward = loop.Trainer.micro_batches, loop.Trainer.forward
+    micro_batches, forward = train_run.Trainer.micro_batches, train_run.Trainer.forward
 
     def recording_micro_batches(self, step):
         read[step] = micro_batches(self, step)
@@ -139,10 +140,10 @@ def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stag
             valid[self.step] = valid.get(self.step, 0) + out.metrics["num_valid"]
         return out
 
-    monkeypatch.setattr(loop.Trainer, "micro_batches", recording_micro_batches)
-    monkeypatch.setattr(loop.Trainer, "forward", recording_forward)
+    monkeypatch.setattr(train_run.Trainer, "micro_batches", recording_micro_batches)
+    monkeypatch.setattr(train_run.Trainer, "forward", recording_forward)
     with caplog.at_level(logging.INFO):
-        m = loop.train_drafter(TrainConfig(work_dir=a, target_model=str(tiny_llama), **RUN))
+        m = train_run.train_drafter(TrainConfig(work_dir=a, target_model=str(tiny_llama), **RUN))
     total = m.counts["steps"]
     # Every step read a batch whose positions carry loss.
     assert sorted(valid) == list(range(total)), f"steps without a sample: {set(range(total)) - set(valid)}"
@@ -160,7 +161,7 @@ def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stag
     assert len(packings[0]) > len(packings[1])  # the shape of the defect: a shorter second epoch
     assert [read[s][0] for s in range(total)] == packings[0] + packings[1]
     # An epoch reads every sample that carries loss once, so its steps carry all the
-    # positions counted before training, by the trainer's own rule (eagle3/ttt.py).
+    # positions counted before training, by the trainer's own rule (eagle3/core/ttt.py).
     assert sum(valid[s] for s in range(len(packings[0]))) == by_hand["carrying"]
     assert m.counts["loss_positions"]["carrying"] == by_hand["carrying"]
     # The tiny target's argmax is outside the 128-token draft vocab at most assistant
@@ -170,13 +171,13 @@ def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stag
 
     # Killed in epoch 1 and resumed: the checkpoint's data position maps to the right
     # epoch and step, and the run ends where the unbroken one did, bitwise.
-    monkeypatch.setattr(loop.Trainer, "micro_batches", micro_batches)
-    monkeypatch.setattr(loop.Trainer, "forward", forward)
-    assert loop.train_drafter(TrainConfig(work_dir=b, target_model=str(tiny_llama), stop_after=13, **RUN)) is None
+    monkeypatch.setattr(train_run.Trainer, "micro_batches", micro_batches)
+    monkeypatch.setattr(train_run.Trainer, "forward", forward)
+    assert train_run.train_drafter(TrainConfig(work_dir=b, target_model=str(tiny_llama), stop_after=13, **RUN)) is None
     ckpt = torch.load(WorkDir(b).checkpoint(12), weights_only=True)  # the last one saved (every 4 steps)
     n0 = len(packings[0])
     assert n0 < 12 and (ckpt["epoch"], ckpt["batch_in_epoch"]) == (1, 12 - n0)  # steps of epoch 1 done
-    mb = loop.train_drafter(TrainConfig(work_dir=b, target_model=str(tiny_llama), **RUN))
+    mb = train_run.train_drafter(TrainConfig(work_dir=b, target_model=str(tiny_llama), **RUN))
     assert mb.counts["steps"] == total
     wa = torch.load(WorkDir(a).checkpoint(total), weights_only=True)["model"]
     wb = torch.load(WorkDir(b).checkpoint(total), weights_only=True)["model"]
@@ -206,7 +207,7 @@ def test_answers_beyond_max_seq_len_exit_with_one_line_naming_the_store_and_coun
                         str(tiny_llama), "--max-seq-len", "16", "--batch-tokens", "512", "--max-steps", "1",
                         "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 2, r.stderr[-3000:]
-    errors = [line for line in r.stderr.splitlines() if re.match(r"\d\d:\d\d:\d\d E ", line)]  # eagle3/logs.py
+    errors = [line for line in r.stderr.splitlines() if re.match(r"\d\d:\d\d:\d\d E ", line)]  # eagle3/core/logs.py
     assert len(errors) == 1, r.stderr[-3000:]
     line = errors[0]
     assert f"{WorkDir(wd).store()}: no position of the train split carries loss" in line
@@ -230,7 +231,7 @@ def test_a_draft_vocab_without_the_targets_predictions_is_refused_before_trainin
     by_hand, _ = counted_by_hand(wd.root, 256)
     assert by_hand["carrying"] == 0 and by_hand["outside_vocab"] > 0
     with pytest.raises(PipelineError) as e:
-        loop.train_drafter(TrainConfig(work_dir=wd.root, target_model=str(tiny_llama), max_steps=1,
+        train_run.train_drafter(TrainConfig(work_dir=wd.root, target_model=str(tiny_llama), max_steps=1,
                                        **{k: v for k, v in RUN.items() if k != "epochs"}))
     msg = str(e.value)
     assert "\n" not in msg

@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.atomic import DiskFullError
-from eagle3.errors import PipelineError
-from eagle3.train import loop, metrics
-from eagle3.train.config import TrainConfig
-from eagle3.train.metrics import read_lines_up_to
-from eagle3.ttt import TTTOutput
-from eagle3.workdir import WorkDir
+from eagle3.core.atomic import DiskFullError
+from eagle3.core.errors import PipelineError
+from eagle3.stages.s04_train import metrics
+from eagle3.stages.s04_train import run as train_run
+from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s04_train.metrics import read_lines_up_to
+from eagle3.core.ttt import TTTOutput
+from eagle3.core.workdir import WorkDir
 from stage_fixtures import copy_stages
 
 RUN = dict(max_steps=6, batch_tokens=1024, max_seq_len=256, ttt_steps=2, warmup_steps=2, learning_rate=2e-3,
@@ -73,7 +74,7 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
     wd = WorkDir(copy_stages(stages_123, tmp_path / "w"))
     make_bad, message = POISONS[poison]
     seen = {}
-    forward = loop.Trainer.forward
+    forward = train_run.Trainer.forward
 
     def poisoned_forward(self, batch):
         out = forward(self, batch)
@@ -83,9 +84,9 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
         seen["weights"] = {k: v.clone() for k, v in self.drafter.state_dict().items()}  # before this step
         return TTTOutput(loss=make_bad(out.loss), metrics=out.metrics)
 
-    monkeypatch.setattr(loop.Trainer, "forward", poisoned_forward)
+    monkeypatch.setattr(train_run.Trainer, "forward", poisoned_forward)
     with pytest.raises(PipelineError, match=message):
-        loop.train_drafter(config(wd.root, tiny_llama))
+        train_run.train_drafter(config(wd.root, tiny_llama))
 
     trainer = seen["trainer"]
     after = trainer.drafter.state_dict()
@@ -99,8 +100,8 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
     assert json.loads(wd.latest_checkpoint().read_text())["step"] == 2
     assert not wd.manifest("train").exists()
 
-    monkeypatch.setattr(loop.Trainer, "forward", forward)  # the cause is gone: the same command resumes
-    m = loop.train_drafter(config(wd.root, tiny_llama))
+    monkeypatch.setattr(train_run.Trainer, "forward", forward)  # the cause is gone: the same command resumes
+    m = train_run.train_drafter(config(wd.root, tiny_llama))
     assert m.counts["steps"] == 6
     assert train_steps_logged(wd) == [1, 2, 3, 4, 5, 6]
 
@@ -108,7 +109,7 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
 def test_a_full_disk_at_the_metrics_stops_the_stage_and_a_rerun_resumes(tmp_path, stages_123, tiny_llama,
                                                                          monkeypatch):
     a, b = WorkDir(copy_stages(stages_123, tmp_path / "a")), WorkDir(copy_stages(stages_123, tmp_path / "b"))
-    loop.train_drafter(config(b.root, tiny_llama))  # unbroken
+    train_run.train_drafter(config(b.root, tiny_llama))  # unbroken
 
     attempted = []
 
@@ -139,7 +140,7 @@ def test_a_full_disk_at_the_metrics_stops_the_stage_and_a_rerun_resumes(tmp_path
 
     monkeypatch.setattr(metrics, "open", full_disk_open, raising=False)
     with pytest.raises(DiskFullError) as e:
-        loop.train_drafter(config(a.root, tiny_llama))
+        train_run.train_drafter(config(a.root, tiny_llama))
     msg = str(e.value)
     assert f"writing {a.train_metrics()}" in msg
     assert int(re.search(r"it needs ([\d,]+) bytes", msg).group(1).replace(",", "")) == attempted[0] > 0
@@ -147,7 +148,7 @@ def test_a_full_disk_at_the_metrics_stops_the_stage_and_a_rerun_resumes(tmp_path
     assert saved_steps(a) == [2] and not a.manifest("train").exists()
 
     monkeypatch.setattr(metrics, "open", builtins.open)  # space freed: the same command resumes from step 2
-    m = loop.train_drafter(config(a.root, tiny_llama))
+    m = train_run.train_drafter(config(a.root, tiny_llama))
     assert m.counts["steps"] == 6
     assert train_steps_logged(a) == [1, 2, 3, 4, 5, 6]
     wa = torch.load(a.checkpoint(6), weights_only=True)["model"]

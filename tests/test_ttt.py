@@ -1,4 +1,4 @@
-"""Tests for eagle3/ttt.py: label alignment, loss, metrics, and that training learns."""
+"""Tests for eagle3/core/ttt.py: label alignment, loss, metrics, and that training learns."""
 from __future__ import annotations
 
 import math
@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-import eagle3.ttt as ttt_module
-from eagle3.errors import PipelineError
-from eagle3.model import DrafterConfig, Eagle3Drafter, TTTCache
-from eagle3.ttt import (TTTConfig, TTTModel, chunked_argmax, soft_cross_entropy, target_draft_distribution,
+import eagle3.core.ttt as ttt_module
+from eagle3.core.errors import PipelineError
+from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.core.ttt import (TTTConfig, TTTModel, chunked_argmax, soft_cross_entropy, target_draft_distribution,
                         ttt_loss)
 
 V_T, V_D, H = 50, 20, 32

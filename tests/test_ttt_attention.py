@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.model import DrafterConfig, Eagle3Drafter, TTTCache, _runs
-from eagle3.ttt import TTTConfig, target_draft_distribution, ttt_loss
+from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache, _runs
+from eagle3.core.ttt import TTTConfig, target_draft_distribution, ttt_loss
 
 V_T, V_D, H = 40, 16, 32
 TOL64 = dict(rtol=1e-9, atol=1e-10)
@@ -166,7 +166,7 @@ def test_saved_state_grows_linearly_with_sdpa_and_quadratically_with_the_referen
 
 
 def test_unknown_attention_is_refused_and_switching_keeps_the_weights():
-    from eagle3.errors import PipelineError
+    from eagle3.core.errors import PipelineError
 
     new, _ = pair(2)
     with pytest.raises(PipelineError, match="attention"):

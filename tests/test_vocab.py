@@ -3,10 +3,12 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.errors import PipelineError
-from eagle3.manifest import read_manifest
-from eagle3.vocab import VocabConfig, build_vocab_mapping, coverage, mapping_from_ids, select_draft_ids
-from eagle3.workdir import WorkDir
+from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import read_manifest
+from eagle3.stages.s03_vocab.run import build_vocab_mapping, mapping_from_ids, select_draft_ids
+from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.core.vocab_map import coverage
+from eagle3.core.workdir import WorkDir
 
 
 def test_top_k_with_ties_to_lower_id_sorted():

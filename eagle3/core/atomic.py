@@ -1,0 +1,122 @@
+"""Atomic file writes: write under a temporary name in the same folder, then rename.
+
+A stage killed midway must never leave a file that looks complete. `os.replace`
+within one filesystem is atomic, so readers see either the old file or the new
+one, never half of one.
+
+A full disk (ENOSPC, or a quota: EDQUOT) while writing becomes a `DiskFullError`
+naming the path, the bytes it needs and the bytes free; the temporary file is
+removed, so the next run after space is freed starts that file again.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from eagle3.core.errors import PipelineError
+
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class DiskFullError(PipelineError):
+    """No space left where a stage writes; the message says how much is needed and free."""
+
+
+# Below this many free bytes a failed write is taken for a full disk: not every writer
+# says ENOSPC (measured on a full tmpfs: numpy raises "N requested and M written"
+# without errno, torch.save a RuntimeError "unexpected pos").
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and (e.errno in DISK_FULL_ERRNOS or "No space left on device" in str(e))
+
+
+def _looks_disk_full(e: BaseException, path: Path) -> bool:
+    return is_disk_full(e) or (isinstance(e, (OSError, RuntimeError)) and free_bytes(path) < NEARLY_FULL_BYTES)
+
+
+def free_bytes(path: Path | str) -> int:
+    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def disk_full_error(path: Path | str, *, needed: int | None, written: int | None = None) -> DiskFullError:
+    if needed is not None:
+        need = f"it needs {needed:,} bytes"
+    elif written:
+        need = f"it needs more than the {written:,} bytes written before the disk filled"
+    else:
+        need = "the disk filled before any byte of it was written"
+    return DiskFullError(
+        f"no space left on the device writing {path}: {need}, {free_bytes(path):,} bytes are free there. Free "
+        f"space (or use a --work-dir on a larger disk) and rerun the same command: finished files are kept, "
+        f"the partial one was removed.")
+
+
+def _bytes_under(p: Path) -> int:
+    if p.is_file():
+        return p.stat().st_size
+    return sum(q.stat().st_size for q in p.rglob("*") if q.is_file()) if p.is_dir() else 0
+
+
+@contextmanager
+def atomic_path(path: Path | str, expected_bytes: int | None = None) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it onto `path` on success.
+
+    Works for files and for folders (e.g. a `datasets.save_to_disk` target).
+    `expected_bytes` (when the caller knows it) is what a disk-full message names.
+    """
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(path, needed=expected_bytes) from e
+        raise
+    target = tmp / path.name
+    try:
+        yield target
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        os.replace(target, path)
+    except (OSError, RuntimeError) as e:
+        full, written = _looks_disk_full(e, path.parent), _bytes_under(target)
+        shutil.rmtree(tmp, ignore_errors=True)  # first, so the message counts the space it held as free
+        if full:
+            raise disk_full_error(path, needed=expected_bytes, written=written) from e
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: Path | str, obj) -> None:
+    text = json.dumps(obj, indent=2, sort_keys=True) + "\n"
+    with atomic_path(path, expected_bytes=len(text.encode())) as tmp:
+        tmp.write_text(text)
+
+
+def save_numpy(path: Path | str, array) -> None:
+    import numpy as np
+
+    array = np.asanyarray(array)
+    with atomic_path(path, expected_bytes=array.nbytes + 128) as tmp:  # + the .npy header
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+
+
+def save_torch(path: Path | str, obj) -> None:
+    import torch
+
+    with atomic_path(path) as tmp:
+        torch.save(obj, tmp)

@@ -1,0 +1,76 @@
+"""The numbered scripts' shared command line: flags generated from a stage config.
+
+`stage_main("prepare", __doc__)` (a numbered script's whole body) gives the script
+`--config FILE`, one `--flag` per config field (help from the field's metadata),
+logging set up once, and bad input reported as one clear line with exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import typing
+from typing import Any, Callable
+
+from eagle3.core.config import allowed_text, build_config, field_types, unwrap_optional
+from eagle3.core.errors import PipelineError
+from eagle3.core.logs import setup_logging
+from eagle3.core.manifest import stage_run
+from eagle3.core.stages import STAGE
+
+
+def make_parser(cls, description: str | None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file in configs/ (shared keys + one section per stage)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("--allow-stale", action="store_true",
+                   help="use inputs built from upstream artifacts that were rebuilt since, instead of refusing "
+                        "(recorded in this stage's manifest)")
+    types_ = field_types(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        tp, _ = unwrap_optional(types_[f.name])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_ = f.metadata.get("help", "")
+        if allowed_text(f):  # declared once with the field; build_config checks it
+            help_ += f" ({allowed_text(f)})"
+        if default is not None and default != "":
+            help_ += f" (default: {default})"
+        # Choices are shown, not enforced by argparse: build_config's message names the
+        # flag, the value, the allowed set and the closest match.
+        metavar = "{" + ",".join(map(str, f.metadata["choices"])) + "}" if "choices" in f.metadata else None
+        if tp is bool:
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(tp) is list:
+            p.add_argument(flag, dest=f.name, default=None, metavar="A,B,...", help=help_)
+        else:
+            p.add_argument(flag, dest=f.name, default=None, metavar=metavar, help=help_)
+    return p
+
+
+def parse_config(cls, section: str, argv: list[str] | None = None, description: str | None = None):
+    args = make_parser(cls, description).parse_args(argv)
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+    return build_config(cls, section, args.config, overrides), args
+
+
+def run_stage(cls, section: str, fn: Callable[[Any], Any], description: str | None = None,
+              argv: list[str] | None = None) -> None:
+    try:
+        args = make_parser(cls, description).parse_args(argv)
+        setup_logging(logging.DEBUG if args.verbose else logging.INFO)
+        overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
+        cfg = build_config(cls, section, args.config, overrides)
+        with stage_run(allow_stale=args.allow_stale, config=args.config):
+            fn(cfg)
+    except PipelineError as e:
+        logging.getLogger("eagle3").error("%s", e)
+        sys.exit(2)
+
+
+def stage_main(key: str, description: str | None = None) -> None:
+    """Run the registry's stage `key` from the command line (what each numbered script does)."""
+    stage = STAGE[key]
+    run_stage(stage.config_type(), key, stage.entry_function(), description)

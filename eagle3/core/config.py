@@ -1,0 +1,321 @@
+"""Stage configs: dataclasses filled from a YAML file and command-line flags.
+
+Each stage owns one dataclass (e.g. `PrepareConfig` in eagle3/stages/s01_prepare/run.py). A YAML
+file in configs/ has shared top-level keys (`work_dir`, `target_model`, ...) and one
+section per stage (`prepare:`, `extract:`, `vocab:`, `train:`, `export:`); a stage's
+config takes the shared keys that are its fields, then its section, then flags.
+Relative paths are relative to the directory the command runs in.
+
+Fields carry metadata: `help` for the CLI, `identity=False` for knobs that do not
+change a stage's output (worker counts, --force), so they stay out of the
+manifest's parameters and changing them does not redo a finished stage, and the
+allowed values, declared once with the field (`choices=("vllm", "hf")`, `min=1`,
+`gt=0`, `lt=1`, `max=1`): `build_config` checks them naming the file, key and value,
+`--help` shows them, and a stage's `__post_init__` calls `check_params` so a config
+built in code is held to the same rules.
+
+A YAML file cannot mislead: a key no stage reads, a section no stage owns, or a key
+its section's stage does not have is refused with the closest valid name (a misspelt
+`vocab:` section would otherwise train with the default vocabulary size). The
+sections are the stages of the registry in eagle3/core/stages.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import logging
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from eagle3.core.errors import PipelineError
+from eagle3.core.stages import STAGES
+
+log = logging.getLogger(__name__)
+
+# The stage sections of a YAML file are the registry's keys (eagle3/core/stages.py);
+# each section's class is imported when a YAML file is read.
+STAGE_CONFIGS: dict[str, str] = {s.key: f"{s.package}.config:{s.config_class}" for s in STAGES}
+
+
+def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = True,
+          default_factory: Any = dataclasses.MISSING, choices: tuple | None = None,
+          min: float | None = None, max: float | None = None,
+          gt: float | None = None, lt: float | None = None) -> Any:
+    """A dataclass field with CLI help, the identity flag and its allowed values.
+
+    `choices`: the allowed values; `min`/`max`: inclusive bounds, `gt`/`lt`: exclusive
+    ones. None (for optional fields) is always allowed; list fields are checked per item.
+    """
+    meta = {"help": help, "identity": identity}
+    for k, v in (("choices", choices), ("min", min), ("max", max), ("gt", gt), ("lt", lt)):
+        if v is not None:
+            meta[k] = tuple(v) if k == "choices" else v
+    kw = {"metadata": meta}
+    if default_factory is not dataclasses.MISSING:
+        return dataclasses.field(default_factory=default_factory, **kw)
+    return dataclasses.field(default=default, **kw)
+
+
+# One spelling of a dtype: the names transformers and vLLM use. The short names are
+# accepted as aliases in YAML and flags (`dtype: bf16`) and stored in the long form.
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)
+
+
+def dtype_name(name: str) -> str:
+    """The one spelling of a dtype name ('bf16' -> 'bfloat16')."""
+    name = DTYPE_ALIASES.get(str(name), str(name))
+    if name not in DTYPES:
+        raise PipelineError(f"dtype {name!r} is not one of {', '.join(DTYPE_CHOICES)}{closest(name, DTYPE_CHOICES)}.")
+    return name
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a dtype name or alias."""
+    import torch
+
+    return getattr(torch, dtype_name(name))
+
+
+def identity_params(cfg) -> dict:
+    """The fields that define a stage's output: what the manifest records."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        if f.metadata.get("identity", True):
+            v = getattr(cfg, f.name)
+            out[f.name] = str(v) if isinstance(v, Path) else v
+    return out
+
+
+def field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def unwrap_optional(tp):
+    """`X | None` -> (X, True); anything else -> (tp, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def coerce(cls, name: str, value: Any, source: str):
+    """Convert a YAML/CLI value to the field's type, or explain what is wrong."""
+    tp, optional = unwrap_optional(field_types(cls)[name])
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise PipelineError(f"{source}: `{name}` must be set (got null).")
+    try:
+        if typing.get_origin(tp) is list:
+            (item,) = typing.get_args(tp)
+            if isinstance(value, str):
+                value = [v for v in value.replace(" ", "").split(",") if v]
+            return [item(v) for v in value]
+        if tp is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes"):
+                    return True
+                if value.lower() in ("0", "false", "no"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if tp is Path:
+            return Path(value)
+        if tp in (int, float, str):
+            if tp is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError(value)
+            return tp(value)
+    except (TypeError, ValueError) as e:
+        raise PipelineError(f"{source}: `{name}` = {value!r} is not a valid {tp}.") from e
+    return value
+
+
+def load_yaml(path: Path | str) -> dict:
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"config file {path} does not exist; pass one of configs/*.yaml with --config.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise PipelineError(f"{path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise PipelineError(f"{path}: the top level must be a mapping of keys to values.")
+    return data
+
+
+def closest(name: str, valid) -> str:
+    """` (did you mean `x`?)` for the closest valid name, or '' when none is close."""
+    match = difflib.get_close_matches(str(name), [str(v) for v in valid], n=1, cutoff=0.6)
+    return f" (did you mean `{match[0]}`?)" if match else ""
+
+
+def allowed_text(f: dataclasses.Field) -> str:
+    """The declared choices or range of a field in words ('' when it declares none)."""
+    m = f.metadata
+    if "choices" in m:
+        return "one of " + ", ".join(str(c) for c in m["choices"])
+    lo = ("[", m["min"]) if "min" in m else ("(", m["gt"]) if "gt" in m else None
+    hi = (m["max"], "]") if "max" in m else (m["lt"], ")") if "lt" in m else None
+    if lo and hi:
+        return f"in {lo[0]}{lo[1]}, {hi[0]}{hi[1]}"
+    if lo:
+        return (">= " if lo[0] == "[" else "> ") + str(lo[1])
+    if hi:
+        return ("<= " if hi[1] == "]" else "< ") + str(hi[0])
+    return ""
+
+
+def _allowed(f: dataclasses.Field, v: Any) -> bool:
+    m = f.metadata
+    if "choices" in m:
+        return v in m["choices"]
+    return not (("min" in m and v < m["min"]) or ("max" in m and v > m["max"])
+                or ("gt" in m and not v > m["gt"]) or ("lt" in m and not v < m["lt"]))
+
+
+def check_value(f: dataclasses.Field, value: Any, source: str) -> None:
+    """Raise if `value` is outside the field's declared choices or range."""
+    if value is None or not allowed_text(f):
+        return
+    for v in (value if isinstance(value, list) else [value]):
+        if not _allowed(f, v):
+            hint = closest(v, f.metadata["choices"]) if "choices" in f.metadata and isinstance(v, str) else ""
+            what = f"`{f.name}` = {v!r}" if v is value else f"`{f.name}` item {v!r} (of {value!r})"
+            raise PipelineError(f"{source}: {what} is not allowed{hint}; it must be {allowed_text(f)} "
+                                f"(--{f.name.replace('_', '-')}).")
+
+
+def check_params(cfg) -> None:
+    """Check every field of a built config against its declared choices and ranges."""
+    for f in dataclasses.fields(cfg):
+        check_value(f, getattr(cfg, f.name), type(cfg).__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class StageConfig:
+    """The settings every stage shares. A stage's config subclasses it (declare the
+    subclass `@dataclass(kw_only=True)` as well) and may redeclare a field to change its
+    default or help; `__post_init__` checks the declared choices and ranges."""
+
+    work_dir: Path = param(help="work directory (one folder per stage inside)")
+    target_model: str = param(help="target model: a local folder or a model id")
+    trust_remote_code: bool = param(False, help="allow the target's custom code (only if you trust it)")
+    force: bool = param(False, identity=False, help="redo the stage even if it is complete")
+
+    def __post_init__(self):
+        check_params(self)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ShardedStageConfig(StageConfig):
+    """A stage that runs target engines and can split its work over boxes and engines
+    (stages 00 and 02). None of this changes what the stage writes (identity=False)."""
+
+    num_shards: int = param(1, min=1, identity=False, help="number of boxes splitting the work")
+    shard_index: int = param(0, min=0, identity=False, help="this box's index in [0, num_shards)")
+    tensor_parallel_size: int = param(1, min=1, identity=False, help="GPUs per engine (8 for Kimi-K2.5)")
+    data_parallel_size: int = param(1, min=1, identity=False, help="engines on this box (for targets that fit "
+                                                                  "tensor_parallel_size GPUs), one process each")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.shard_index < self.num_shards:
+            raise PipelineError(f"--shard-index {self.shard_index} with --num-shards {self.num_shards}: "
+                                f"need 0 <= shard_index < num_shards.")
+
+
+def data_sources(data: list[str] | str, section: str) -> list[str]:
+    """A stage's `data` setting as a list (one YAML string is one source); empty is refused."""
+    data = [data] if isinstance(data, str) else list(data or [])
+    if not data:
+        raise PipelineError(f"{section}.data is empty; pass --data FILE.jsonl (or a datasets id).")
+    return data
+
+
+def stage_configs() -> dict[str, type | None]:
+    """Section -> config class for every registered stage (None: its module is not in this tree)."""
+    out: dict[str, type | None] = {}
+    for section, where in STAGE_CONFIGS.items():
+        module, _, name = where.partition(":")
+        try:
+            out[section] = getattr(importlib.import_module(module), name)
+        except ModuleNotFoundError as e:
+            if not (e.name and module.startswith(e.name)):
+                raise  # the stage exists but one of its imports is missing: a real error
+            log.debug("stage section `%s`: %s not importable (%s)", section, module, e)
+            out[section] = None
+    return out
+
+
+def check_yaml_keys(data: dict, yaml_path: Path | str) -> None:
+    """Refuse top-level keys no stage reads, unknown sections and unknown keys in any section."""
+    stages = stage_configs()
+    fields = {s: {f.name for f in dataclasses.fields(c)} for s, c in stages.items() if c is not None}
+    shared = set().union(*fields.values())
+    problems = []
+    for key, value in data.items():
+        if key in stages:
+            if value is None:
+                continue
+            if not isinstance(value, dict):
+                problems.append(f"section `{key}` must be a mapping of keys to values, not {value!r}")
+                continue
+            for k in sorted(set(value) - fields.get(key, set(value))):
+                problems.append(f"unknown key(s) ['{k}'] in section `{key}`{closest(k, fields[key])}")
+        elif key not in shared:
+            if isinstance(value, dict):
+                problems.append(f"unknown section `{key}`{closest(key, stages)}; the stage sections are "
+                                f"{', '.join(stages)}")
+            else:
+                problems.append(f"unknown top-level key `{key}`{closest(key, sorted(shared) + list(stages))}")
+    if problems:
+        raise PipelineError(f"{yaml_path}: " + "; ".join(problems) + ". Top-level keys are the settings stages "
+                            f"share (e.g. work_dir, target_model); each stage's other settings go in its section.")
+
+
+def build_config(cls, section: str, yaml_path: Path | str | None = None, overrides: dict | None = None):
+    """Shared YAML keys, then the YAML section, then `overrides` (CLI flags)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    where: dict[str, str] = {}  # key -> where its value came from, for messages
+    if yaml_path is not None:
+        data = load_yaml(yaml_path)
+        check_yaml_keys(data, yaml_path)
+        top = {k: v for k, v in data.items() if k in names and k not in STAGE_CONFIGS}
+        values.update(top)
+        where.update({k: f"{yaml_path} (top level)" for k in top})
+        sec = data.get(section) or {}
+        if not isinstance(sec, dict):
+            raise PipelineError(f"{yaml_path}: section `{section}` must be a mapping.")
+        unknown = sorted(set(sec) - names)
+        if unknown:  # a stage not (yet) in STAGE_CONFIGS
+            raise PipelineError(
+                f"{yaml_path}: unknown key(s) {unknown} in section `{section}`{closest(unknown[0], names)}; "
+                f"valid keys are {sorted(names)}.")
+        values.update(sec)
+        where.update({k: f"{yaml_path} [{section}]" for k in sec})
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    values.update(flags)
+    where.update({k: "command line" for k in flags})
+    source = f"{yaml_path} [{section}]" if yaml_path else f"[{section}]"
+    missing = [f.name for f in dataclasses.fields(cls)
+               if f.name not in values and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+        raise PipelineError(f"{source}: missing required setting(s) {missing}; set them in the YAML or pass {flags}.")
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    coerced = {}
+    for k, v in values.items():
+        coerced[k] = coerce(cls, k, v, where.get(k, source))
+        check_value(by_name[k], coerced[k], where.get(k, source))
+    return cls(**coerced)

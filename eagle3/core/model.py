@@ -1,0 +1,617 @@
+"""The one-layer EAGLE-3 drafter: modules only (no file I/O, no data, no target).
+
+`Eagle3Drafter` holds exactly the tensors that SGLang's and vLLM's
+`LlamaForCausalLMEagle3` load (docs/CONVENTIONS.md §6), under the same names and
+with no prefix, so export is a dtype cast plus a save:
+
+    fc.weight                                  [H, A*H_t]   fuses the A aux layers
+    midlayer.input_layernorm.weight            [H]          normalises the token embedding
+    midlayer.hidden_norm.weight                [H]          normalises the hidden input
+    midlayer.self_attn.{q,k,v}_proj.weight     [*, 2H]      attention reads cat(embed, hidden)
+    midlayer.self_attn.o_proj.weight           [H, nh*D]
+    midlayer.post_attention_layernorm.weight   [H]
+    midlayer.mlp.{gate,up,down}_proj.weight                 SiLU-gated MLP
+    norm.weight                                [H]
+    lm_head.weight                             [V_d, H]     row i predicts target id i + d2t[i]
+    d2t  int64 [V_d], t2d  bool [V_t]                       vocab mapping (convention 2)
+
+There is no `embed_tokens`: both engines feed the drafter the target's own
+embedding, so the caller looks tokens up in the frozen target embedding and passes
+the vectors in.
+
+One draft step (`Eagle3Drafter.step`) over a whole sequence computes
+
+    x   = cat(input_layernorm(embed), hidden_norm(h))      # h = fc(aux) at step 0
+    h1  = h + o_proj(attn(x))                               # residual is the un-normed h
+    out = h1 + mlp(post_attention_layernorm(h1))            # pre-norm: next step's h
+    logits = lm_head(norm(out))                             # `compute_logits`
+
+Train-time test (TTT) runs K such steps over the same T positions; a `TTTCache`
+carries each step's keys/values so that step k at position t attends to step 0's
+keys at positions <= t plus steps 1..k's keys at position t. Two implementations:
+
+    sdpa       (default) step 0's keys through a fused causal attention kernel that
+               returns its log-sum-exp (the CPU flash kernel; the memory-efficient
+               kernel on CUDA, each behind one seam in eagle3/core/attention_kernels.py,
+               which states the CUDA kernel's layout contract); steps 1..k's k keys
+               per position are merged into that result by log-sum-exp. Autograd
+               keeps O(T) per step.
+    reference  `_ttt_attention`: one [T, T + k] fp32 score block per step, kept by
+               autograd for backward (O(T^2) per step). Tests compare against it.
+
+Padding: pass `attention_mask [B, T]` (1 = real token); right padding needs nothing
+else, other layouts pass `position_ids`. Packing: several samples in one row, each
+with positions restarting at 0, pass `segment_ids [B, T]` (which sample of the row
+each token belongs to); attention never crosses from one sample into another
+(block-diagonal causal).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from eagle3.core.attention_kernels import context_kernel
+from eagle3.core.cpu import bf16_fused_attention_ok
+from eagle3.core.errors import PipelineError
+from eagle3.core.vocab_map import target_ids
+
+# rope_scaling types this module implements; anything else is refused rather than
+# silently trained with positions the engine would compute differently.
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@dataclass
+class DrafterConfig:
+    """The drafter's shape; saved beside every checkpoint and mapped to config.json on export."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_hidden_size: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    # At least the target's context (262144 for Kimi-K2.5): SGLang refuses a shorter
+    # draft context and vLLM sizes its rope cache from it.
+    max_position_embeddings: int
+    num_aux_layers: int = 3
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "intermediate_size", "target_hidden_size", "draft_vocab_size",
+                    "target_vocab_size", "max_position_embeddings", "num_aux_layers")
+        for name in positive:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PipelineError(f"DrafterConfig.{name} = {v!r}; it must be a positive integer.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise PipelineError(
+                f"DrafterConfig: num_attention_heads = {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads = {self.num_key_value_heads}; pick a divisor of the head count "
+                f"(equal for plain multi-head attention).")
+        if self.head_dim % 2:
+            raise PipelineError(f"DrafterConfig.head_dim = {self.head_dim}; RoPE needs an even head_dim.")
+        if self.hidden_size != self.target_hidden_size:
+            raise PipelineError(
+                f"DrafterConfig: hidden_size = {self.hidden_size} differs from target_hidden_size = "
+                f"{self.target_hidden_size}. The drafter has no embed_tokens and reuses the target's "
+                f"embedding (width target_hidden_size), so set hidden_size = target_hidden_size.")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise PipelineError(
+                f"DrafterConfig: draft_vocab_size = {self.draft_vocab_size} exceeds target_vocab_size = "
+                f"{self.target_vocab_size}; the draft vocabulary is a subset of the target's, lower it.")
+        if not self.rms_norm_eps > 0:
+            raise PipelineError(f"DrafterConfig.rms_norm_eps = {self.rms_norm_eps}; it must be > 0 (e.g. 1e-6).")
+        if not self.rope_theta > 0:
+            raise PipelineError(f"DrafterConfig.rope_theta = {self.rope_theta}; it must be > 0 (e.g. 10000.0).")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ROPE_SCALING_TYPES:
+                raise PipelineError(
+                    f"DrafterConfig.rope_scaling type {kind!r} is not implemented; use None or one of "
+                    f"{list(ROPE_SCALING_TYPES)} (e.g. {{'rope_type': 'linear', 'factor': 2.0}}).")
+            if not float(self.rope_scaling.get("factor", 0)) > 0:
+                raise PipelineError(f"DrafterConfig.rope_scaling = {self.rope_scaling} needs a 'factor' > 0.")
+            if kind == "llama3":
+                need = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                missing = [k for k in need if k not in self.rope_scaling]
+                if missing:
+                    raise PipelineError(
+                        f"DrafterConfig.rope_scaling = {self.rope_scaling} (llama3) lacks {missing}; "
+                        f"copy them from the target's config.json.")
+
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per key/value head (1 without GQA)."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise PipelineError(
+                f"DrafterConfig.from_dict: unknown key(s) {unknown}; valid keys are {sorted(names)}. "
+                f"(A Hugging Face config.json needs the export module's mapping, not this.)")
+        return cls(**d)
+
+
+def autocast_once(x: Tensor) -> Tensor:
+    """`x` as autocast would hand it to a matmul (fp32 -> its dtype; else unchanged).
+
+    Call it once on an input that several linears read (q/k/v, gate/up): each would
+    otherwise cast its own copy of the same [B, T, ...] tensor, with the same values.
+    """
+    dev = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in fp32, cast back, then scale (the engines' order)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def rope_inv_freq(config: DrafterConfig) -> Tensor:
+    """Inverse frequencies [D/2] of Llama-style (neox, rotate-half) RoPE, with optional scaling."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # [D/2]
+    rs = config.rope_scaling
+    if rs is None:
+        return inv.float()
+    kind = rs.get("rope_type", rs.get("type"))
+    factor = float(rs["factor"])
+    if kind == "linear":
+        return (inv / factor).float()
+    # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
+    low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old_ctx = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    smooth = ((old_ctx / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    scaled = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > old_ctx / low, inv / factor, scaled)
+    out = torch.where(wavelen < old_ctx / high, inv, out)
+    return out.float()
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables for integer positions [B, T] -> two [B, T, D] tensors."""
+    freqs = positions.float()[..., None] * inv_freq  # [B, T] -> [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D/2] -> [B, T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE on x [B, heads, T, D] with cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]  # cos [B, T, D] -> [B, 1, T, D] broadcast over heads
+
+
+@dataclass
+class TTTCache:
+    """Keys/values of the draft steps run so far over one batch; step k is entry k.
+
+    keys[0]/values[0] are step 0's over all T positions (the causal context);
+    keys[j]/values[j] for j >= 1 are step j's, each only ever attended at its own
+    position. Each entry is [B, n_kv, T, D]; nothing here is O(T^2).
+    """
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.keys)
+
+
+def _ttt_attention(q: Tensor, cache: TTTCache, allowed: Tensor, scale: float) -> Tensor:
+    """Attention of the newest step's queries against the cache.
+
+    q: [B, n_kv, G, T, D] (G query heads share one kv head); allowed: [B, T, T] bool,
+    the context mask for step 0's keys (causal and not padding).
+    Step k at position t sees step 0's keys at s <= t (one [T, T] score block) and
+    steps 1..k's keys at t only (k scores per position, a diagonal): one softmax
+    over the concatenation, without a [T, k*T] mask. Autograd keeps each step's
+    [T, T] block for backward (K blocks per unroll); checkpoint steps or shorten T
+    if that does not fit.
+    """
+    B, n_kv, G, T, D = q.shape
+    k0, v0 = cache.keys[0], cache.values[0]
+    # [B, n_kv, G*T, D] @ [B, n_kv, D, T] -> [B, n_kv, G*T, T]: all G heads of a group share k0.
+    ctx = (q.reshape(B, n_kv, G * T, D) @ k0.transpose(-1, -2)) * scale
+    acc = torch.promote_types(ctx.dtype, torch.float32)  # softmax in at least fp32
+    ctx = ctx.view(B, n_kv, G, T, T).to(acc)  # [B, n_kv, G*T, T] -> [B, n_kv, G, T, T]
+    ctx = ctx.masked_fill(~allowed[:, None, None], float("-inf"))  # mask [B, T, T] -> [B, 1, 1, T, T]
+    n_diag = cache.num_steps - 1
+    if n_diag == 0:
+        probs = torch.softmax(ctx, dim=-1).to(v0.dtype)
+        out = probs.reshape(B, n_kv, G * T, T) @ v0  # [B, n_kv, G*T, T] @ [B, n_kv, T, D] -> [B, n_kv, G*T, D]
+        return out.view(B, n_kv, G, T, D)  # [B, n_kv, G*T, D] -> [B, n_kv, G, T, D]
+    kd = torch.stack(cache.keys[1:], dim=3)  # k x [B, n_kv, T, D] -> [B, n_kv, T, k, D]
+    vd = torch.stack(cache.values[1:], dim=3)  # k x [B, n_kv, T, D] -> [B, n_kv, T, k, D]
+    diag = torch.einsum("bhgtd,bhtkd->bhgtk", q, kd).to(acc) * scale  # -> [B, n_kv, G, T, k]
+    scores = torch.cat([ctx, diag], dim=-1)  # -> [B, n_kv, G, T, T + k]
+    probs = torch.softmax(scores, dim=-1).to(v0.dtype)
+    p_ctx = probs[..., :T].reshape(B, n_kv, G * T, T)  # [B, n_kv, G, T, T] -> [B, n_kv, G*T, T]
+    out = (p_ctx @ v0).view(B, n_kv, G, T, D)  # [B, n_kv, G*T, T] @ [B, n_kv, T, D] -> [B, n_kv, G, T, D]
+    out = out + torch.einsum("bhgtk,bhtkd->bhgtd", probs[..., T:], vd)  # diagonal values, [B, n_kv, G, T, D]
+    return out
+
+
+# -- linear-memory TTT attention (the default) ---------------------------------------
+# Runs: (row, start, end) spans of a batch whose tokens attend causally among
+# themselves only. None = every row is one run over all T positions (the common case,
+# one kernel call for the whole batch).
+Runs = list[tuple[int, int, int]] | None
+
+
+def _diag_scores(q: Tensor, kd: Tensor, scale: float) -> Tensor:
+    """Same-position scores q[t] . kd[t]: q [B, nh, T, D], kd [B, n_kv, T, D] -> [B, nh, T], at least fp32."""
+    B, nh, T, D = q.shape
+    nkv = kd.shape[1]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    # A product and a sum, not einsum: autocast would run einsum's matmul in bf16.
+    s = (q.view(B, nkv, nh // nkv, T, D).to(acc) * kd.to(acc)[:, :, None]).sum(-1)  # -> [B, n_kv, G, T]
+    return s.reshape(B, nh, T) * scale
+
+
+def _grouped(x: Tensor, nkv: int) -> Tensor:
+    """[B, nh, T, ...] -> [B, n_kv, G, T, ...] (query head i*G + j uses kv head i)."""
+    return x.view(x.shape[0], nkv, x.shape[1] // nkv, *x.shape[2:])
+
+
+class _MergedTTTAttention(torch.autograd.Function):
+    """Step k's attention: causal context (step 0's keys) + k same-position keys, one softmax.
+
+    forward(q [B, nh, T, D], k0, v0 [B, n_kv, T, D], scale, runs, k1..kk, v1..vk [B, n_kv, T, D])
+    -> [B, nh, T, D]. Saves the inputs (the cache's own tensors, no copies), the
+    merged output and its lse [B, nh, T]: O(T) per step.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, scale, runs, *diag):
+        n = len(diag) // 2
+        kd, vd = diag[:n], diag[n:]
+        B, nh, T, D = q.shape
+        nkv = k0.shape[1]
+        acc_t = torch.promote_types(q.dtype, torch.float32)  # softmax bookkeeping in at least fp32
+        kernel = context_kernel(q.device)  # the fused kernel pair (eagle3/core/attention_kernels.py)
+        if runs is None:
+            o0, lse0, saved = kernel.forward(q, k0, v0, scale)
+            saves = [saved]
+        else:
+            # Packed rows: one kernel call per sample span; positions in no span (none
+            # with the layouts `_runs` builds) would keep lse -inf and out 0.
+            o0 = q.new_zeros(q.shape)
+            lse0 = q.new_full((B, nh, T), float("-inf"), dtype=acc_t)
+            saves = []
+            for b, a, e in runs:
+                o, lse, saved = kernel.forward(q[b:b + 1, :, a:e], k0[b:b + 1, :, a:e], v0[b:b + 1, :, a:e], scale)
+                o0[b:b + 1, :, a:e] = o
+                lse0[b:b + 1, :, a:e] = lse
+                saves.append(saved)
+        if n == 0:
+            out, lse = o0, lse0.to(acc_t)
+        else:
+            s = torch.stack([_diag_scores(q, k, scale) for k in kd])  # n x [B, nh, T] -> [n, B, nh, T]
+            lse = torch.logsumexp(torch.cat([lse0.to(acc_t)[None], s]), dim=0)  # [n+1, B, nh, T] -> [B, nh, T]
+            acc = torch.exp(lse0.to(acc_t) - lse)[..., None] * o0.to(acc_t)  # context share, [B, nh, T, D]
+            acc = _grouped(acc, nkv)  # -> [B, n_kv, G, T, D]
+            for j in range(n):
+                p = _grouped(torch.exp(s[j] - lse), nkv)  # [B, nh, T] -> [B, n_kv, G, T]
+                acc = acc + p[..., None] * vd[j].to(acc_t)[:, :, None]  # [B, n_kv, 1, T, D] broadcast over G
+            out = acc.reshape(B, nh, T, D).to(q.dtype)
+        ctx.kernel, ctx.scale, ctx.runs, ctx.n, ctx.saves = kernel, scale, runs, n, saves
+        ctx.save_for_backward(q, k0, v0, out, lse, *diag)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, out, lse, *diag = ctx.saved_tensors
+        n, scale, runs = ctx.n, ctx.scale, ctx.runs
+        kd, vd = diag[:n], diag[n:]
+        B, nh, T, D = q.shape
+        nkv = k0.shape[1]
+        dout = dout.contiguous().to(q.dtype)
+        acc_t = lse.dtype
+        # The kernel's backward fed the merged out/lse returns the context keys' share
+        # of the merged softmax's gradients (as ring attention does); each kernel's
+        # seam hands out/lse over in the layout that kernel reads.
+        if runs is None:
+            dq, dk0, dv0 = ctx.kernel.backward(dout, q, k0, v0, out, lse, scale, ctx.saves[0])
+        else:
+            dq, dk0, dv0 = torch.zeros_like(q), torch.zeros_like(k0), torch.zeros_like(v0)
+            for (b, a, e), saved in zip(runs, ctx.saves):
+                sl = (slice(b, b + 1), slice(None), slice(a, e))
+                g = ctx.kernel.backward(dout[sl].contiguous(), q[sl], k0[sl], v0[sl], out[sl],
+                                        lse[sl].contiguous(), scale, saved)
+                dq[sl], dk0[sl], dv0[sl] = g
+        if n == 0:
+            return dq, dk0, dv0, None, None
+        # Diagonal keys: p_j = exp(s_j - lse); ds_j = p_j * (dout . v_j - rowsum(dout * out)).
+        dout_f = _grouped(dout.to(acc_t), nkv)  # [B, n_kv, G, T, D]
+        q_f = _grouped(q.to(acc_t), nkv)
+        delta = (dout_f * _grouped(out.to(acc_t), nkv)).sum(-1)  # [B, n_kv, G, T]
+        lse_g = _grouped(lse, nkv)
+        dkd, dvd = [], []
+        dq_g = _grouped(dq.to(acc_t), nkv)
+        for j in range(n):
+            kj, vj = kd[j].to(acc_t)[:, :, None], vd[j].to(acc_t)[:, :, None]  # [B, n_kv, 1, T, D]
+            s = (q_f * kj).sum(-1) * scale  # [B, n_kv, G, T]
+            p = torch.exp(s - lse_g)
+            ds = p * ((dout_f * vj).sum(-1) - delta)  # [B, n_kv, G, T]
+            dq_g = dq_g + scale * ds[..., None] * kj
+            dkd.append((scale * ds[..., None] * q_f).sum(2).to(kd[j].dtype))  # sum over G -> [B, n_kv, T, D]
+            dvd.append((p[..., None] * dout_f).sum(2).to(vd[j].dtype))
+        dq = dq_g.reshape(B, nh, T, D).to(q.dtype)
+        return (dq, dk0, dv0, None, None, *dkd, *dvd)
+
+
+def _ttt_attention_sdpa(q: Tensor, cache: TTTCache, runs: Runs, scale: float) -> Tensor:
+    """The default: q [B, nh, T, D] -> [B, nh, T, D], saved state O(T) per step."""
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype == torch.bfloat16 and not bf16_fused_attention_ok():
+        dtype = torch.float32  # the fused CPU kernel refuses bf16 here (eagle3/core/cpu.py)
+    ks = [k.to(dtype) for k in cache.keys]
+    vs = [v.to(dtype) for v in cache.values]
+    out = _MergedTTTAttention.apply(q.to(dtype), ks[0], vs[0], scale, runs, *ks[1:], *vs[1:])
+    return out.to(q.dtype)
+
+
+def _allowed_mask(B: int, T: int, attention_mask: Tensor | None, segment_ids: Tensor | None,
+                  device: torch.device) -> Tensor:
+    """The reference's context mask [B, T, T]: causal, within one sample, real keys."""
+    allowed = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)  # causal, [T, T] -> [B, T, T]
+    if segment_ids is not None:
+        allowed = allowed & (segment_ids[:, :, None] == segment_ids[:, None, :])  # block-diagonal, [B, T, T]
+    if attention_mask is not None:
+        # Padding keys are hidden, but a query always keeps its own key so a
+        # padded row's softmax never sees only -inf (no NaN to leak into grads).
+        eye = torch.eye(T, dtype=torch.bool, device=device)
+        allowed = allowed & (attention_mask.bool()[:, None, :] | eye)  # [B, T, T] & [B, 1, T] -> [B, T, T]
+    return allowed
+
+
+def _runs(attention_mask: Tensor | None, segment_ids: Tensor | None, T: int) -> Runs:
+    """Spans attended causally among themselves: a row splits where segment_ids or
+    realness changes, except that right padding joins the run before it (its queries
+    carry no loss and only ever read real keys before them, so any finite value does)."""
+    if segment_ids is None and (attention_mask is None
+                                or bool((attention_mask[:, 1:].int() <= attention_mask[:, :-1].int()).all())):
+        return None  # one causal run per row; right padding needs nothing more
+    shape = (segment_ids if segment_ids is not None else attention_mask).shape
+    seg = segment_ids.cpu().long() if segment_ids is not None else torch.zeros(shape, dtype=torch.long)
+    real = attention_mask.cpu().bool() if attention_mask is not None else torch.ones(shape, dtype=torch.bool)
+    key = seg * 2 + (~real).long()  # [B, T]: a new run wherever this changes; odd = padding
+    runs = []
+    for b, row in enumerate(key):
+        starts = [0] + ((row[1:] != row[:-1]).nonzero()[:, 0] + 1).tolist()
+        ends = starts[1:] + [T]
+        for a, e in zip(starts, ends):
+            if e == T and a > 0 and int(row[a]) % 2 == 1:  # right padding joins the run before it
+                runs[-1] = (b, runs[-1][1], T)
+            else:
+                runs.append((b, a, e))
+    return runs
+
+
+ATTENTION_IMPLS = ("sdpa", "reference")
+
+
+@dataclass
+class AttnLayout:
+    """Who may attend to whom in one batch, in the form the chosen implementation reads.
+
+    reference: `allowed [B, T, T]` bool (causal, same sample, real keys);
+    sdpa: `runs`, the spans attended causally among themselves (None = whole rows).
+    """
+
+    allowed: Tensor | None = None
+    runs: Runs = None
+
+
+class Eagle3Attention(nn.Module):
+    """Llama attention whose q/k/v read 2H inputs (embedding and hidden side by side)."""
+
+    def __init__(self, config: DrafterConfig, impl: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        self.impl = impl
+        H, nh, nkv, D = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_proj = nn.Linear(2 * H, nh * D, bias=False)
+        self.k_proj = nn.Linear(2 * H, nkv * D, bias=False)
+        self.v_proj = nn.Linear(2 * H, nkv * D, bias=False)
+        self.o_proj = nn.Linear(nh * D, H, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: TTTCache, layout: AttnLayout) -> Tensor:
+        B, T, _ = x.shape
+        c = self.config
+        nkv, G, D = c.num_key_value_heads, c.num_kv_groups, c.head_dim
+        x = autocast_once(x)  # read by three projections
+        q = self.q_proj(x).view(B, T, c.num_attention_heads, D).transpose(1, 2)  # [B, T, 2H] -> [B, nh, T, D]
+        k = self.k_proj(x).view(B, T, nkv, D).transpose(1, 2)  # [B, T, 2H] -> [B, n_kv, T, D]
+        v = self.v_proj(x).view(B, T, nkv, D).transpose(1, 2)  # [B, T, 2H] -> [B, n_kv, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.keys.append(k)
+        cache.values.append(v)
+        if self.impl == "sdpa":
+            out = _ttt_attention_sdpa(q, cache, layout.runs, 1.0 / math.sqrt(D))  # -> [B, nh, T, D]
+            out = out.transpose(1, 2).reshape(B, T, c.num_attention_heads * D)  # -> [B, T, nh*D]
+            return self.o_proj(out)  # [B, T, nh*D] -> [B, T, H]
+        # Query head i*G + j uses kv head i (Hugging Face's repeat_kv order).
+        q = q.reshape(B, nkv, G, T, D)  # [B, nh, T, D] -> [B, n_kv, G, T, D]
+        out = _ttt_attention(q, cache, layout.allowed, 1.0 / math.sqrt(D))  # -> [B, n_kv, G, T, D]
+        out = out.permute(0, 3, 1, 2, 4).reshape(B, T, c.num_attention_heads * D)  # -> [B, T, nh*D]
+        return self.o_proj(out)  # [B, T, nh*D] -> [B, T, H]
+
+
+class Eagle3MLP(nn.Module):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = autocast_once(x)  # read by two projections
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [B, T, H] -> [B, T, I] -> [B, T, H]
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """The `midlayer`: a Llama decoder layer whose attention input is cat(embed, hidden)."""
+
+    def __init__(self, config: DrafterConfig, attention: str = "sdpa") -> None:
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(H, eps)
+        self.hidden_norm = RMSNorm(H, eps)
+        self.self_attn = Eagle3Attention(config, attention)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.mlp = Eagle3MLP(config)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+                cache: TTTCache, layout: AttnLayout) -> Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # 2 x [B, T, H] -> [B, T, 2H]
+        h = hidden + self.self_attn(x, cos, sin, cache, layout)  # residual is the un-normed hidden input
+        return h + self.mlp(self.post_attention_layernorm(h))  # pre-norm output, [B, T, H]
+
+
+class Eagle3Drafter(nn.Module):
+    """The EAGLE-3 drafter; `state_dict()` keys are the engines' tensor names (see module doc).
+
+    `attention` picks the TTT attention implementation (module doc): "sdpa" (default,
+    linear memory) or "reference"; it changes no weight.
+    """
+
+    def __init__(self, config: DrafterConfig, attention: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(c)
+        self.set_attention(attention)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        # Identity mapping until a real one is set: draft id i is target id i.
+        t2d = torch.zeros(c.target_vocab_size, dtype=torch.bool)
+        t2d[: c.draft_vocab_size] = True
+        self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", t2d)
+        # Not a buffer: `.to(torch.bfloat16)` would round the frequencies along with the
+        # weights and shift every rotation; it is moved to the input's device per step.
+        self._inv_freq = rope_inv_freq(c)
+
+    def set_attention(self, attention: str) -> None:
+        """Switch the TTT attention implementation ("sdpa" or "reference"); no weight changes."""
+        if attention not in ATTENTION_IMPLS:
+            raise PipelineError(f"attention = {attention!r}; use one of {list(ATTENTION_IMPLS)}.")
+        self.attention = attention
+        self.midlayer.self_attn.impl = attention
+
+    # -- vocabulary mapping (convention 2) --------------------------------------
+
+    def set_vocab_mapping(self, d2t: Tensor, t2d: Tensor) -> None:
+        """Install a draft vocabulary; refuses a mapping that is not convention 2's."""
+        c = self.config
+        if d2t.shape != (c.draft_vocab_size,) or t2d.shape != (c.target_vocab_size,):
+            raise PipelineError(
+                f"vocab mapping shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match the drafter "
+                f"({c.draft_vocab_size},), ({c.target_vocab_size},); rebuild the mapping (stage 03) with "
+                f"draft_vocab_size={c.draft_vocab_size} for this target.")
+        d2t = d2t.to(torch.int64)
+        t2d = t2d.to(torch.bool)
+        ids = target_ids(d2t.cpu())  # target id of each draft row
+        ok = bool((ids >= 0).all() and (ids < c.target_vocab_size).all())
+        ok = ok and bool((ids[1:] > ids[:-1]).all()) and int(t2d.sum()) == c.draft_vocab_size
+        ok = ok and bool(t2d.cpu()[ids.clamp(0, c.target_vocab_size - 1)].all())
+        if not ok:
+            raise PipelineError(
+                "vocab mapping is inconsistent: target ids i + d2t[i] must be ascending, in range, and "
+                "exactly the ids where t2d is true; rebuild it with stage 03 (03_build_vocab_mapping.py).")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_ids(self) -> Tensor:
+        """Target id of each draft row, `arange(V_d) + d2t` (SGLang's hot_token_id) -> [V_d]."""
+        return target_ids(self.d2t)
+
+    # -- forward pieces -----------------------------------------------------------
+
+    def project_aux(self, aux: Tensor) -> Tensor:
+        """Fuse the target's aux hidden states: [B, T, A*H_t] -> [B, T, H] (step 0's hidden input)."""
+        if aux.shape[-1] != self.fc.in_features:
+            raise PipelineError(
+                f"aux hidden states have width {aux.shape[-1]}, the drafter expects num_aux_layers * "
+                f"target_hidden_size = {self.fc.in_features}; the extraction (stage 02) and the drafter "
+                f"config disagree on the aux layers or the target.")
+        return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, A*H_t] -> [B, T, H]
+
+    def step(self, embeds: Tensor, hidden: Tensor, cache: TTTCache, *,
+             attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
+             segment_ids: Tensor | None = None) -> Tensor:
+        """One draft step over all T positions; returns the pre-norm output [B, T, H].
+
+        embeds [B, T, H]: target-embedding vectors of the tokens this step reads;
+        hidden [B, T, H]: `project_aux(aux)` for the first step, else the previous
+        step's output. The step index k is `cache.num_steps` on entry.
+        segment_ids [B, T]: for packed rows, the sample each token belongs to; pass
+        position_ids restarting at 0 per sample with it.
+
+        RoPE position of step k at position t is `position_ids[t] + k`. That is what
+        both engines run: the first draft forward places (aux at t, token t+1) at
+        position t, and every further draft step advances positions by one while
+        keeping the earlier draft tokens in the KV cache. So at inference the
+        step-k query sits at t+k, the context keys at s <= t and step j's key at
+        t+j; training with the same positions trains the same relative distances
+        (t+k-s, k-j) the engine will present. Reusing t for every step would train
+        distances the drafter never sees when serving.
+        """
+        B, T, _ = embeds.shape
+        # stage 04 checks the target embedding's width against the drafter's hidden_size
+        assert hidden.shape == embeds.shape, f"embeds {tuple(embeds.shape)} and hidden {tuple(hidden.shape)} differ"
+        k = cache.num_steps
+        if position_ids is None:
+            position_ids = torch.arange(T, device=embeds.device).expand(B, T)  # [T] -> [B, T]
+        inv_freq = self._inv_freq.to(embeds.device)
+        cos, sin = rope_cos_sin(position_ids + k, inv_freq, hidden.dtype)  # [B, T] -> 2 x [B, T, D]
+        if self.attention == "sdpa":
+            layout = AttnLayout(runs=_runs(attention_mask, segment_ids, T))
+        else:
+            layout = AttnLayout(allowed=_allowed_mask(B, T, attention_mask, segment_ids, embeds.device))
+        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, cache, layout)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """Draft-vocab logits from pre-norm outputs: [..., H] -> [..., V_d]."""
+        return self.lm_head(self.norm(hidden))
+
+    def forward(self, aux: Tensor, embeds: Tensor, *, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Step 0 only (no unroll): returns (logits [B, T, V_d], pre-norm hidden [B, T, H])."""
+        hidden = self.step(embeds, self.project_aux(aux), TTTCache(), attention_mask=attention_mask,
+                           position_ids=position_ids, segment_ids=segment_ids)
+        return self.compute_logits(hidden), hidden

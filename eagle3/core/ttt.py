@@ -1,0 +1,392 @@
+"""Train-time test (TTT): the K-step unroll, its loss and its metrics. Pure tensors.
+
+Reads nothing from disk. The training loop (eagle3 train stage) builds one batch
+of target outputs, turns them into labels with `target_draft_distribution`, and
+calls `ttt_loss`, which runs the drafter K times over the batch in one visible
+loop and returns the differentiable loss plus per-step metrics
+(docs/CONVENTIONS.md §4 and §5).
+
+Index arithmetic (b = row, t = drafter position, k = step, p = t + 1 + k):
+
+    hidden input   step 0: fc(aux[b, t]);  step k >= 1: step k-1's pre-norm output at t
+    embed input    E[input_ids[b, t + 1 + k]]  (teacher forcing from the data, as EAGLE-3)
+    rope position  position_ids[b, t] + k      (see Eagle3Drafter.step)
+    predicts       token t + 2 + k
+    label          target_probs[b, p]: the target's final hidden state at p gives the
+                   logits for token p + 1 = t + 2 + k, restricted to the draft rows
+    target argmax  target_argmax[b, p]
+    carries loss   t + 2 + k < T, loss_mask[b, t + 2 + k] (the predicted token is an
+                   assistant token), t2d[target_argmax[b, p]] (the draft vocab can say
+                   it), and attention_mask at t and t + 2 + k when one is given;
+                   in packed rows also segment_ids[b, t] == segment_ids[b, t + 2 + k]
+                   (the predicted token belongs to the same sample)
+
+Rows t with t + 1 + k >= T have no input token; they get a zero embedding and
+carry no loss. No valid output ever depends on them: step k at t reads step 0 at
+s <= t and steps 1..k at t only. In a packed row the last 1 + k positions of each
+sample read the next sample's tokens; they carry no loss either, and attention
+never crosses samples, so no valid output depends on them.
+
+`TTTConfig.checkpoint_steps` recomputes each step's activations in backward
+(torch.utils.checkpoint) instead of keeping them: less memory, about one more
+forward of compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from eagle3.core.errors import PipelineError
+from eagle3.core.model import Eagle3Drafter, TTTCache
+
+
+@dataclass
+class TTTConfig:
+    """How far to unroll and how to weight the steps."""
+
+    num_steps: int = 7  # K: EAGLE-3 trains 7 draft steps
+    step_decay: float = 0.8  # loss weight of step k is step_decay ** k
+    checkpoint_steps: bool = False  # recompute each step's activations in backward instead of keeping them
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
+            raise PipelineError(
+                f"TTTConfig.num_steps = {self.num_steps!r}; it must be an integer >= 1 "
+                f"(7 is EAGLE-3's choice; it should be at least the num_speculative_tokens you will serve).")
+        if not 0.0 < float(self.step_decay) <= 1.0:
+            raise PipelineError(
+                f"TTTConfig.step_decay = {self.step_decay!r}; it must be in (0, 1] (EAGLE-3 uses 0.8).")
+
+    def step_weights(self) -> list[float]:
+        return [float(self.step_decay) ** k for k in range(self.num_steps)]
+
+
+@dataclass
+class TTTOutput:
+    """`loss` is differentiable; `metrics` are plain floats, fetched with one device sync.
+
+    metrics keys: loss_k, full_acc_k, cond_acc_k for k in 0..K-1,
+    expected_accept_length (= 1 + sum_k full_acc_k), and num_valid (the step-0
+    valid position count, full_acc's denominator; weight by it when averaging
+    batches or ranks).
+    """
+
+    loss: Tensor
+    metrics: dict[str, float]
+
+
+def _at_least_fp32(x: Tensor) -> Tensor:
+    """Upcast bf16/fp16 for softmax and loss; leave fp32/fp64 alone (tests run in fp64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+CE_CHUNK_ROWS = 128  # CPU: rows of the [rows, V] fp32 blocks, which then stay in cache (1-2 MB for V of 2K-4K)
+CE_GPU_BLOCK_ELEMENTS = 1 << 26  # GPU: blocks of up to 256 MB in fp32 (fewer, larger kernels)
+
+
+def _ce_block_rows(logits: Tensor) -> int:
+    if logits.device.type == "cpu":
+        return CE_CHUNK_ROWS
+    return max(CE_CHUNK_ROWS, CE_GPU_BLOCK_ELEMENTS // max(1, logits.shape[-1]))
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """sum_i CE(p_i, softmax(z_i)) over rows i, as a scalar: the loss of every draft step.
+
+    logits z [N, V] (bf16 under autocast) and the target rows p_i = table[rows[i]] of
+    `table` [M, V]. Equal to `-(p * log_softmax(z.float())).sum()`, written as
+    sum_i (|p_i| lse(z_i) - p_i . z_i) with |p_i| = sum_j p_ij, whose gradient is
+    |p_i| softmax(z_i) - p_i. Computed in blocks of rows (`_ce_block_rows`), each upcast
+    to at least fp32 in cache: stage 04 on CPU is bound by memory traffic, and the
+    composed form makes and rereads about ten [N, V] fp32 tensors per step (upcast
+    logits, gathered targets, log-softmax, product and their gradients). This reads
+    logits and target rows once each way and writes one gradient in the logits' dtype
+    (what the upcast's backward would have cast it to).
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        N = logits.shape[0]
+        lse = torch.empty(N, dtype=acc, device=logits.device)
+        mass = torch.empty(N, dtype=acc, device=logits.device)
+        argmax = torch.empty(N, dtype=torch.long, device=logits.device)
+        total = logits.new_zeros((), dtype=acc)
+        step = _ce_block_rows(logits)
+        for s in range(0, N, step):
+            e = s + step
+            z = logits[s:e].to(acc)  # [c, V]
+            p = table[rows[s:e]]  # [c, V]
+            lse[s:e] = torch.logsumexp(z, dim=-1)
+            mass[s:e] = p.sum(dim=-1)  # 1 up to rounding
+            argmax[s:e] = z.argmax(dim=-1)  # the upcast is exact: the argmax of the logits as given
+            total = total + (mass[s:e] * lse[s:e]).sum() - (p * z).sum()
+        ctx.save_for_backward(logits, table, rows, lse, mass)
+        ctx.mark_non_differentiable(argmax)
+        return total, argmax
+
+    @staticmethod
+    def backward(ctx, grad: Tensor, _argmax_grad: None):
+        logits, table, rows, lse, mass = ctx.saved_tensors
+        out = torch.empty_like(logits)
+        step = _ce_block_rows(logits)
+        for s in range(0, logits.shape[0], step):
+            e = s + step
+            g = torch.exp(logits[s:e].to(lse.dtype) - lse[s:e, None])  # softmax(z), [c, V]
+            g.mul_(mass[s:e, None]).sub_(table[rows[s:e]]).mul_(grad)
+            out[s:e] = g
+        return out, None, None
+
+
+def soft_cross_entropy(logits: Tensor, table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """Summed cross-entropy of the target distributions `table[rows]` [N, V] under `logits`
+    [N, V], in at least fp32 (no gradient to the targets), and the logits' argmax [N]
+    (the metrics' draft tokens, taken while each block is in cache)."""
+    return _SoftCrossEntropy.apply(logits, table, rows)
+
+
+def _shift_left(x: Tensor, n: int) -> Tensor:
+    """Along dim 1, row t of the result is row t + n of x; the last n rows are zero/False."""
+    T = x.shape[1]
+    n = min(n, T)
+    pad = x.new_zeros((x.shape[0], n) + tuple(x.shape[2:]))
+    return torch.cat([x[:, n:], pad], dim=1)  # [B, T - n, ...] + [B, n, ...] -> [B, T, ...]
+
+
+def chunked_argmax(hidden: Tensor, lm_head_weight: Tensor, chunk_size: int = 256) -> Tensor:
+    """Full-vocab argmax of `hidden @ lm_head_weight.T` without all logits at once.
+
+    hidden [B, T, H], lm_head_weight [V, H] -> [B, T] int64. Only a [B, chunk, V]
+    block of logits exists at a time, in the weight's dtype (what the serving
+    engine's greedy sampling sees).
+    """
+    out = []
+    for s in range(0, hidden.shape[1], chunk_size):
+        logits = hidden[:, s:s + chunk_size].to(lm_head_weight.dtype) @ lm_head_weight.T  # [B, c, H] -> [B, c, V]
+        out.append(logits.argmax(dim=-1))  # [B, c, V] -> [B, c]
+    return torch.cat(out, dim=1)  # -> [B, T]
+
+
+@torch.no_grad()
+def target_draft_distribution(
+    draft_ids: Tensor,
+    *,
+    target_hidden: Tensor | None = None,
+    lm_head_weight: Tensor | None = None,
+    target_logits: Tensor | None = None,
+    target_argmax: Tensor | None = None,
+    chunk_size: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """The target's distribution over the draft vocab, and its full-vocab argmax.
+
+    Row p of both outputs is the target's prediction of token p + 1.
+    draft_ids [V_d]: target id of each draft row (`drafter.draft_ids()`).
+    Give either `target_hidden [B, T, H]` (after the target's final norm, i.e. what
+    its lm_head reads) with `lm_head_weight [V_t, H]`, or `target_logits [B, T, V_t]`
+    (small cases and tests; it is already the full-vocab tensor).
+    `target_argmax [B, T]`: pass it when stage 02 stored it; then only the V_d draft
+    rows of the lm_head are multiplied. Without it, the full-vocab logits are made
+    one chunk of `chunk_size` positions at a time, and the same chunk also gives
+    the draft rows, so no full-sequence full-vocab tensor ever exists.
+    Returns probs [B, T, V_d] (float32, or float64 for float64 inputs) and argmax [B, T] int64 (target ids).
+    """
+    if target_logits is not None:
+        assert target_hidden is None and lm_head_weight is None, "pass target_logits OR target_hidden + lm_head_weight"
+        probs = torch.softmax(_at_least_fp32(target_logits[..., draft_ids]), dim=-1)  # [B, T, V_t] -> [B, T, V_d]
+        argmax = target_argmax if target_argmax is not None else target_logits.argmax(dim=-1)  # -> [B, T]
+        return probs, argmax.long()
+    assert target_hidden is not None and lm_head_weight is not None, "needs target_hidden + lm_head_weight"
+    # stage 04 checks the store's hidden size against the target whose lm_head rows it reads
+    assert target_hidden.shape[-1] == lm_head_weight.shape[-1], (
+        f"hidden width {target_hidden.shape[-1]} does not match the lm_head {tuple(lm_head_weight.shape)}")
+    argmax = []
+    B, T = target_hidden.shape[:2]
+    acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
+    probs_t = target_hidden.new_empty((B, T, len(draft_ids)), dtype=acc)  # filled chunk by chunk (no cat copy)
+    w_draft = lm_head_weight[draft_ids] if target_argmax is not None else None  # [V_t, H] -> [V_d, H]
+    for s in range(0, T, chunk_size):
+        h = target_hidden[:, s:s + chunk_size].to(lm_head_weight.dtype)  # [B, c, H]
+        if w_draft is None:
+            logits = h @ lm_head_weight.T  # [B, c, H] -> [B, c, V_t], one chunk only
+            argmax.append(logits.argmax(dim=-1))  # [B, c, V_t] -> [B, c]
+            draft_logits = logits[..., draft_ids]  # [B, c, V_t] -> [B, c, V_d]
+        else:
+            draft_logits = h @ w_draft.T  # [B, c, H] -> [B, c, V_d]
+        probs_t[:, s:s + chunk_size] = torch.softmax(_at_least_fp32(draft_logits), dim=-1)
+    argmax_t = target_argmax.long() if target_argmax is not None else torch.cat(argmax, dim=1)  # -> [B, T]
+    return probs_t, argmax_t
+
+
+@dataclass
+class StepInputs:
+    """What every draft step reads besides its hidden input and the cache (no gradient flows into these)."""
+
+    drafter: Eagle3Drafter
+    embeds: Tensor  # [B, T, H]: the frozen target embedding of each input token
+    target_probs: Tensor  # [B, T, V_d]: row p is the target's distribution for token p + 1
+    attention_mask: Tensor | None
+    position_ids: Tensor | None
+    segment_ids: Tensor | None
+
+
+def check_batch(drafter: Eagle3Drafter, aux: Tensor, input_ids: Tensor, embed_weight: Tensor, target_probs: Tensor,
+                target_argmax: Tensor, loss_mask: Tensor) -> None:
+    """The batch's tensors agree with each other and with the drafter (a caller's bug otherwise)."""
+    B, T = input_ids.shape
+    c = drafter.config
+    assert aux.shape[:2] == (B, T) and target_argmax.shape == (B, T) and loss_mask.shape == (B, T), (
+        f"batch shapes disagree: input_ids {tuple(input_ids.shape)}, aux {tuple(aux.shape)}, "
+        f"target_argmax {tuple(target_argmax.shape)}, loss_mask {tuple(loss_mask.shape)}")
+    assert target_probs.shape == (B, T, c.draft_vocab_size), (
+        f"target_probs {tuple(target_probs.shape)} should be [B, T, V_d] = [{B}, {T}, {c.draft_vocab_size}]: "
+        f"build it with target_draft_distribution(drafter.draft_ids(), ...)")
+    assert embed_weight.shape == (c.target_vocab_size, c.hidden_size), (
+        f"embed_weight {tuple(embed_weight.shape)} is not the [{c.target_vocab_size}, {c.hidden_size}] target "
+        f"embedding the drafter config describes")
+
+
+def valid_positions(k: int, in_draft: Tensor, learn: Tensor, real: Tensor, segment_ids: Tensor | None) -> Tensor:
+    """[B, T] bool: position t carries step k's loss (the index arithmetic of the module docstring)."""
+    # label row p = t+1+k exists and its argmax is in the draft vocab; token t+2+k is learnable; t is real
+    valid = _shift_left(in_draft, 1 + k) & _shift_left(learn, 2 + k) & real  # [B, T]
+    if segment_ids is not None:  # and token t+2+k is of the same packed sample as t
+        valid &= _shift_left(segment_ids, 2 + k) == segment_ids
+    return valid
+
+
+def draft_step(x: StepInputs, k: int, b_idx: Tensor, t_idx: Tensor, hidden: Tensor, *kv: Tensor):
+    """Draft step k and its summed cross-entropy over the N valid positions (b_idx, t_idx).
+
+    Returns (pre-norm output [B, T, H], this step's key and value, summed CE, draft argmax [N]).
+    Functional in the cache (a fresh TTTCache over the given tensors), so that a
+    checkpointed step recomputed in backward appends nothing to the real one; the
+    logits live inside it too, so checkpointing also drops their [N, V_d] blocks.
+    """
+    n = len(kv) // 2
+    cache = TTTCache(keys=list(kv[:n]), values=list(kv[n:]))
+    embeds = _shift_left(x.embeds, 1 + k)  # [B, T, H]: row t holds token t+1+k
+    out = x.drafter.step(embeds, hidden, cache, attention_mask=x.attention_mask, position_ids=x.position_ids,
+                         segment_ids=x.segment_ids)  # 2 x [B, T, H] -> [B, T, H]
+    logits = x.drafter.compute_logits(out[b_idx, t_idx])  # [N, H] -> [N, V_d], bf16 under autocast
+    B, T, V = x.target_probs.shape
+    label_rows = b_idx * T + t_idx + 1 + k  # row p = t+1+k of sample b in the flattened [B*T, V_d] targets
+    ce, pred = soft_cross_entropy(logits, x.target_probs.view(B * T, V), label_rows)  # summed over the N positions
+    return out, cache.keys[-1], cache.values[-1], ce, pred
+
+
+def step_metrics(step_losses: list[Tensor], chain_counts: list[Tensor], n_valid0: Tensor) -> dict[str, float]:
+    """The metrics dict of `TTTOutput` from per-step losses and chain counts (see `ttt_loss`)."""
+    K = len(step_losses)
+    # One device-to-host transfer for all of them (the nonzero in the loop already syncs once per step).
+    vals = torch.stack([v.double() for v in step_losses + chain_counts + [n_valid0]]).tolist()
+    losses, chains, n0 = vals[:K], vals[K:2 * K], vals[2 * K]
+    metrics: dict[str, float] = {}
+    for k in range(K):
+        metrics[f"loss_{k}"] = losses[k]
+        metrics[f"full_acc_{k}"] = chains[k] / n0 if n0 > 0 else 0.0
+        prev = n0 if k == 0 else chains[k - 1]
+        metrics[f"cond_acc_{k}"] = chains[k] / prev if prev > 0 else 0.0
+    metrics["expected_accept_length"] = 1.0 + sum(metrics[f"full_acc_{k}"] for k in range(K))
+    metrics["num_valid"] = n0
+    return metrics
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    aux: Tensor,
+    input_ids: Tensor,
+    embed_weight: Tensor,
+    target_probs: Tensor,
+    target_argmax: Tensor,
+    loss_mask: Tensor,
+    config: TTTConfig,
+    *,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    segment_ids: Tensor | None = None,
+) -> TTTOutput:
+    """Unroll the drafter K steps over one batch; loss = sum_k decay^k * loss_k.
+
+    aux [B, T, A*H_t]: fused aux hidden states of the target at each position.
+    input_ids [B, T]: target token ids. embed_weight [V_t, H]: the frozen target
+    embedding. target_probs [B, T, V_d] and target_argmax [B, T]: row p is the
+    target's prediction of token p + 1 (`target_draft_distribution`).
+    loss_mask [B, T]: 1 where token j is an assistant token; the prediction of
+    token j is trained only if loss_mask[j]. attention_mask [B, T]: 1 = real token.
+    segment_ids [B, T] (packed rows): the sample each token belongs to; pass
+    position_ids restarting at 0 per sample with it.
+    See the module docstring for the index arithmetic.
+
+    Metrics: a step-k output at t *matches* when it carries loss (valid_k) and the
+    draft argmax mapped through d2t equals the target's full-vocab argmax. chain_k
+    = steps 0..k all match. full_acc_k = #chain_k / #valid_0: the denominator is
+    step 0's valid positions for every k, so a later step without a label (past
+    the sequence end, outside the assistant mask, argmax outside the draft vocab)
+    counts as a miss. That is conservative, makes full_acc non-increasing in k,
+    and gives full_acc_k = full_acc_{k-1} * cond_acc_k with cond_acc_k =
+    #chain_k / #chain_{k-1} (cond_acc_0 = full_acc_0; 0 when nothing is left).
+    """
+    check_batch(drafter, aux, input_ids, embed_weight, target_probs, target_argmax, loss_mask)
+    weights = config.step_weights()
+    draft_ids = drafter.draft_ids()  # [V_d] target id of each draft row
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    learn = loss_mask.bool() & real  # [B, T]: token j may be trained as a prediction
+    in_draft = drafter.t2d[target_argmax]  # [B, T] -> [B, T]: the draft vocab can say row p's argmax
+    x = StepInputs(drafter, F.embedding(input_ids, embed_weight), target_probs,  # [B, T] -> [B, T, H]
+                   attention_mask, position_ids, segment_ids)
+    hidden = drafter.project_aux(aux)  # [B, T, A*H_t] -> [B, T, H]
+    cache = TTTCache()
+
+    total = _at_least_fp32(hidden.new_zeros(()))
+    step_losses: list[Tensor] = []
+    chain_counts: list[Tensor] = []
+    for k in range(config.num_steps):
+        valid = valid_positions(k, in_draft, learn, real, segment_ids)  # [B, T]
+        b_idx, t_idx = valid.nonzero(as_tuple=True)  # N valid positions
+        args = (x, k, b_idx, t_idx, hidden, *cache.keys, *cache.values)
+        if config.checkpoint_steps and torch.is_grad_enabled():
+            out, key, value, ce_sum, pred = checkpoint(draft_step, *args, use_reentrant=False)
+        else:
+            out, key, value, ce_sum, pred = draft_step(*args)
+        cache.keys.append(key)
+        cache.values.append(value)
+        loss_k = ce_sum / max(b_idx.numel(), 1)
+        total = total + weights[k] * loss_k
+        step_losses.append(loss_k.detach())
+
+        with torch.no_grad():
+            hit = draft_ids[pred] == target_argmax[b_idx, t_idx + 1 + k]  # [N] target ids compared
+            match = torch.zeros_like(valid)
+            match[b_idx, t_idx] = hit  # [B, T]; False wherever step k has no label
+            chain = match if k == 0 else chain & match  # steps 0..k all matched
+            chain_counts.append(chain.sum())
+            if k == 0:
+                n_valid0 = valid.sum()  # full_acc's denominator for every k
+        hidden = out  # the pre-norm output is the next step's hidden input (gradient flows through)
+    return TTTOutput(loss=total, metrics=step_metrics(step_losses, chain_counts, n_valid0))
+
+
+class TTTModel(nn.Module):
+    """`ttt_loss` as one module forward, for DDP/FSDP wrapping.
+
+    DDP and FSDP act in a module's forward hooks; `ttt_loss` calls the drafter's
+    `step`/`compute_logits` directly (K times), so wrap this module, not the
+    drafter, and call it once per batch. The frozen embedding stays an input, not a
+    buffer: DDP would otherwise broadcast the [V_t, H] table on every forward.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, config: TTTConfig) -> None:
+        super().__init__()
+        self.drafter = drafter
+        self.config = config
+
+    def forward(self, aux: Tensor, input_ids: Tensor, embed_weight: Tensor, target_probs: Tensor,
+                target_argmax: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None,
+                position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> TTTOutput:
+        return ttt_loss(self.drafter, aux, input_ids, embed_weight, target_probs, target_argmax, loss_mask,
+                        self.config, attention_mask=attention_mask, position_ids=position_ids,
+                        segment_ids=segment_ids)

@@ -1,0 +1,67 @@
+"""Stage 00's config: which target, how to sample, how to split the work.
+
+Filled from the shared YAML keys, the `generate:` section and flags (eagle3/core/config.py).
+Fields with `identity=False` change how the work is done, not what is generated, so
+finished chunks are not redone when only they change.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from eagle3.core.config import DTYPE_CHOICES, ShardedStageConfig, data_sources, dtype_name, param
+from eagle3.core.errors import PipelineError
+from eagle3.engines.vllm_engine import IN_PROCESS_HELP
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(ShardedStageConfig):
+    target_model: str = param(help="target model folder or hub id: the model the drafter will serve with")
+    data: list[str] = param(help="chats or prompts: .json/.jsonl files (OpenAI `messages`, ShareGPT "
+                                 "`conversations`, a `prompt` / `instruction` / `question` field or MT-Bench "
+                                 "`turns`) or datasets ids; user turns without an answer get one")
+    data_split: str = param("train", help="split to read from datasets ids")
+    prompt_field: str | None = param(None, help="the record field holding the prompt: a string (one user turn), "
+                                                "a list of strings (user turns) or a list of turns (default: "
+                                                "messages, conversations, prompt, instruction, question, turns)")
+    chat_template_kwargs: dict | None = param(None, help="JSON object passed to the chat template, e.g. "
+                                                         "'{\"thinking\": false}' (stage 01 uses the same)")
+    temperature: float = param(0.0, min=0.0, help="sampling temperature; 0 = greedy, which matches greedy serving")
+    top_p: float = param(1.0, gt=0.0, max=1.0, help="nucleus sampling threshold (1 = off)")
+    max_new_tokens: int = param(2048, min=1, help="cap on generated tokens per assistant turn; cut answers are "
+                                           "counted and kept")
+    seed: int = param(0, help="sampling seed; each request's seed derives from (seed, sample id, turn)")
+    max_model_len: int | None = param(None, help="context length; longer prompts are counted and their "
+                                                 "conversation ends before that turn (default: the target's)")
+    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="dtype the target runs in")
+    chunk_size: int = param(256, min=1, help="conversations per output chunk: the unit of resume, of multi-box "
+                                      "splitting, and of batching (all turn-k prompts of a chunk go together)")
+    # --- how the work is done (not part of what is generated) ---
+    max_num_seqs: int = param(256, min=1, identity=False, help="vLLM: concurrent sequences per engine")
+    gpu_memory_utilization: float | None = param(None, gt=0.0, max=1.0, identity=False,
+                                                 help="share of GPU memory (on the CPU build: of RAM) the engine "
+                                                      "reserves (default 0.3 CPU, 0.9 GPU)")
+    kv_cache_gib: float | None = param(None, identity=False, help="fixed KV cache size in GiB (default: "
+                                                                  "vLLM sizes it; 1 on CPU)")
+    enforce_eager: bool | None = param(None, identity=False, help="no compilation / CUDA graphs (default: "
+                                                                  "on for CPU, off on GPU)")
+    engine_in_process: bool = param(False, identity=False, help=IN_PROCESS_HELP)
+    force: bool = param(False, identity=False, help="delete what this stage wrote and start over")
+
+    def __post_init__(self):
+        self.data = data_sources(self.data, "generate")
+        if isinstance(self.chat_template_kwargs, str):
+            try:
+                self.chat_template_kwargs = json.loads(self.chat_template_kwargs)
+            except json.JSONDecodeError as e:
+                raise PipelineError(f"--chat-template-kwargs {self.chat_template_kwargs!r} is not JSON ({e}); "
+                                    f"e.g. --chat-template-kwargs '{{\"thinking\": false}}'.") from e
+        if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
+            raise PipelineError(f"generate.chat_template_kwargs = {self.chat_template_kwargs!r} must be a JSON "
+                                f"object, e.g. '{{\"thinking\": false}}'.")
+        super().__post_init__()  # the choices and ranges declared with the fields
+        self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16
+
+    @property
+    def template_kwargs(self) -> dict:
+        return dict(self.chat_template_kwargs or {})

@@ -1,0 +1,358 @@
+"""Stage 01: chats -> token ids, assistant-only loss mask, token frequencies.
+
+Reads chat records (local JSON/JSONL or a `datasets` id), renders each with the
+target tokenizer's chat template, builds the loss mask (eagle3/core/loss_mask.py),
+truncates to `max_length`, splits off a held-out eval set by conversation, and
+writes (see eagle3/core/workdir.py):
+
+    01_dataset/train/, eval/     datasets Arrow (memory-mapped): sample_id, input_ids, loss_mask, num_tokens
+    01_dataset/token_freq_{train,eval}.npy   int64 [target_vocab], assistant tokens only
+    01_dataset/manifest.json
+
+Run: `python 01_prepare_dataset.py --config configs/tiny-llama.yaml`.
+
+`--data generated` reads stage 00's regenerated chats (WORK/00_generate/) instead:
+each regenerated assistant turn is the exact token ids the target generated, spliced
+into the rendered template (`spliced_sample`), never its decoded text re-tokenized;
+the chat template switches stage 00 used (`chat_template_kwargs`) are used here too.
+The manifest counts how many of those turns re-tokenizing the decoded text would
+have changed (`generated_turns_reencode_differs`).
+
+Records that give no sample are counted by reason. No training sample at all stops the
+stage with one line (the input, the counts by reason, the likely fix: prompts without
+answers, for one, go through stage 00 first); more than half of the records dropped is
+a warning with the same counts.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from eagle3.core.atomic import atomic_path, save_numpy
+from eagle3.core.chats import (BadRecord, RawRecord, check_local_files, iter_records, likely_fix, normalize,
+                               reasons_text, sample_id)
+from eagle3.core.config import identity_params
+from eagle3.core.dataset import split_features
+from eagle3.core.errors import PipelineError
+from eagle3.core.logs import quiet_tokenizers
+from eagle3.core.loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
+from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
+                                  sha256_file, write_manifest)
+from eagle3.core.target import chat_template_fingerprint, load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.core.workdir import SPLITS, WorkDir
+from eagle3.stages.s01_prepare.config import PrepareConfig
+
+log = logging.getLogger(__name__)
+
+GENERATED = "generated"  # `--data generated`: stage 00's output in this work directory
+
+# Stage 01's own reasons for a record that yields no sample (chats.FIXES has the rest).
+FIXES = {
+    "no_messages": "give each record `messages` (OpenAI) or `conversations` (ShareGPT) with assistant turns; a "
+                   "file of prompts goes through `python 00_generate_responses.py --data FILE` first (its "
+                   "--prompt-field names the prompt's field), then this stage with --data generated",
+    "no_assistant_tokens_within_max_length": "the assistant turns start past --max-length: raise --max-length",
+    "template_not_prefix_stable": "the chat template rewrites earlier turns, so stage 00's answers after the "
+                                  "first cannot be placed token-exact: give stage 00 single-turn records",
+    "prompt_too_long": "stage 00 could not answer these (see its summary line): raise its --max-model-len",
+    "empty_answer": "stage 00's target answered with nothing (see its summary line): check its chat template "
+                    "and --chat-template-kwargs",
+}
+
+
+@dataclass
+class PreparedSample:
+    sample_id: str
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] int8
+    truncated: bool
+    trimmed_user_turn: bool
+    fuzzy_ends: int
+    generated_turns: int = 0  # regenerated assistant turns (stage 00), their ids taken as generated
+    reencode_differs: int = 0  # of those, turns whose decoded text re-tokenizes to other ids
+
+
+def is_eval(sid: str, seed: int, fraction: float) -> bool:
+    """Hash-based split: stable under reordering, worker count and added data."""
+    h = hashlib.sha256(f"{seed}:{sid}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+# -- tokenization workers --------------------------------------------------------
+_W: dict = {}
+
+
+def _init_worker(target_model: str, trust_remote_code: bool, max_length: int,
+                 template_kwargs: dict | None = None) -> None:
+
+    quiet_tokenizers()
+    tok = load_tokenizer(target_model, trust_remote_code)
+    _W.update(tok=tok, suffix=assistant_suffix(tok, template_kwargs), max_length=max_length,
+              kw=template_kwargs)
+
+
+def _generated_sample(rec: dict) -> tuple[str, np.ndarray, np.ndarray, int, int]:
+    """A stage-00 line: (sample id, ids, mask, regenerated turns, turns that re-tokenize differently)."""
+    if "bad" in rec or "dropped" in rec:
+        raise BadRecord(rec.get("bad") or rec["dropped"], rec.get("detail", "counted by stage 00"))
+    answers = [Answer(g["ids"], g["finish_reason"] != "length") for g in rec["generated"]]
+    ids, mask = spliced_sample(_W["tok"], rec["messages"], answers, _W["suffix"], _W["kw"])
+    try:
+        differs = sum(reencode_differs(_W["tok"], rec["messages"], answers, _W["suffix"], _W["kw"]))
+    except BadRecord:  # the decoded text cannot even be placed by plain rendering
+        differs = len(answers)
+    return rec["sample_id"], ids, mask, len(answers), differs
+
+
+def _process(raw: RawRecord) -> PreparedSample | BadRecord:
+    try:
+        gen_turns = differs = fuzzy = 0
+        trimmed = False
+        if isinstance(raw.record, dict) and "sample_id" in raw.record and (
+                "generated" in raw.record or "bad" in raw.record or "dropped" in raw.record):
+            sid, ids, mask, gen_turns, differs = _generated_sample(raw.record)
+        else:
+            sid = sample_id(raw)
+            messages, trimmed = normalize(raw.record)
+            ids, mask, fuzzy = build_sample(_W["tok"], messages, _W["suffix"])
+        truncated = len(ids) > _W["max_length"]
+        ids, mask = ids[: _W["max_length"]], mask[: _W["max_length"]]
+        if not mask.any():
+            raise BadRecord("no_assistant_tokens_within_max_length",
+                            f"first assistant token is past max_length={_W['max_length']}")
+        return PreparedSample(sid, ids, mask, truncated, trimmed, fuzzy, gen_turns, differs)
+    except BadRecord as e:
+        return e
+
+
+def _tokenize_all(cfg: PrepareConfig, records: list[RawRecord], template_kwargs: dict | None = None):
+    # A spawned worker costs ~5 s to start (imports, tokenizer load), and the main
+    # process keeps one core busy feeding it: on 2 cores one process is faster
+    # (bench/bench_prepare.py), so the default leaves a core to the main process
+    # and only goes parallel for large sets.
+    workers = cfg.num_workers or max(1, min(16, (os.cpu_count() or 1) - 1, len(records) // 5000))
+    init = (cfg.target_model, cfg.trust_remote_code, cfg.max_length, template_kwargs)
+    bar = dict(total=len(records), unit="conv", desc="tokenize", smoothing=0.1)
+    if workers <= 1:
+        _init_worker(*init)
+        yield from tqdm(map(_process, records), **bar)
+        return
+    # spawn, not fork: forking after torch/tokenizers threads started can deadlock.
+    with mp.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init) as pool:
+        yield from tqdm(pool.imap(_process, records, chunksize=64), **bar)
+
+
+# -- the stage -------------------------------------------------------------------
+def uses_generated(cfg: PrepareConfig) -> bool:
+    if GENERATED in cfg.data and len(cfg.data) > 1:
+        raise PipelineError(f"prepare.data = {cfg.data}: `{GENERATED}` (stage 00's output) cannot be mixed with "
+                            f"other sources; pass those to 00_generate_responses.py --data instead.")
+    return cfg.data == [GENERATED]
+
+
+def generated_manifest(cfg: PrepareConfig, tok) -> Manifest:
+    """Stage 00's manifest, checked: complete, and from this target's tokenizer."""
+    wd = WorkDir(cfg.work_dir)
+    m = read_manifest(wd, "generate", needed_by=f"{wd.script('prepare')} --data {GENERATED}")
+    if not m.extra.get("complete"):
+        miss = m.extra.get("missing", {})
+        raise PipelineError(
+            f"{m.path}: stage 00 is incomplete ({miss.get('count')} chunk(s) missing, shard indices "
+            f"{miss.get('shard_indices')}); run the missing boxes, copy their chunks into "
+            f"{wd.generate_chunks()}, and rerun `python {wd.script('generate')}` once without shard flags.")
+    check_same("tokenizer fingerprint", m.extra.get("tokenizer_fingerprint"), tokenizer_fingerprint(tok),
+               ours_from=f"{m.path} (stage 00, target {m.params.get('target_model')})",
+               theirs_from=f"tokenizer of {cfg.target_model}",
+               fix="stage 01 must use the target that generated the answers (--target-model)")
+    return m
+
+
+def generated_records(wd: WorkDir, m: Manifest):
+    """Stage 00's lines in input order, as records `_process` recognises."""
+    for k in range(m.extra["num_chunks"]):
+        path = wd.generate_chunk(k)
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                yield RawRecord(str(path), n, json.loads(line))
+
+
+def _input_fingerprints(cfg: PrepareConfig, tok, gen: Manifest | None = None) -> dict:
+    inputs = {"tokenizer": tokenizer_fingerprint(tok)}
+    if gen is not None:
+        inputs["generate"] = manifest_fingerprint(gen)
+        return inputs
+    for src in cfg.data:
+        p = Path(src)
+        inputs[f"data:{src}"] = sha256_file(p) if p.is_file() else f"datasets:{src}:{cfg.data_split}"
+    return inputs
+
+
+def _save_split(path: Path, samples: list[PreparedSample]) -> None:
+    import datasets
+
+    features = split_features()
+    ds = datasets.Dataset.from_dict({
+        "sample_id": [s.sample_id for s in samples],
+        "input_ids": [s.input_ids for s in samples],
+        "loss_mask": [s.loss_mask for s in samples],
+        "num_tokens": [len(s.input_ids) for s in samples],
+    }, features=features)
+    with atomic_path(path) as tmp:
+        ds.save_to_disk(str(tmp))
+
+
+def token_frequencies(samples: list[PreparedSample], vocab_size: int) -> np.ndarray:
+    """int64 [vocab_size]: how often each id appears as an assistant (loss) token."""
+    freq = np.zeros(vocab_size, dtype=np.int64)
+    for s in samples:
+        freq += np.bincount(s.input_ids[s.loss_mask.astype(bool)], minlength=vocab_size)
+    return freq
+
+
+def read_records(cfg: PrepareConfig, wd: WorkDir, gen: Manifest | None) -> list[RawRecord]:
+    """Every input record: stage 00's regenerated chats, or the chat files / datasets ids."""
+    check_local_files(cfg.data)
+    if gen is not None:
+        records = list(generated_records(wd, gen))
+        log.info("read %d regenerated records from %s", len(records), wd.generate_chunks())
+    else:
+        records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
+        log.info("read %d records from %s", len(records), ", ".join(cfg.data))
+    return records
+
+
+@dataclass
+class Tally:
+    """What tokenizing the records counted (the manifest's counts)."""
+
+    bad: Counter = field(default_factory=Counter)  # reason -> records skipped
+    truncated: int = 0
+    trimmed: int = 0  # trailing user turns trimmed
+    fuzzy: int = 0  # assistant turns without the template's suffix
+    generated_turns: int = 0
+    reencode_differs: int = 0
+
+    def add(self, s: PreparedSample) -> None:
+        self.truncated += s.truncated
+        self.trimmed += s.trimmed_user_turn
+        self.fuzzy += s.fuzzy_ends
+        self.generated_turns += s.generated_turns
+        self.reencode_differs += s.reencode_differs
+
+
+def tokenize_and_split(cfg: PrepareConfig, records: list[RawRecord], vocab_size: int,
+                       template_kwargs: dict | None) -> tuple[dict[str, list[PreparedSample]], Tally]:
+    """Tokenize every record and assign it to train or eval by its conversation's hash."""
+    tally = Tally()
+    split: dict[str, list[PreparedSample]] = {s: [] for s in SPLITS}
+    for raw, out in zip(records, _tokenize_all(cfg, records, template_kwargs)):
+        if isinstance(out, BadRecord):
+            if cfg.strict:
+                raise PipelineError(
+                    f"{raw.where}: bad record ({out}); fix or remove it, or drop --strict to count "
+                    f"and skip such records.")
+            tally.bad[out.reason] += 1
+            continue
+        if int(out.input_ids.max()) >= vocab_size:
+            raise PipelineError(f"{raw.where}: token id {int(out.input_ids.max())} >= vocab_size {vocab_size}.")
+        tally.add(out)
+        split["eval" if is_eval(out.sample_id, cfg.seed, cfg.eval_fraction) else "train"].append(out)
+    refuse_or_warn_dropped(cfg, len(records), split, tally)
+    return split, tally
+
+
+def refuse_or_warn_dropped(cfg: PrepareConfig, n: int, split: dict[str, list[PreparedSample]], t: Tally) -> None:
+    """No training sample is an error, more than half of the records dropped a warning: one
+    line naming the input, the counts by reason and the likely fix."""
+    source = f"stage 00's output ({WorkDir(cfg.work_dir).generate_chunks()})" if cfg.data == [GENERATED] \
+        else ", ".join(cfg.data)
+    usable = len(split["train"]) + len(split["eval"])
+    counts = f"{n} records, {usable} usable, bad records: {reasons_text(t.bad)}"
+    if not split["train"]:
+        if not n:
+            fix = "the input holds no record: check --data"
+        elif usable:
+            fix = (f"every usable sample fell in the held-out split (--eval-fraction {cfg.eval_fraction}): lower "
+                   f"--eval-fraction or add records")
+        else:
+            fix = likely_fix(t.bad, FIXES)
+        raise PipelineError(f"stage 01: no training sample from {source}: {counts}; {fix}.")
+    if usable * 2 < n:
+        log.warning("stage 01: only %d of %d records from %s are usable (%s); %s", usable, n, source, counts,
+                    likely_fix(t.bad, FIXES))
+
+
+def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]], vocab_size: int,
+                 counts: dict) -> list[Path]:
+    """Each split's dataset and token frequencies; adds their sizes to `counts`, returns the paths."""
+    outputs = []
+    for name, samples in split.items():
+        freq = token_frequencies(samples, vocab_size)
+        counts[f"{name}_samples"] = len(samples)
+        counts[f"{name}_tokens"] = int(sum(len(s.input_ids) for s in samples))
+        counts[f"{name}_assistant_tokens"] = int(freq.sum())
+        _save_split(wd.dataset(name), samples)
+        save_numpy(wd.token_freq(name), freq)
+        outputs += [wd.dataset(name), wd.token_freq(name)]
+    return outputs
+
+
+def prepare_dataset(cfg: PrepareConfig):
+    wd = WorkDir(cfg.work_dir)
+    info = read_target_info(cfg.target_model, cfg.trust_remote_code)
+    tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
+    gen = generated_manifest(cfg, tok) if uses_generated(cfg) else None
+    template_kwargs = gen.extra.get("chat_template_kwargs") if gen else None
+    params, inputs = identity_params(cfg), _input_fingerprints(cfg, tok, gen)
+    done = already_complete(wd, "prepare", params, inputs, force=cfg.force)
+    if done:
+        return done
+    if len(tok) > info.vocab_size:
+        raise PipelineError(
+            f"tokenizer of {cfg.target_model} has {len(tok)} tokens but the model's vocab_size is "
+            f"{info.vocab_size}; tokenizer and model do not belong together.")
+
+    records = read_records(cfg, wd, gen)
+    split, t = tokenize_and_split(cfg, records, info.vocab_size, template_kwargs)
+    counts: dict = {"records": len(records), "bad_records": dict(sorted(t.bad.items())),
+                    "truncated": t.truncated, "trailing_user_turns_trimmed": t.trimmed,
+                    "assistant_turns_without_template_suffix": t.fuzzy}
+    if gen is not None:
+        counts.update(generated_turns=t.generated_turns, generated_turns_reencode_differs=t.reencode_differs)
+    outputs = write_splits(wd, split, info.vocab_size, counts)
+    m = write_manifest(wd, "prepare", params=params, inputs=inputs, counts=counts, outputs=outputs, extra={
+        "tokenizer_fingerprint": inputs["tokenizer"],
+        "chat_template_fingerprint": chat_template_fingerprint(tok),
+        "vocab_size": info.vocab_size,
+        "tokenizer_size": len(tok),
+        "assistant_suffix": assistant_suffix(tok, template_kwargs),
+        "chat_template_kwargs": template_kwargs or {},
+        "data_from": "00_generate" if gen is not None else "chat files",
+    })
+    _log_summary(wd, m, t, generated=gen is not None)
+    return m
+
+
+def _log_summary(wd: WorkDir, m: Manifest, t: Tally, *, generated: bool) -> None:
+    c = m.counts
+    bad_txt = ", ".join(f"{k}={v}" for k, v in sorted(t.bad.items())) or "none"
+    log.info("stage 01: %d train / %d eval samples, %d / %d tokens (%d / %d assistant); truncated %d; "
+             "bad records skipped: %s -> %s", c["train_samples"], c["eval_samples"], c["train_tokens"],
+             c["eval_tokens"], c["train_assistant_tokens"], c["eval_assistant_tokens"], t.truncated, bad_txt,
+             wd.stage_dir("prepare"))
+    if generated:
+        log.info("stage 01: %d regenerated assistant turns taken as the target's own ids; re-tokenizing their "
+                 "decoded text would have changed %d of them (%.1f%%)", t.generated_turns, t.reencode_differs,
+                 100.0 * t.reencode_differs / max(t.generated_turns, 1))
+    if t.fuzzy:
+        log.warning("%d assistant turns did not end with the template's probed suffix %s; they are masked "
+                    "to the end of their rendering", t.fuzzy, m.extra["assistant_suffix"])

@@ -1,0 +1,185 @@
+"""The vLLM backend of stage 02: vLLM's own hidden-state extraction, written into the store.
+
+The only module (with vllm_connector.py, which vLLM loads in its own processes)
+that imports vllm. One `LLM` engine runs the target with tensor parallelism and the
+`extract_hidden_states` speculative method, asking for the aux layer ids plus id N
+(the last layer's output before the final norm, from which stage 02 derives the
+normed final state and the argmax). Each request is a prompt-only prefill
+(`max_tokens=1`); the project's KV connector writes its states into the partial
+store file at the request's token offset.
+
+Settings that keep the stored states exact: prefix caching off (a cached prefix
+would skip its forward and its hidden-state rows), chunked prefill off (vLLM's
+extraction requires it), `max_num_batched_tokens >= max_model_len`.
+
+On the CPU build (no CUDA): `gpu_memory_utilization` is the share of RAM, the KV
+cache gets a fixed size (`kv_cache_gib`, default 1 GiB) and the engine process is
+spawned, so callers need an `if __name__ == "__main__":` guard.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from eagle3.core.errors import PipelineError
+from eagle3.core.target import TargetInfo
+from eagle3.engines.vllm_engine import kv_cache_kwargs, on_cpu, quiet_vllm, start_llm
+from eagle3.engines.vllm_shutdown import shutdown_llm
+
+log = logging.getLogger(__name__)
+
+CONNECTOR = "Eagle3StoreConnector"
+CONNECTOR_MODULE = "eagle3.stages.s02_extract.vllm_connector"  # imports vLLM; loaded by vLLM's workers only
+PARAMS_KEY = "eagle3_store"  # where a request's kv_transfer_params tell the connector its store file
+DONE_TIMEOUT_S = 600.0  # how long to wait for the worker to write a file's last rows
+# Architectures the vllm backend refuses on CPU: vLLM needs the multimodal parts the
+# tiny test target (eagle3/tools/tiny.py, kind kimi_k25) does not have.
+UNSUPPORTED_ON_CPU = {"KimiK25ForConditionalGeneration"}
+
+
+def engine_kwargs(info: TargetInfo, *, tensor_parallel_size: int, dtype: str, max_model_len: int,
+                  batch_tokens: int, gpu_memory_utilization: float, kv_cache_gib: float | None,
+                  enforce_eager: bool | None, trust_remote_code: bool) -> dict:
+    """Arguments of `vllm.LLM` shared by the extraction engine and the benchmark's plain one."""
+    if enforce_eager is None:
+        enforce_eager = on_cpu()
+    kw = dict(
+        model=info.source, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+        max_model_len=max_model_len, max_num_batched_tokens=max(batch_tokens, max_model_len),
+        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
+        enable_chunked_prefill=False, trust_remote_code=trust_remote_code, enforce_eager=enforce_eager,
+        seed=0, disable_log_stats=True,
+    )
+    return {**kw, **kv_cache_kwargs(kv_cache_gib)}
+
+
+def extraction_kwargs(layer_ids: Sequence[int]) -> dict:
+    """What turns a plain engine into an extracting one: the spec method + our connector."""
+    from vllm.config import KVTransferConfig
+
+    return dict(
+        speculative_config={
+            "method": "extract_hidden_states", "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_producer"),
+    )
+
+
+def check_supported(info: TargetInfo) -> None:
+    if on_cpu() and info.architecture in UNSUPPORTED_ON_CPU:
+        raise PipelineError(
+            f"{info.source}: vLLM loads {info.architecture} with its vision tower and image processor, "
+            f"which the tiny CPU test target lacks (and a real Kimi-K2.5 does not fit a CPU box); use "
+            f"--backend hf on CPU, and the vllm backend on the GPU box.")
+
+
+def _done_lines(done_log: Path) -> list[str]:
+    return done_log.read_text().splitlines() if done_log.exists() else []
+
+
+class VllmBackend:
+    """Fills partial store files with aux states and the pre-norm final state via vLLM."""
+
+    def __init__(self, info: TargetInfo, aux_layers: Sequence[int], *, tensor_parallel_size: int, dtype: str,
+                 max_model_len: int, batch_tokens: int, gpu_memory_utilization: float,
+                 kv_cache_gib: float | None, enforce_eager: bool | None, trust_remote_code: bool,
+                 in_process: bool = False):
+        check_supported(info)
+        quiet_vllm()  # before extraction_kwargs imports vllm
+        self.info = info
+        self._threads = None
+        # Ascending ids; vLLM returns them in layer order, id N last.
+        self.layer_ids = list(aux_layers) + [info.num_layers]
+        kw = engine_kwargs(info, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                           max_model_len=max_model_len, batch_tokens=batch_tokens,
+                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
+                           enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
+        log.info("starting vLLM (tp=%d, dtype=%s, max_model_len=%d) extracting layer ids %s",
+                 tensor_parallel_size, dtype, max_model_len, self.layer_ids)
+        self.in_process = in_process
+        self.llm = start_llm({**kw, **extraction_kwargs(self.layer_ids)},
+                             fix="check the model, --tensor-parallel-size and --gpu-memory-utilization, or use "
+                                 "--backend hf for a small target", in_process=in_process)
+        if on_cpu() and not in_process:
+            import torch
+
+            # The engine's processes own the cores; this process only finalizes files
+            # (norm, argmax, checksum). One torch thread here avoids oversubscribing
+            # them (restored by close()).
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+
+    def extract_file(self, partial: Path, input_ids: Sequence[np.ndarray], rows: Sequence[int],
+                     on_tokens: Callable[[int], None]) -> Callable[[], None]:
+        """Run the file's prompts; return a function that waits until all their states are written.
+
+        The engine's writer thread may still be writing the last requests when this
+        returns: the caller waits (in its finalize thread) while the next file runs.
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+
+        done_log = partial.with_name(partial.name + ".done")
+        done_log.unlink(missing_ok=True)
+        prompts = [TokensPrompt(prompt_token_ids=np.asarray(ids).tolist()) for ids in input_ids]
+        params = [SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, extra_args={
+            "kv_transfer_params": {PARAMS_KEY: {"path": str(partial), "row": int(r), "done_log": str(done_log)}}})
+            for r in rows]
+        self.llm.generate(prompts, params, use_tqdm=False)
+        on_tokens(sum(len(x) for x in input_ids))
+        want = {int(r) for r in rows}
+        if self.in_process:
+            self._flush_in_process(done_log, want)
+        return lambda: self._wait_done(done_log, want)
+
+    def _flush_in_process(self, done_log: Path, rows: set[int]) -> None:
+        """Step an in-process engine until the file's last requests reach the writer.
+
+        The connector learns that a request finished one engine step after it did. A
+        spawned engine core keeps stepping on its own; an in-process one steps only when
+        asked, and `generate` returns as soon as the outputs are done.
+        """
+        t0 = time.monotonic()
+        while True:
+            lines = _done_lines(done_log)
+            if any(ln.startswith("E ") for ln in lines) or rows <= {int(x) for x in lines if x[:2] != "E "}:
+                return  # all written, or an error that _wait_done reports
+            if time.monotonic() - t0 > DONE_TIMEOUT_S:
+                return  # _wait_done reports what is missing
+            self.llm.llm_engine.step()
+            time.sleep(0.001)
+
+    @staticmethod
+    def _wait_done(done_log: Path, rows: set[int]) -> None:
+        """Poll the done log until every row is written; raise on a reported write error."""
+        t0, delay = time.monotonic(), 0.0005
+        while True:
+            lines = _done_lines(done_log)
+            errors = [ln[2:] for ln in lines if ln.startswith("E ")]
+            if errors:
+                raise RuntimeError(f"vLLM's worker failed to write hidden states into {done_log.parent}: "
+                                   f"{errors[0]}")
+            if rows <= {int(x) for x in lines}:
+                done_log.unlink()
+                return
+            if time.monotonic() - t0 > DONE_TIMEOUT_S:
+                raise RuntimeError(f"vLLM's worker wrote {len(rows & {int(x) for x in lines})}/{len(rows)} samples "
+                                   f"of {done_log} within {DONE_TIMEOUT_S}s; is the KV connector loaded?")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def close(self) -> None:
+        shutdown_llm(getattr(self, "llm", None))
+        self.llm = None
+        if self._threads is not None:
+            import torch
+
+            torch.set_num_threads(self._threads)
+            self._threads = None

@@ -1,0 +1,93 @@
+"""Stage 04's config: the drafter's shape, the unroll, the optimizer, the schedule."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.core.config import StageConfig, param
+from eagle3.core.errors import PipelineError
+
+VOCAB_MODES = ("keep", "remap")
+PRECISIONS = ("auto", "bf16", "fp32")
+ATTENTIONS = ("sdpa", "reference")
+LOSS_ON = ("assistant", "all")
+
+
+@dataclass(kw_only=True)
+class TrainConfig(StageConfig):
+    work_dir: Path = param(help="work directory (stages 01-03 must have run in it)")
+    target_model: str = param(help="target model folder or hub id (its embedding and lm_head rows are read)")
+    # drafter shape; None = take the target's value
+    num_attention_heads: int | None = param(None, help="drafter attention heads (default: the target's)")
+    num_key_value_heads: int | None = param(None, help="drafter kv heads (default: the target's, or heads)")
+    head_dim: int | None = param(None, help="drafter head dim (default: hidden / heads; 128 for DeepSeek/Kimi "
+                                            "targets, a size FlashInfer serves)")
+    intermediate_size: int | None = param(None, help="drafter MLP width (default: the target's dense width)")
+    # train-time test
+    ttt_steps: int = param(7, min=1, help="draft steps unrolled per position (EAGLE-3 uses 7)")
+    step_decay: float = param(0.8, help="loss weight of step k is step_decay**k")
+    # what the drafter learns from (docs/LEVERS.md measures each)
+    loss_on: str = param("assistant", choices=LOSS_ON,
+                         help="positions that carry loss in training: assistant tokens only, or every token (the "
+                              "target's distribution is known at prompt tokens too); held-out figures stay "
+                              "assistant-only")
+    aux_noise: float = param(0.0, min=0.0, help="Gaussian noise on the aux hidden states in training, its std a "
+                                                "share of each layer's per-token RMS (0: none)")
+    init_layer: int | None = param(None, help="initialise the drafter's decoder layer from this target layer "
+                                              "(-1: the last; needs the target's attention and MLP shapes)")
+    init_head: bool = param(False, help="start fc (passing the deepest aux layer), the final norm and lm_head as "
+                                        "the target's own (its final norm and draft-vocab lm_head rows)")
+    train_fraction: float = param(1.0, gt=0, max=1.0,
+                                  help="train on this share of the train split's samples, the first of a seeded "
+                                       "order (a smaller share is a subset of a larger one): data forecasts")
+    # optimization
+    learning_rate: float = param(1e-4, gt=0, help="peak AdamW learning rate")
+    weight_decay: float = param(0.0, help="AdamW weight decay")
+    warmup_steps: int = param(50, help="linear warmup steps, then cosine decay to min_lr_ratio * lr")
+    min_lr_ratio: float = param(0.1, help="final learning rate as a share of the peak")
+    epochs: int = param(1, min=1, help="passes over the train split (ignored when max_steps is set)")
+    max_steps: int | None = param(None, help="optimizer steps in total (default: from epochs)")
+    batch_tokens: int = param(8192, min=1, help="tokens per micro-batch per process (padded ones too without "
+                                                "packing)")
+    max_seq_len: int = param(2048, min=1, help="samples are cropped to this many tokens")
+    grad_accum: int = param(1, min=1, help="micro-batches per optimizer step")
+    grad_clip: float = param(0.5, help="clip the gradient norm to this")
+    packing: bool = param(True, help="pack several samples per row (block-diagonal attention, no padding); "
+                                     "false: right-padded batches")
+    attention: str = param("sdpa", choices=ATTENTIONS,
+                           help="TTT attention: sdpa (fused kernel, memory linear in the row length) or "
+                                "reference (materialises each step's score block)")
+    checkpoint_steps: bool = param(False, identity=False,
+                                   help="recompute each TTT step's activations in backward (less memory, "
+                                        "about one more forward of compute)")
+    precision: str = param("auto", choices=PRECISIONS, help="auto = bf16 autocast on GPU and on CPUs with AMX/AVX512-BF16, "
+                                                                     "else fp32")
+    seed: int = param(0, help="seed of initialisation and data order")
+    # evaluation, logging, checkpoints
+    log_every: int = param(10, identity=False, help="steps between log lines")
+    eval_every: int = param(100, identity=False, help="steps between held-out evaluations")
+    eval_batches: int | None = param(None, identity=False, help="cap on held-out batches per evaluation")
+    save_every: int = param(200, identity=False, help="steps between checkpoints")
+    keep_checkpoints: int = param(2, identity=False, help="step checkpoints kept besides the best one")
+    # fine-tuning an existing drafter
+    init_from: str | None = param(None, help="start from this drafter folder (SGLang/EAGLE format)")
+    vocab_mode: str = param("keep", choices=VOCAB_MODES, help="with --init-from: keep the drafter's own d2t, or "
+                                                              "remap its lm_head rows into stage 03's mapping")
+    allow_bad_start: bool = param(False, identity=False,
+                                  help="continue although the starting held-out loss is worse than uniform")
+    # runtime
+    device: str = param("auto", identity=False, help="auto, cpu, cuda")
+    stop_after: int | None = param(None, identity=False,
+                                   help="exit after this step, as if killed (for resume tests)")
+    force: bool = param(False, identity=False, help="discard existing checkpoints and train from scratch")
+
+    def __post_init__(self):
+        super().__post_init__()  # the choices and ranges declared with the fields
+        if self.vocab_mode == "remap" and not self.init_from:
+            raise PipelineError("vocab_mode = 'remap' only applies with --init-from DRAFTER_DIR.")
+        if (self.init_layer is not None or self.init_head) and self.init_from:
+            raise PipelineError("--init-layer / --init-head start a fresh drafter from the target's weights; "
+                                "--init-from starts from an existing drafter: pass one of them.")
+        if self.batch_tokens < self.max_seq_len:
+            raise PipelineError(f"batch_tokens = {self.batch_tokens} is below max_seq_len = {self.max_seq_len}; "
+                                f"a batch must hold one full sample: raise --batch-tokens or lower --max-seq-len.")

@@ -1,0 +1,555 @@
+"""Stage 04: train the drafter with train-time-test unrolling; resumable; DDP.
+
+Reads stage 02's store (aux states, the target's normed final state and argmax),
+stage 03's mapping, and the target's embedding and draft-vocab lm_head rows
+(from its safetensors, never the whole model). Writes (names from eagle3/core/workdir.py):
+
+    04_train/checkpoints/       one file per saved step, the best one, a pointer to the latest
+    04_train/metrics.jsonl      one JSON line per log interval and evaluation (eagle3/stages/s04_train/metrics.py)
+    04_train/tensorboard/       when tensorboard is installed
+    04_train/manifest.json      best held-out expected accept length and its checkpoint
+
+Run: `python 04_train_drafter.py --config configs/tiny-llama.yaml`, or on 8 GPUs
+`torchrun --nproc-per-node 8 04_train_drafter.py --config configs/kimi-k2.5.yaml`.
+
+Reading order: `train_drafter` (the stage) -> `read_inputs` (checked inputs and the
+run's identity) -> `Trainer`: `__init__` builds the drafter, the frozen target
+weights, the optimizer and the schedule; `train_step` is one optimizer step;
+`evaluate` the held-out metrics; `state_dict`/`load_state_dict` what a checkpoint
+holds; `fit` the loop; `finish` the manifest.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3.core.config import identity_params
+from eagle3.core.cpu import bf16_fused_attention_ok, bf16_pays
+from eagle3.core.drafter_io import drafter_config_for_target
+from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file,
+                                  sha256_json, write_manifest)
+from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.store import HiddenStateStore
+from eagle3.core.target import TargetInfo, read_target_info
+from eagle3.core.target_head import load_embedding, load_lm_head
+from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution
+from eagle3.core.vocab_map import target_ids
+from eagle3.core.workdir import WorkDir
+from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of_all_ranks, save_checkpoint,
+                                                set_rng_state)
+from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s04_train.data import (Batching, EpochPlan, epoch_batches, load_batch, nested_share, noisy_aux,
+                                          rank_batches)
+from eagle3.stages.s04_train.distributed import Dist, barrier, close_distributed, init_distributed
+from eagle3.stages.s04_train.finetune import InitReport, load_initial_drafter
+from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_loss_positions
+from eagle3.stages.s04_train.memory import GIB, predict_peak
+from eagle3.stages.s04_train.metrics import MetricsLog, MetricSum, fmt
+from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
+
+log = logging.getLogger(__name__)
+
+
+# -- setup -------------------------------------------------------------------------
+# The process group and every collective outside DDP: eagle3/stages/s04_train/distributed.py.
+def pick_device(choice: str) -> torch.device:
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise PipelineError("--device cuda, but torch sees no GPU; use --device cpu or install a CUDA torch.")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(choice)
+
+
+def lr_lambda(warmup: int, total: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def bf16_autocast_pays(device: torch.device) -> bool:
+    """`precision: auto`: bf16 autocast on GPU, and on CPUs with bf16 matmuls in hardware
+    (eagle3/core/cpu.py); elsewhere fp32, where emulated bf16 is slower than fp32."""
+    return device.type == "cuda" or bf16_pays()
+
+
+def log_memory_prediction(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device, d: Dist) -> None:
+    """Log eagle3/stages/s04_train/memory.py's predicted peak per process (bf16 autocast, as on GPUs);
+    warn when it exceeds 85% of this GPU."""
+    # The reference attention's score blocks span a whole row: a packed row is batch_tokens long.
+    row = cfg.batch_tokens if (cfg.packing and cfg.attention == "reference") else cfg.max_seq_len
+    est = predict_peak(dcfg, ttt_steps=cfg.ttt_steps, batch_tokens=cfg.batch_tokens, row_len=row,
+                       attention=cfg.attention, checkpoint_steps=cfg.checkpoint_steps, ddp=d.world > 1,
+                       fp32_attention=device.type == "cpu" and not bf16_fused_attention_ok())
+    log.info("predicted peak memory per process under bf16 autocast (--batch-tokens %d, --max-seq-len %d, "
+             "--attention %s, --checkpoint-steps %s): %s", cfg.batch_tokens, cfg.max_seq_len, cfg.attention,
+             cfg.checkpoint_steps, est.summary())
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        if est.total > 0.85 * total:
+            log.warning("the prediction (%.1f GiB) exceeds 85%% of this GPU's %.1f GiB: expect an out-of-memory "
+                        "error; lower --batch-tokens (raise --grad-accum to keep the step size) or pass "
+                        "--checkpoint-steps", est.total / GIB, total / GIB)
+
+
+# -- inputs ------------------------------------------------------------------------
+@dataclass
+class StageInputs:
+    """What stage 04 reads, checked against each other, and the run's identity."""
+
+    info: TargetInfo
+    store: HiddenStateStore
+    d2t: torch.Tensor  # [V_d] int64, stage 03 (docs/CONVENTIONS.md §2)
+    t2d: torch.Tensor  # [V_t] bool
+    params: dict  # the config's identity fields
+    inputs: dict  # fingerprints of the upstream manifests (and of --init-from's files)
+
+    @property
+    def identity(self) -> str:
+        """A checkpoint resumes only a run of the same identity (eagle3/stages/s04_train/checkpoint.py)."""
+        return sha256_json({"params": self.params, "inputs": self.inputs})
+
+
+def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
+    info = read_target_info(cfg.target_model, cfg.trust_remote_code)
+    prep = read_manifest(wd, "prepare", needed_by="stage 04 (train)")
+    vocab_m = read_manifest(wd, "vocab", needed_by="stage 04 (train)")
+    store = HiddenStateStore.open(wd, needed_by="stage 04 (train)",
+                                  tokenizer_fingerprint=prep.extra["tokenizer_fingerprint"],
+                                  hidden_size=info.hidden_size, expected_from=str(prep.path))
+    if store.vocab_size != info.vocab_size:
+        raise PipelineError(f"the store was extracted from a target with vocab {store.vocab_size}, "
+                            f"{cfg.target_model} has {info.vocab_size}; pass the same --target-model as stage 02.")
+    d2t = torch.load(wd.d2t(), weights_only=True)
+    t2d = torch.load(wd.t2d(), weights_only=True)
+    if t2d.shape[0] != info.vocab_size:
+        raise PipelineError(f"{wd.t2d()} covers {t2d.shape[0]} target ids, {cfg.target_model} has "
+                            f"{info.vocab_size}; rerun stage 03 for this target.")
+    inputs = {"extract": manifest_fingerprint(store.manifest), "vocab": manifest_fingerprint(vocab_m)}
+    if cfg.init_from:
+        inputs["init_from"] = {p.name: sha256_file(p) for p in sorted(Path(cfg.init_from).iterdir())
+                               if p.suffix in (".json", ".safetensors")}
+    return StageInputs(info, store, d2t, t2d, identity_params(cfg), inputs)
+
+
+def build_drafter(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, InitReport | None]:
+    """A fresh drafter shaped after the target over stage 03's mapping, or `--init-from`'s."""
+    torch.manual_seed(cfg.seed)  # the initial weights are a function of --seed
+    if cfg.init_from:
+        return drafter_from(cfg, src)
+    dcfg = drafter_config_for_target(src.info, cfg, len(src.d2t))
+    dcfg.num_aux_layers = src.store.num_aux  # what stage 02 captured, whatever the target's default
+    drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
+    drafter.set_vocab_mapping(src.d2t, src.t2d)
+    if cfg.init_layer is not None:
+        layer = init_from_target_layer(drafter, src.info, cfg.init_layer)
+        log.info("the drafter's decoder layer starts from target layer %d (--init-layer %d)", layer, cfg.init_layer)
+    if cfg.init_head:
+        init_head_from_target(drafter, src.info, src.store.aux_layers)
+        log.info("the drafter's fc passes aux layer %d, its norm and lm_head are the target's (--init-head)",
+                 max(src.store.aux_layers))
+    return drafter, None
+
+
+def drafter_from(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, InitReport]:
+    """The drafter at `--init-from`, under its own mapping or remapped into stage 03's (finetune.py)."""
+    info, store = src.info, src.store
+    dcfg_dict, state, report = load_initial_drafter(
+        cfg.init_from, aux_layers=store.aux_layers, num_target_layers=info.num_layers,
+        target_hidden=info.hidden_size, target_vocab=info.vocab_size, our_ids=target_ids(src.d2t).numpy(),
+        mode=cfg.vocab_mode, target_rows=lambda ids: load_lm_head(info, rows=torch.from_numpy(ids)),
+        expected_from=str(store.manifest.path))
+    dcfg_dict["max_position_embeddings"] = max(dcfg_dict["max_position_embeddings"], info.max_position_embeddings)
+    drafter = Eagle3Drafter(DrafterConfig.from_dict(dcfg_dict), attention=cfg.attention)
+    missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
+                                                   for k, v in state.items()}, strict=False)
+    if missing or unexpected:
+        raise PipelineError(f"{cfg.init_from}: tensors missing {missing} / unexpected {unexpected} for a "
+                            f"drafter in the export format (docs/CONVENTIONS.md §6).")
+    return drafter, report
+
+
+def frozen_target_weights(cfg: TrainConfig, info: TargetInfo, drafter: Eagle3Drafter,
+                          device: torch.device, bf16: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding [V_t, H] and its lm_head rows of the draft vocab [V_d, H] (labels)."""
+    embed = load_embedding(info)
+    if embed.shape[1] != drafter.config.hidden_size:
+        raise PipelineError(f"{cfg.target_model}: embedding {tuple(embed.shape)} does not match vocab "
+                            f"{info.vocab_size} x hidden {drafter.config.hidden_size}.")
+    # Under bf16 on a GPU, bf16 halves the label rows (the labels' softmax upcasts to fp32
+    # either way); --precision fp32 keeps fp32 everywhere, so it stays a reference run.
+    dtype = torch.bfloat16 if bf16 and device.type == "cuda" else torch.float32
+    lm_rows = load_lm_head(info, rows=drafter.draft_ids().cpu())
+    # Under bf16 autocast every draft step reads the embedding as bf16 (Eagle3Drafter.step
+    # casts it to the hidden's dtype): a bf16 table gives the same values without a cast of
+    # [B, T, H] per step. The fp32 path keeps the fp32 table.
+    embed_dtype = torch.bfloat16 if bf16 else dtype
+    return embed.to(embed_dtype).to(device), lm_rows.to(dtype).to(device)
+
+
+# -- the trainer ---------------------------------------------------------------------
+class Trainer:
+    """One stage-04 run on this process: built from the checked inputs, driven by `fit`."""
+
+    def __init__(self, cfg: TrainConfig, wd: WorkDir, src: StageInputs, device: torch.device, d: Dist):
+        self.cfg, self.wd, self.src, self.device, self.d = cfg, wd, src, device, d
+        self.store = src.store
+
+        # The drafter and the frozen target weights each step reads.
+        drafter, self.init_report = build_drafter(cfg, src)
+        self.drafter = drafter.to(device)
+        self.dcfg = drafter.config
+        self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(device))
+        # [V_t, H], [V_d, H]
+        self.embed, self.lm_rows = frozen_target_weights(cfg, src.info, drafter, device, self.bf16)
+        self.local_ids = torch.arange(self.lm_rows.shape[0], device=device)  # lm_rows is already the draft vocab
+        self.draft_ids = self.drafter.draft_ids().to(device)  # [V_d] target id of each draft row
+        self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
+                             checkpoint_steps=cfg.checkpoint_steps)
+        self.model = TTTModel(self.drafter, self.ttt)  # one forward = the whole K-step unroll (what DDP wraps)
+        if d.world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+        if d.main:
+            log_memory_prediction(cfg, self.dcfg, device, d)
+
+        # The schedule: optimizer steps of grad_accum micro-batches per process.
+        self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
+        self.train_split = self.store.split("train")
+        self.lengths = self.train_split.lengths()
+        # Before any step: a split where no position carries loss is refused, and samples
+        # without one stay out of the epochs (a row of them would step on no gradient).
+        self.loss_positions = count_loss_positions(self.train_split, self.drafter.t2d, cfg.max_seq_len,
+                                                   assistant_only=cfg.loss_on == "assistant")
+        if d.main:
+            log.info("train split: %s", self.loss_positions.summary(cfg.max_seq_len, self.dcfg.draft_vocab_size))
+        warning = check_loss_positions(self.loss_positions, max_seq_len=cfg.max_seq_len,
+                                       draft_vocab=self.dcfg.draft_vocab_size,
+                                       mapping_from=str(cfg.init_from or wd.d2t()))
+        if warning and d.main:
+            log.warning("%s", warning)
+        # Each epoch's step count comes from its own packing (data.py); counting every
+        # epoch the run reaches now stops an epoch too small for a step before training.
+        trained = nested_share(self.loss_positions.trainable(), cfg.train_fraction, cfg.seed)
+        if cfg.train_fraction < 1.0 and d.main:
+            log.info("--train-fraction %g: training on %d of the %d samples that carry loss", cfg.train_fraction,
+                     len(trained), len(self.loss_positions.trainable()))
+        self.plan = EpochPlan(self.lengths, self.batching, rank=d.rank, world=d.world, grad_accum=cfg.grad_accum,
+                              samples=trained)
+        if cfg.max_steps:
+            self.total = cfg.max_steps
+            self.plan.locate(self.total - 1)
+        else:
+            self.total = self.plan.steps_for_epochs(cfg.epochs)
+        self.params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                     betas=(0.9, 0.95))
+        warmup = min(cfg.warmup_steps, self.total)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.total, cfg.min_lr_ratio))
+
+        # Progress: with the weights, optimizer and RNG, what a checkpoint holds.
+        self.step = 0
+        self.best: dict = {"expected_accept_length": -1.0, "step": None}
+        self.last_eval: dict | None = None
+        self.metrics: MetricsLog | None = None  # opened by fit, once the resumed step is known
+        self.new_window()
+
+    # -- batches -----------------------------------------------------------------
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """This process's micro-batches (sample indices) of optimizer step `step`.
+
+        An epoch's order is a function of (seed, epoch) only and its step count that of
+        its own packing, so a resumed run reads what an unbroken one would have, and
+        no step is short of micro-batches (EpochPlan in data.py).
+        """
+        return self.plan.micro_batches(step)
+
+    def load(self, split, indices: list[int]) -> dict:
+        return load_batch(split, indices, self.cfg.max_seq_len, packed=self.cfg.packing)
+
+    def forward(self, batch: dict):
+        """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics)."""
+        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
+        probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
+                                             lm_head_weight=self.lm_rows, target_argmax=amax)  # [B, T, V_d]
+        if self.cfg.loss_on == "all":
+            # Stage 02 takes the full-vocab argmax next to assistant tokens only; elsewhere
+            # the argmax over the draft rows stands in (padding stays masked either way).
+            drafted = self.draft_ids[probs.argmax(dim=-1)]  # [B, T, V_d] -> [B, T] target ids
+            amax = torch.where(b["target_argmax"] < 0, drafted, amax)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            return self.model(b["aux"], b["input_ids"], self.embed, probs, amax, b["loss_mask"],
+                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"))
+
+    def training_view(self, batch: dict) -> dict:
+        """What a train batch trains on: with --loss-on all every real token carries loss,
+        with --aux-noise the aux states are perturbed. Held-out batches never pass here."""
+        if self.cfg.loss_on == "all":
+            batch["loss_mask"] = batch["attention_mask"].to(torch.int8)
+        if self.cfg.aux_noise > 0:
+            batch["aux"] = noisy_aux(batch["aux"], self.cfg.aux_noise, self.dcfg.num_aux_layers)
+        return batch
+
+    # -- one optimizer step --------------------------------------------------------
+    def train_step(self) -> float:
+        """One optimizer step over grad_accum micro-batches; returns the gradient norm.
+
+        Nothing is updated unless the loss of every micro-batch and the gradient norm
+        are finite: a NaN stops the run here, before `opt.step`, so the weights and
+        the last checkpoint stay those of the last good step.
+        """
+        micro = self.micro_batches(self.step)
+        self.opt.zero_grad(set_to_none=True)
+        for i, idx in enumerate(micro):
+            batch = self.training_view(self.load(self.train_split, idx))
+            self.window_tokens += int(batch["attention_mask"].sum())
+            # DDP all-reduces gradients during backward. Accumulating micro-batches needs
+            # that once per step, so no_sync skips it on all but the last micro-batch.
+            last = i == len(micro) - 1
+            with nullcontext() if (self.d.world == 1 or last) else self.model.no_sync():
+                out = self.forward(batch)
+                # One host sync per micro-batch. Under torchrun, the other ranks are
+                # stopped by the launcher when this one exits.
+                if not torch.isfinite(out.loss):
+                    raise PipelineError(
+                        f"non-finite loss {float(out.loss.detach())} at step {self.step} (micro-batch {i}); "
+                        f"nothing was updated. Lower --learning-rate, check the store with `python -m "
+                        f"eagle3.tools.diagnose`, or resume from an earlier checkpoint.")
+                # Each micro-batch's loss is a mean over its positions; dividing by the
+                # count makes the summed gradients the step's mean, whatever grad_accum is.
+                (out.loss / len(micro)).backward()
+            self.window.add(out.metrics)
+        gnorm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)  # the norm before clipping
+        if not torch.isfinite(gnorm):
+            raise PipelineError(f"non-finite gradient norm at step {self.step}; nothing was updated. Lower "
+                                f"--learning-rate or --grad-clip, or resume from an earlier checkpoint.")
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return float(gnorm)
+
+    # -- held-out metrics ------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        split = self.store.split("eval")
+        if len(split) == 0:
+            split = self.store.split("train")
+            log.warning("the held-out split is empty; evaluating on train batches (rerun stage 01 with a "
+                        "larger --eval-fraction for an honest figure)")
+        batches = rank_batches(epoch_batches(split.lengths(), self.batching, None), self.d.rank, self.d.world)
+        if self.cfg.eval_batches:
+            batches = batches[: self.cfg.eval_batches]
+        self.model.eval()
+        acc = MetricSum(self.ttt.num_steps)
+        for idx in batches:
+            acc.add(self.forward(self.load(split, idx)).metrics)
+        acc.all_reduce(self.d.world)
+        self.model.train()
+        return acc.result()
+
+    def evaluate_and_track(self) -> bool:
+        """Evaluate, log, and keep the best; True when this step is the best so far."""
+        m = self.last_eval = self.evaluate()
+        self.metrics.write("eval", self.step, m)
+        improved = m["expected_accept_length"] > self.best["expected_accept_length"]
+        if improved:
+            self.best = {"expected_accept_length": m["expected_accept_length"], "step": self.step, "metrics": m}
+        log.info(fmt("eval", self.step, self.total, m, " (best)" if improved else ""))
+        return improved
+
+    def check_start(self) -> None:
+        """Held-out metrics before any update (logged as step 0), and the start gates.
+
+        A fresh drafter starts near the uniform loss ln(V_d). A fine-tuned one must
+        start below it: above it, its lm_head rows almost surely predict other tokens
+        than this mapping says (see finetune.py), and training would first unlearn.
+        """
+        start = self.evaluate()
+        self.metrics.write("eval", 0, start)
+        V = self.dcfg.draft_vocab_size
+        uniform = math.log(V)
+        log.info(fmt("start", 0, self.total, start, f" | uniform loss ln({V}) = {uniform:.3f}"))
+        if start["num_valid"] == 0:
+            raise PipelineError(
+                f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
+                f"of {V} tokens, or the loss mask is empty. Check the mapping "
+                f"({self.cfg.init_from or self.wd.d2t()}) against this target, and stage 01's loss mask.")
+        if self.cfg.init_from and not start["loss_0"] <= uniform:
+            msg = (f"the starting held-out loss_0 {start['loss_0']:.3f} of {self.cfg.init_from} is worse than "
+                   f"uniform over the draft vocab (ln {V} = {uniform:.3f}): its weights do not fit this data. "
+                   f"Usual causes: an lm_head read under another token mapping (try --vocab-mode keep or remap; "
+                   f"see the d2t comparison above) or other aux layer ids than the drafter was trained on. "
+                   f"Pass --allow-bad-start to train anyway.")
+            if not self.cfg.allow_bad_start:
+                raise PipelineError(msg)
+            log.warning(msg)
+        if self.cfg.init_from:
+            # A fine-tune must never export something worse than its start: the starting
+            # weights are the first candidate for best.pt, and a trained step replaces
+            # them only with a higher held-out expected accept length.
+            self.last_eval = start
+            self.best = {"expected_accept_length": start["expected_accept_length"], "step": 0, "metrics": start}
+            self.save(is_best=True)
+            log.info("the initial drafter (held-out expected accept length %.3f) is saved as %s; a trained step "
+                     "replaces it only by doing better", start["expected_accept_length"], self.wd.best_checkpoint())
+
+    # -- logging and checkpoints ----------------------------------------------------
+    def new_window(self) -> None:
+        """Start a log interval: its metric sums, token count and clock."""
+        self.window, self.window_tokens, self.window_t0 = MetricSum(self.cfg.ttt_steps), 0, time.perf_counter()
+
+    def log_train(self, gnorm: float) -> None:
+        self.window.all_reduce(self.d.world)
+        m = self.window.result()
+        dt = time.perf_counter() - self.window_t0
+        m.update(lr=self.sched.get_last_lr()[0], grad_norm=gnorm,
+                 tokens_per_s=self.window_tokens * self.d.world / dt)
+        self.metrics.write("train", self.step, m)
+        log.info(fmt("train", self.step, self.total, m, f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
+                                                        f"{m['tokens_per_s']:.0f} tok/s"))
+        self.new_window()
+
+    def state_dict(self, rng: list[dict]) -> dict:
+        """Everything a resume needs (the keys are listed in eagle3/stages/s04_train/checkpoint.py);
+        `rng`: every rank's generator states, gathered by `save`."""
+        return {
+            "model": self.drafter.state_dict(), "drafter_config": self.dcfg.to_dict(),
+            "aux_layers": self.store.aux_layers, "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(), "step": self.step, **self.data_position(self.step),
+            "rng": rng,
+            "train_config": json.loads(json.dumps(self.src.params, default=str)), "identity": self.src.identity,
+            "best": self.best,
+        }
+
+    def data_position(self, step: int) -> dict:
+        """Where the data stands after `step` steps (what a checkpoint records beside the
+        step): the epoch of the last step taken and how many of its steps are done, so
+        (0, 0) at the start and (e, its step count) when epoch e has just ended. Only
+        epochs already read are packed for it, never the next one."""
+        if step == 0:
+            return {"epoch": 0, "batch_in_epoch": 0}
+        epoch, b = self.plan.locate(step - 1)
+        return {"epoch": epoch, "batch_in_epoch": b + 1}
+
+    def load_state_dict(self, ckpt: dict) -> None:
+        self.drafter.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        set_rng_state(ckpt["rng"], self.d.rank, self.d.world, self.device)
+        self.step, self.best = ckpt["step"], ckpt["best"]
+        ours = self.data_position(self.step)
+        theirs = {k: ckpt.get(k) for k in ours}
+        if theirs != ours:
+            # Written by a version that counted every epoch's steps from epoch 0's packing.
+            log.warning("the checkpoint at step %d records data position %s, this code's schedule puts step %d at "
+                        "%s: the rest of the run reads this schedule's batches, not the ones the interrupted run "
+                        "would have read (pass --force to train from scratch instead)", self.step, theirs,
+                        self.step, ours)
+
+    def save(self, is_best: bool) -> None:
+        # A collective: every rank calls save at the same steps (the reduced held-out
+        # metrics make is_best the same on all), and each rank's own RNG state is written.
+        rng = rng_states_of_all_ranks(self.device)
+        if self.d.main:  # the ranks hold the same weights (DDP)
+            ckpt = {**self.state_dict(rng), "eval": self.last_eval if is_best else {}}
+            save_checkpoint(self.wd, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best)
+
+    def resume(self) -> None:
+        ckpt = latest_checkpoint(self.wd, self.src.identity)
+        if ckpt is not None:
+            self.load_state_dict(ckpt)
+            log.info("resuming from %s at step %d of %d", self.wd.checkpoint(self.step), self.step, self.total)
+
+    # -- the loop ----------------------------------------------------------------------
+    def fit(self) -> Manifest | None:
+        """Train to `total` steps from the last checkpoint; the manifest, or None on --stop-after."""
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        self.resume()
+        self.metrics = MetricsLog(self.wd, self.d.main, self.step)  # drops lines past the resumed step
+        bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", disable=not self.d.main)
+        try:
+            if self.step == 0:
+                self.check_start()
+            self.drafter.train()
+            self.new_window()
+            while self.step < self.total:
+                gnorm = self.train_step()
+                bar.update(1)
+                end = self.step == self.total
+                if self.step % cfg.log_every == 0 or end:
+                    self.log_train(gnorm)
+                is_best = (self.step % cfg.eval_every == 0 or end) and self.evaluate_and_track()
+                if is_best or self.step % cfg.save_every == 0 or end:
+                    self.save(is_best)
+                if cfg.stop_after is not None and cfg.stop_after <= self.step < self.total:
+                    log.warning("--stop-after %d: stopping here as if killed; rerun without it to resume",
+                                cfg.stop_after)
+                    return None
+        finally:
+            bar.close()
+            self.metrics.close()
+        return self.finish()
+
+    def finish(self) -> Manifest | None:
+        """The stage's manifest (rank 0): the best held-out figures and where its checkpoint is."""
+        if not self.d.main:
+            return None
+        wd, best = self.wd, self.best
+        last_epoch = self.data_position(self.step)["epoch"]
+        # With --init-from the starting weights are step 0's candidate (check_start).
+        best_is_initial = best["step"] == 0
+        counts = {"steps": self.step, "steps_per_epoch": [self.plan.steps_in(e) for e in range(last_epoch + 1)],
+                  "processes": self.d.world,
+                  "best_step": best["step"], "best_expected_accept_length": best["expected_accept_length"],
+                  "best_is_initial": best_is_initial, "final_eval": self.last_eval, "best_eval": best.get("metrics"),
+                  "loss_positions": self.loss_positions.to_json()}
+        extra = {"best_checkpoint": wd.best_checkpoint().relative_to(wd.stage_dir("train")).as_posix(),
+                 "drafter_config": self.dcfg.to_dict(), "aux_layers": self.store.aux_layers,
+                 "init_from": self.init_report.to_json() if self.init_report else None}
+        m = write_manifest(wd, "train", params=self.src.params, inputs=self.src.inputs, counts=counts,
+                           outputs=[wd.best_checkpoint(), wd.train_metrics()], extra=extra, hash_outputs=False)
+        if best_is_initial:
+            log.warning("no trained step beat the initial drafter (held-out expected accept length %.3f at step 0); "
+                        "best.pt holds the initial weights of %s: lower --learning-rate, or fine-tune on more data",
+                        best["expected_accept_length"], self.cfg.init_from)
+        log.info("stage 04: %d steps; best held-out expected accept length %.3f at step %s -> %s", self.step,
+                 best["expected_accept_length"], best["step"], wd.best_checkpoint())
+        return m
+
+
+# -- the stage -------------------------------------------------------------------------
+def train_drafter(cfg: TrainConfig) -> Manifest | None:
+    """Stage 04's entry point: the manifest, or None on a rank other than 0 or on --stop-after."""
+    wd = WorkDir(cfg.work_dir)
+    device = pick_device(cfg.device)
+    d = init_distributed(device)
+    try:
+        src = read_inputs(cfg, wd)
+        done = already_complete(wd, "train", src.params, src.inputs, force=cfg.force)
+        if done:
+            return done
+        if cfg.force and d.main and wd.stage_dir("train").exists():
+            shutil.rmtree(wd.stage_dir("train"))
+        barrier()  # no rank may read a checkpoint rank 0 is deleting
+        return Trainer(cfg, wd, src, device, d).fit()
+    finally:
+        close_distributed(d)

@@ -1,0 +1,25 @@
+"""Stage 05's settings: which checkpoint to export, where, in which dtype."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.core.config import DTYPE_CHOICES, StageConfig, dtype_name, param
+
+
+@dataclass(kw_only=True)
+class ExportConfig(StageConfig):
+    work_dir: Path = param(help="work directory (stages 02 and 04 must have run in it)")
+    target_model: str = param(help="target model folder or hub id the drafter will serve with")
+    checkpoint: Path | None = param(None, help="stage 04 checkpoint to export (default: the best one)")
+    out_dir: Path | None = param(None, help="drafter folder to write (default: WORK/05_export)")
+    include_embed_tokens: bool = param(False, help="also write the target's embedding as embed_tokens "
+                                                   "(the engines use the target's when it is absent)")
+    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="weight dtype (bfloat16 is what the engines serve)")
+    allow_engine_mismatch: bool = param(False, identity=False, help="export even when an engine rule would "
+                                        "capture other layers than training used (the report says which)")
+    force: bool = param(False, identity=False, help="redo the export even if it is complete")
+
+    def __post_init__(self):
+        super().__post_init__()  # the choices and ranges declared with the fields
+        self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16

@@ -1,0 +1,429 @@
+"""Stage 05: a trained checkpoint -> a drafter folder SGLang and vLLM load as is.
+
+Reads
+    WORK/02_hidden_states/manifest.json   the aux layer ids the drafter was trained on
+    WORK/04_train/...                      the checkpoint (default: the best one)
+    WORK/01_dataset/token_freq_*.npy       (optional) for the draft vocab coverage
+    the target's config.json               sizes, max_position_embeddings, family
+writes (docs/CONVENTIONS.md §6 and §7)
+    OUT/config.json, OUT/model.safetensors         OUT = --out-dir, default WORK/05_export
+    WORK/05_export/export_report.json, export_report.md, manifest.json
+
+Run: `python 05_export_drafter.py --config configs/tiny-llama.yaml`.
+
+The only code that knows stage 04's checkpoint format is `read_training_checkpoint`;
+the rest works on (drafter config dict, state dict, metadata).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eagle3.core.atomic import atomic_path, write_json
+from eagle3.core.config import identity_params
+from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
+from eagle3.core.engine_rules import (D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for,
+                                      translation_problems)
+from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file,
+                                  sha256_json, write_manifest)
+from eagle3.core.model import DrafterConfig
+from eagle3.core.store import HiddenStateStore
+from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
+from eagle3.core.target_head import load_embedding
+from eagle3.core.vocab_map import coverage, target_ids
+from eagle3.core.workdir import MANIFEST_NAME, WorkDir
+from eagle3.stages.s05_export.config import ExportConfig
+
+log = logging.getLogger(__name__)
+
+# The report's file names, for readers that look for them in another folder (WorkDir spells them).
+REPORT_JSON, REPORT_MD = WorkDir(Path()).export_report("json").name, WorkDir(Path()).export_report("md").name
+STAGE_SCRIPT = WorkDir.script("export")
+
+
+# --------------------------------------------------------------------------- stage 04's checkpoint
+# Stage 04's format (eagle3/stages/s04_train/checkpoint.py): a torch.save'd dict read with
+# weights_only=True, holding "model" (convention 6 state dict) and "drafter_config"
+# (DrafterConfig.to_dict()); read here as metadata: "step", "aux_layers", "eval" (held-out
+# metrics at that step, when evaluated) and "best" ({"expected_accept_length", "step"}).
+_NOT_METADATA = ("model", "drafter_config", "optimizer", "scheduler", "rng", "rng_state", "scaler",
+                 "data_state", "sampler")
+
+
+def read_training_checkpoint(path: Path | str) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """(DrafterConfig dict, state dict under convention 6 names, metadata) of a stage 04 checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"checkpoint {path} does not exist; pass --checkpoint with a file from "
+                            f"WORK/04_train/checkpoints/ or run `python {WorkDir.script('train')}` first.")
+    try:
+        # mmap: only the tensors used here are read, not the optimizer state beside them.
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # noqa: BLE001 - unpickling raises many types
+        raise PipelineError(f"cannot read checkpoint {path} with torch.load(weights_only=True) "
+                            f"({type(e).__name__}: {e}); is it a stage 04 checkpoint?") from e
+    if not isinstance(ckpt, dict) or "model" not in ckpt or "drafter_config" not in ckpt:
+        keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise PipelineError(f"{path} is not a stage 04 checkpoint: expected a dict with 'model' and "
+                            f"'drafter_config', got {keys}.")
+    state = {}
+    for k, v in ckpt["model"].items():
+        for prefix in ("module.", "_orig_mod."):  # DDP / torch.compile wrappers
+            if k.startswith(prefix):
+                k = k[len(prefix):]
+        state[k] = v
+    meta = {k: v for k, v in ckpt.items() if k not in _NOT_METADATA}
+    return dict(ckpt["drafter_config"]), state, meta
+
+
+def resolve_checkpoint(wd: WorkDir, checkpoint: Path | None) -> tuple[Path, Manifest | None]:
+    """The checkpoint to export and stage 04's manifest (None when it has none yet).
+
+    Default ("best"): the train manifest's extra["best_checkpoint"], else
+    `WorkDir.best_checkpoint()`. An explicit --checkpoint needs no finished training.
+    """
+    train_m = None
+    if wd.manifest("train").is_file():
+        train_m = read_manifest(wd, "train", needed_by=STAGE_SCRIPT)
+    if checkpoint is not None:
+        return Path(checkpoint), train_m
+    if train_m is None:
+        train_m = read_manifest(wd, "train", needed_by=f"{STAGE_SCRIPT} (default --checkpoint: the best one)")
+    best = train_m.extra.get("best_checkpoint")
+    if best:
+        p = Path(best)
+        return (p if p.is_absolute() else wd.stage_dir("train") / p), train_m
+    p = wd.best_checkpoint()
+    if p.is_file():
+        return p, train_m
+    found = sorted(x.name for x in wd.checkpoints().glob("*")) if wd.checkpoints().is_dir() else []
+    raise PipelineError(f"{train_m.path} names no best checkpoint and {p} does not exist (found {found}); pass "
+                        f"--checkpoint PATH.")
+
+
+def aux_layers_from_extract(wd: WorkDir) -> tuple[list[int], Manifest]:
+    """The aux layer ids stage 02 extracted (convention 1), from its manifest or store."""
+    m = read_manifest(wd, "extract", needed_by=STAGE_SCRIPT)
+    ids = m.extra.get("aux_layers") or m.counts.get("aux_layers") or m.params.get("aux_layers")
+    if not ids:
+        # The manifest's params hold None when the default was used; the store records what ran.
+
+        ids = HiddenStateStore.open(wd, needed_by=STAGE_SCRIPT, allow_missing=True).aux_layers
+    return [int(k) for k in ids], m
+
+
+def expected_accept_length(meta: dict, train_m: Manifest | None) -> tuple[float | None, str]:
+    """Held-out expected accept length (convention 5) of this checkpoint, and where it came from.
+
+    Only a number measured at the checkpoint's own step counts: a step checkpoint that
+    was not evaluated reports None rather than the best run's figure.
+    """
+    step = meta.get("step")
+
+    def valid(v) -> bool:  # stage 04 starts its "best" at -1 before the first evaluation
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1.0
+
+    ev = meta.get("eval") if isinstance(meta.get("eval"), dict) else {}
+    if valid(ev.get("expected_accept_length")):
+        return float(ev["expected_accept_length"]), f"checkpoint eval at step {step}"
+    best = meta.get("best") if isinstance(meta.get("best"), dict) else {}
+    if best.get("step") == step and valid(best.get("expected_accept_length")):
+        return float(best["expected_accept_length"]), f"checkpoint best (step {step})"
+    if train_m is not None and train_m.counts.get("best_step") == step \
+            and valid(train_m.counts.get("best_expected_accept_length")):
+        return float(train_m.counts["best_expected_accept_length"]), f"{train_m.path} (best step {step})"
+    return None, f"no held-out evaluation recorded at this checkpoint's step ({step})"
+
+
+def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> dict[str, Any]:
+    """Share of stage 01's assistant tokens (per split) the exported draft vocab can predict."""
+
+    out: dict[str, Any] = {}
+    if d2t is None:
+        return {"note": "draft vocab = target vocab (no d2t): coverage 100%"}
+    ids = target_ids(d2t).numpy()
+    t2d = np.zeros(vocab_size, dtype=bool)
+    t2d[ids[(ids >= 0) & (ids < vocab_size)]] = True
+    for split in ("train", "eval"):
+        f = wd.token_freq(split)
+        if not f.is_file():
+            continue
+        freq = np.load(f)
+        if freq.shape != (vocab_size,):
+            out[split] = {"note": f"{f} has shape {freq.shape}, not ({vocab_size},): another target?"}
+            continue
+        out[split] = {"coverage": coverage(freq, t2d), "assistant_tokens": int(freq.sum())}
+    if not out:
+        out["note"] = f"no token frequencies in {wd.stage_dir('prepare')} (stage 01 not run here)"
+    # Stage 03's own figures, for the mapping it built (the exported one may differ: a
+    # fine-tune can keep its source drafter's mapping, convention 3).
+    if wd.manifest("vocab").is_file():
+        try:
+            m03 = read_manifest(wd, "vocab", needed_by=STAGE_SCRIPT)
+            out["stage03_manifest"] = {k: m03.counts.get(k) for k in ("coverage_train", "coverage_eval",
+                                                                     "draft_vocab_size")}
+        except PipelineError as e:
+            out["stage03_manifest"] = {"note": str(e)}
+    if wd.d2t("npy").is_file():
+        s03 = np.load(wd.d2t("npy"))
+        ids03 = target_ids(s03)
+        out["vs_stage03"] = {
+            "positions_differing": int((ids03 != ids).sum()) if len(ids03) == len(ids) else None,
+            "tokens_shared": int(len(np.intersect1d(ids03, ids))),
+            "draft_vocab": [int(len(ids)), int(len(ids03))],
+        }
+    return out
+
+
+def embed_tokens(info: TargetInfo) -> torch.Tensor:
+    """The target's input embedding [V, H] for `--include-embed-tokens`."""
+
+    try:
+        return load_embedding(info)
+    except PipelineError as e:
+        raise PipelineError(f"--include-embed-tokens: {e} Export without --include-embed-tokens: the engines "
+                            f"then use the target's own embedding.") from e
+
+
+# --------------------------------------------------------------------------- the report
+
+def report_markdown(r: dict) -> str:
+    """The readable summary of an export report."""
+    dc = r["drafter_config"]
+    lines = [
+        "# EAGLE-3 drafter export",
+        "",
+        f"- written to: `{r['out_dir']}` ({r['dtype']}, {len(r['tensors'])} tensors"
+        f"{', with embed_tokens' if r['include_embed_tokens'] else ''})",
+        f"- from checkpoint: `{r['checkpoint']['path']}` (step {r['checkpoint'].get('step')}, "
+        f"sha256 {r['checkpoint']['sha256'][:12]})",
+        f"- target: `{r['target']['source']}` ({r['target']['architecture']}, {r['target']['num_layers']} layers, "
+        f"hidden {r['target']['hidden_size']}, vocab {r['target']['vocab_size']}, context "
+        f"{r['target']['max_position_embeddings']})",
+        f"- drafter: hidden {dc['hidden_size']}, {dc['num_attention_heads']} heads x {dc['head_dim']} "
+        f"({dc['num_key_value_heads']} kv), draft vocab {dc['draft_vocab_size']}, max_position_embeddings "
+        f"{r['config']['max_position_embeddings']}",
+        "",
+        "## Aux layers each engine will capture",
+        "",
+        f"Trained on {r['layers']['trained']} (convention 1: residual stream after k layers). config.json: top-level "
+        f"{r['layers']['config_top_level']}, eagle_config {r['layers']['config_nested']}.",
+        "",
+    ]
+    for rule, got in r["layers"]["captured"].items():
+        ok = "ok" if got == r["layers"]["trained"] else "MISMATCH"
+        lines.append(f"- {RULES[rule].split(':')[0]}: {got} ({ok})")
+    for p in r["layers"]["problems"]:
+        lines.append(f"- PROBLEM: {p}")
+    lines += ["", "## Draft vocabulary", ""]
+    cov = r["vocab"]
+    for split in ("train", "eval"):
+        if isinstance(cov.get(split), dict) and "coverage" in cov[split]:
+            lines.append(f"- coverage of {split} assistant tokens: {100 * cov[split]['coverage']:.2f}% "
+                         f"of {cov[split]['assistant_tokens']}")
+    if cov.get("note"):
+        lines.append(f"- {cov['note']}")
+    s03 = cov.get("stage03_manifest") or {}
+    if s03.get("coverage_eval") is not None:
+        lines.append(f"- stage 03's mapping (its manifest): coverage train {100 * s03['coverage_train']:.2f}%, "
+                     f"held-out {100 * s03['coverage_eval']:.2f}%")
+    if cov.get("vs_stage03"):
+        v = cov["vs_stage03"]
+        lines.append(f"- against stage 03's mapping: {v['positions_differing']} positions differ, "
+                     f"{v['tokens_shared']} tokens shared")
+    d = r["d2t"]
+    if d:
+        lines.append(f"- d2t: {d['size']} ids, ascending {d['ascending']}, duplicates {d['duplicates']}, "
+                     f"out of range {d['out_of_range']}")
+    eal = r["expected_accept_length"]
+    lines += ["", "## Quality", "",
+              f"- held-out expected accept length: {eal['value'] if eal['value'] is not None else 'n/a'} "
+              f"({eal['source']})", ""]
+    if r["findings"]:
+        lines += ["## Notes", ""] + [f"- {f}" for f in r["findings"]] + [""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- the stage
+
+@dataclass
+class ExportInputs:
+    """What stage 05 reads before writing anything, and the identity it records."""
+
+    wd: WorkDir
+    info: TargetInfo
+    facts: TargetFacts
+    layers: list[int]  # convention 1 ids stage 02 extracted
+    extract_m: Manifest
+    ckpt_path: Path
+    train_m: Manifest | None
+    out_dir: Path
+    params: dict
+    inputs: dict
+
+    @property
+    def in_stage_dir(self) -> bool:
+        """The drafter goes inside WORK/05_export (then its files are the manifest's outputs too)."""
+        stage_dir, out = self.wd.export_dir().resolve(), self.out_dir.resolve()
+        return out == stage_dir or stage_dir in out.parents
+
+
+def export_inputs(cfg: ExportConfig) -> ExportInputs:
+    """The target, stage 02's layer ids, the checkpoint and the output folder, checked."""
+    wd = WorkDir(cfg.work_dir)
+    info = read_target_info(cfg.target_model, cfg.trust_remote_code)
+    layers, extract_m = aux_layers_from_extract(wd)
+    validate_aux_layers(layers, info.num_layers, source=f"aux layers of {extract_m.path}")
+    ckpt_path, train_m = resolve_checkpoint(wd, cfg.checkpoint)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else wd.export_dir()
+    params = {**identity_params(cfg), "out_dir": str(out_dir)}
+    inputs = {"checkpoint": sha256_file(ckpt_path) if ckpt_path.is_file() else str(ckpt_path),
+              "extract": manifest_fingerprint(extract_m),
+              "target_config": sha256_json(info.text_config)}
+    return ExportInputs(wd, info, TargetFacts.from_info(info), layers, extract_m, ckpt_path, train_m, out_dir,
+                        params, inputs)
+
+
+def checked_checkpoint(x: ExportInputs):
+    """(DrafterConfig, state dict, metadata) of the checkpoint, refused when it was trained for
+    another target or on other layers than stage 02 extracted."""
+
+    drafter_cfg, state, meta = read_training_checkpoint(x.ckpt_path)
+    dc = DrafterConfig.from_dict(drafter_cfg)  # validates the sizes
+    fix = "export with the target the drafter was trained for (--target-model), or retrain (stage 04)"
+    for what, ours, theirs in (("target hidden size", dc.target_hidden_size, x.info.hidden_size),
+                               ("target vocab size", dc.target_vocab_size, x.info.vocab_size),
+                               ("number of aux layers", dc.num_aux_layers, len(x.layers))):
+        if ours != theirs:
+            raise PipelineError(f"{what} mismatch: {ours} ({x.ckpt_path} drafter_config) vs {theirs} "
+                                f"({x.info.source} / {x.extract_m.path}); {fix}.")
+    if meta.get("aux_layers") is not None and [int(k) for k in meta["aux_layers"]] != x.layers:
+        raise PipelineError(f"aux layers mismatch: {list(meta['aux_layers'])} ({x.ckpt_path}) vs {x.layers} "
+                            f"({x.extract_m.path}); the checkpoint was trained on another extraction; export in "
+                            f"the work dir it was trained in.")
+    if dc.max_position_embeddings < x.info.max_position_embeddings:
+        log.info("raising max_position_embeddings from %d (drafter) to the target's %d: SGLang refuses a "
+                 "shorter draft context", dc.max_position_embeddings, x.info.max_position_embeddings)
+    return dc, state, meta
+
+
+def layer_problems(layers: list[int], family: str | None, allow_engine_mismatch: bool) -> list[str]:
+    """Why some engine serving this target family would capture other layers (refused unless allowed)."""
+    problems = translation_problems(layers, family)
+    if problems:
+        msg = (f"aux layers {layers} cannot be written so that every engine serving this {family}-family "
+               "target captures them: " + "; ".join(problems) + ". Layer choices starting at 2 (the default "
+               f"[2, N//2, N-3]) work everywhere; re-extract (stage 02) with such ids, or pass "
+               f"--allow-engine-mismatch if you serve only with an engine that reads them right.")
+        if not allow_engine_mismatch:
+            raise PipelineError(msg)
+        log.warning("%s", msg)
+    return problems
+
+
+def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, meta: dict, problems: list[str],
+                 findings: list) -> dict:
+    """The export report: what was written, the layers each engine captures, coverage, quality."""
+    from safetensors import safe_open
+
+    with safe_open(str(x.out_dir / WEIGHTS_NAME), framework="pt") as st:
+        saved = {n: st.get_slice(n) for n in st.keys()}
+        tensors = {n: {"shape": list(s.get_shape()), "dtype": s.get_dtype()} for n, s in saved.items()}
+        d2t = st.get_tensor(D2T) if D2T in saved else None
+    eal, eal_src = expected_accept_length(meta, x.train_m)
+    info = x.info
+    return {
+        "out_dir": str(x.out_dir),
+        "dtype": cfg.dtype,
+        "include_embed_tokens": cfg.include_embed_tokens,
+        "checkpoint": {"path": str(x.ckpt_path), "sha256": x.inputs["checkpoint"], "step": meta.get("step")},
+        "target": {"source": info.source, "architecture": info.architecture, "family": x.facts.family,
+                   "num_layers": info.num_layers, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
+                   "max_position_embeddings": info.max_position_embeddings},
+        "drafter_config": dc.to_dict(),
+        "config": hf,
+        "layers": {
+            "trained": x.layers,
+            "config_top_level": hf["eagle_aux_hidden_state_layer_ids"],
+            "config_nested": hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+            "captured": {rule: captured_layers(rule, hf, info.num_layers) for rule in rules_for(x.facts.family)},
+            "problems": problems,
+        },
+        "vocab": vocab_coverage(x.wd, d2t, info.vocab_size),
+        "d2t": d2t_summary(d2t, info.vocab_size) if d2t is not None else None,
+        "expected_accept_length": {"value": eal, "source": eal_src},
+        "tensors": tensors,
+        "files": {name: sha256_file(x.out_dir / name) for name in (CONFIG_NAME, WEIGHTS_NAME)},
+        "findings": [f.line() for f in findings if f.level != "info"],
+    }
+
+
+def write_report_and_manifest(x: ExportInputs, report: dict) -> Manifest:
+    """The report (json and md) and stage 05's manifest, written last."""
+    wd, out_dir = x.wd, x.out_dir
+    wd.export_dir().mkdir(parents=True, exist_ok=True)
+    write_json(wd.export_report("json"), report)
+    with atomic_path(wd.export_report("md")) as tmp:
+        tmp.write_text(report_markdown(report))
+    outputs = [wd.export_report("json"), wd.export_report("md")]
+    if x.in_stage_dir:
+        outputs += [out_dir / CONFIG_NAME, out_dir / WEIGHTS_NAME]
+    counts = {"tensors": len(report["tensors"]), "draft_vocab_size": report["drafter_config"]["draft_vocab_size"],
+              "bytes": sum((out_dir / n).stat().st_size for n in (CONFIG_NAME, WEIGHTS_NAME))}
+    return write_manifest(wd, "export", params=x.params, inputs=x.inputs, counts=counts, outputs=outputs,
+                          extra={"drafter_dir": str(out_dir), "drafter_files": report["files"],
+                                 "aux_layers": x.layers,
+                                 "expected_accept_length": report["expected_accept_length"]["value"]})
+
+
+def export_drafter(cfg: ExportConfig) -> Path:
+    """Stage 05: write the drafter folder, the export report and the manifest; return the folder."""
+    x = export_inputs(cfg)
+    if already_complete(x.wd, "export", x.params, x.inputs, force=cfg.force,
+                        intact=lambda m: _drafter_intact(x.out_dir, m)):
+        return x.out_dir
+    dc, state, meta = checked_checkpoint(x)
+    problems = layer_problems(x.layers, x.facts.family, cfg.allow_engine_mismatch)
+
+    hf = hf_config_from_drafter_config(dc, x.layers, max_position_embeddings=x.info.max_position_embeddings,
+                                       dtype=cfg.dtype)
+    if cfg.include_embed_tokens:
+        state = {**state, "embed_tokens.weight": embed_tokens(x.info)}
+    _check_out_dir(x.out_dir, x.wd.export_dir(), cfg.force)
+    findings = save_drafter_dir(x.out_dir, state, hf, dtype=cfg.dtype, include_embed_tokens=cfg.include_embed_tokens,
+                                overwrite=True, target=x.facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
+
+    report = build_report(x, cfg, dc, hf, meta, problems, findings)
+    m = write_report_and_manifest(x, report)
+    eval_cov = report["vocab"].get("eval")
+    cov = eval_cov.get("coverage") if isinstance(eval_cov, dict) else None
+    eal = report["expected_accept_length"]["value"]
+    log.info("stage 05: exported %s -> %s; layers %s (vLLM top-level %s, SGLang nested %s); eval coverage %s; "
+             "expected accept length %s; report %s", x.ckpt_path, x.out_dir, x.layers,
+             report["layers"]["config_top_level"], report["layers"]["config_nested"],
+             f"{100 * cov:.2f}%" if cov is not None else "n/a", eal if eal is not None else "n/a",
+             x.wd.export_report("md"))
+    log.debug("manifest %s", m.path)
+    return x.out_dir
+
+
+def _check_out_dir(out_dir: Path, stage_dir: Path, force: bool) -> None:
+    """Replace `out_dir` only when it holds a previous export (or --force): never a user's folder."""
+    if not out_dir.exists() or not any(out_dir.iterdir()):
+        return
+    ours = {CONFIG_NAME, WEIGHTS_NAME, REPORT_JSON, REPORT_MD, MANIFEST_NAME}
+    others = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
+    if others and not force and out_dir.resolve() != stage_dir.resolve():
+        raise PipelineError(f"--out-dir {out_dir} holds other files ({others[:5]}); it would be replaced as a whole. "
+                            f"Choose an empty or new folder, or pass --force.")
+
+
+def _drafter_intact(out_dir: Path, m: Manifest) -> bool:
+    files = m.extra.get("drafter_files") or {}
+    return bool(files) and all((out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())

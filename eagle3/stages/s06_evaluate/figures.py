@@ -1,0 +1,248 @@
+"""Stage 06's figures: pure functions from engine results (plain dicts) to what is reported.
+
+No engine, no disk: the tests feed these fabricated engine results. The engine side
+(eagle3/stages/s06_evaluate/engine.py, `serve_and_measure`) returns, per engine run:
+
+    acceptance  one pass per sampling temperature over ALL prompts, many sequences at once:
+                output tokens, vLLM's spec-decode counters for the pass, and (vLLM >= 0.32)
+                each request's histogram of accepted draft tokens per verification step
+                (`hist[j]` = steps that accepted j drafts), or, from an older vLLM, the
+                counters of one pass per category
+    timing      greedy passes over a subset, one request at a time (single stream):
+                per request wall seconds, engine timestamps of its first and last token,
+                tokens, and the pass's counters
+
+Definitions (docs/CONVENTIONS.md, section 5, for the training-time side):
+    acceptance length     L = 1 + accepted draft tokens / verification steps
+    per position k        share of verification steps that accepted drafts 0..k
+                          (chain drafting: the served counterpart of full_acc_k)
+    95% interval of L     over prompts: L is a ratio of sums, sum a_i / sum d_i + 1, and
+                          its standard error by the delta method is
+                          sqrt(sum (a_i - R d_i)^2 / (n (n - 1))) / mean(d), R = sum a / sum d
+    c_t                   plain decode seconds per token (first token excluded: prefill)
+    c_s                   speculative decode seconds per verification step
+    break-even L*         c_s / c_t: drafting pays off iff L > L*; decode speedup ~ L / L*
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+DRAFTS = "vllm:spec_decode_num_drafts"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+# Timing sanity limits. The passes of one run serve identical work; a trained and an
+# untrained drafter of one shape do identical work per speculative step; the requests
+# of one single-stream pass differ only in context length, which moves a decode step's
+# cost by far less than this. A larger spread means something else used the machine.
+MAX_PASS_SPREAD = 1.3
+MAX_STEP_COST_RATIO = 1.5
+MAX_REQUEST_STEP_SPREAD = 1.6
+
+
+# --------------------------------------------------------------------------- acceptance
+
+def counter_diff(after: dict, before: dict) -> dict:
+    """Counters of one pass: `after - before`, per-position vectors element-wise."""
+    out = {}
+    for name, v in after.items():
+        b = before.get(name)
+        if isinstance(v, list):
+            out[name] = [x - y for x, y in zip(v, b)] if b else list(v)
+        else:
+            out[name] = v - (b or 0)
+    return out
+
+
+def histogram_counts(hist: list[int], K: int) -> tuple[int, int, list[int]]:
+    """(verification steps, accepted draft tokens, accepted at each position) of one request.
+
+    `hist[j]` counts the steps that accepted exactly j drafts; chain drafting accepts
+    position k exactly when j > k."""
+    h = list(hist) + [0] * (K + 1 - len(hist))
+    steps = sum(h)
+    accepted = sum(j * c for j, c in enumerate(h))
+    per_pos = [sum(h[k + 1:]) for k in range(K)]
+    return steps, accepted, per_pos
+
+
+def ratio_interval(accepted: list[int], steps: list[int]) -> float | None:
+    """Half-width of the 95% interval of 1 + sum(accepted) / sum(steps) over prompts
+    (delta method for a ratio of sums; None below 2 prompts with steps)."""
+    a = np.asarray(accepted, dtype=np.float64)
+    d = np.asarray(steps, dtype=np.float64)
+    keep = d > 0
+    a, d = a[keep], d[keep]
+    n = len(d)
+    if n < 2:
+        return None
+    r = a.sum() / d.sum()
+    se = math.sqrt(float(((a - r * d) ** 2).sum()) / (n * (n - 1))) / float(d.mean())
+    return 1.96 * se
+
+
+def acceptance_block(steps: int, accepted: int, per_pos: list[int], K: int) -> dict[str, Any]:
+    """L and per-position acceptance from summed counts."""
+    per_pos = (list(per_pos) + [0] * K)[:K]
+    return {"drafts": steps, "accepted_tokens": accepted,
+            "acceptance_length": 1.0 + accepted / steps if steps else None,
+            "acceptance_per_position": [a / steps for a in per_pos] if steps else None}
+
+
+def acceptance_figures(p: dict, K: int, prompt_categories: list[str | None]) -> dict[str, Any]:
+    """One acceptance pass of a speculative run: overall (from the engine's counters), the
+    95% interval over prompts and per category (from per-request histograms, else from
+    per-category counters)."""
+    c = p["counters"]
+    out = acceptance_block(int(c.get(DRAFTS, 0)), int(c.get(ACCEPTED, 0)),
+                           [int(x) for x in (c.get(ACCEPTED_PER_POS) or [0] * K)], K)
+    out.update({"temperature": p["temperature"], "tokens": sum(len(t) for t in p["tokens"]),
+                "wall_s": p["wall_s"], "ci95": None, "by_category": {}})
+    hists = p.get("histograms")
+    names = [c for c in dict.fromkeys(prompt_categories) if c is not None]
+    if hists is not None:
+        counts = [histogram_counts(h, K) for h in hists]
+        out["ci95"] = ratio_interval([a for _, a, _ in counts], [s for s, _, _ in counts])
+        # The per-request histograms and the engine's counters count the same steps.
+        out["histograms_match_counters"] = sum(s for s, _, _ in counts) == out["drafts"]
+        for name in names:
+            sel = [cnt for cnt, cat in zip(counts, prompt_categories) if cat == name]
+            block = acceptance_block(sum(s for s, _, _ in sel), sum(a for _, a, _ in sel),
+                                     [sum(pp[k] for _, _, pp in sel) for k in range(K)], K)
+            block["prompts"] = len(sel)
+            block["ci95"] = ratio_interval([a for _, a, _ in sel], [s for s, _, _ in sel])
+            out["by_category"][name] = block
+    elif p.get("group_counters") is not None:
+        for name, gc in zip(names, p["group_counters"]):
+            block = acceptance_block(int(gc.get(DRAFTS, 0)), int(gc.get(ACCEPTED, 0)),
+                                     [int(x) for x in (gc.get(ACCEPTED_PER_POS) or [0] * K)], K)
+            block["prompts"] = sum(cat == name for cat in prompt_categories)
+            block["ci95"] = None
+            out["by_category"][name] = block
+    return out
+
+
+def outputs_match(tokens: list[list[int]], reference: list[list[int]]) -> float | None:
+    """Share of requests whose output equals the reference's token for token."""
+    same = [t == r for t, r in zip(tokens, reference)]
+    return sum(same) / len(same) if same else None
+
+
+# --------------------------------------------------------------------------- single-stream timing
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    v = [x for x in values if x is not None]
+    if not v:
+        return None
+    return {"min": float(min(v)), "median": float(np.median(v)), "max": float(max(v))}
+
+
+def timing_pass(p: dict, K: int, speculative: bool) -> dict[str, Any]:
+    """Tokens/s and decode step cost of one single-stream pass (one request at a time)."""
+    tokens = [len(t) for t in p["tokens"]]
+    ts = p["token_ts"]
+    complete = all(a is not None and b is not None for a, b in ts)
+    decode = [b - a for a, b in ts] if complete else None
+    decode_tokens = sum(max(0, n - 1) for n in tokens)  # the first token comes from prefill
+    decode_s = sum(decode) if decode else None
+    c = p.get("counters") or {}
+    out: dict[str, Any] = {
+        "requests": len(tokens), "tokens": sum(tokens), "wall_s": p["wall_s"],
+        "tokens_per_s": sum(tokens) / p["wall_s"] if p["wall_s"] > 0 else None,
+        "decode_tokens": decode_tokens, "decode_s": decode_s,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
+        "request_tokens_per_s": [n / w if w > 0 else None for n, w in zip(tokens, p["request_wall_s"])],
+    }
+    if speculative:
+        steps = int(c.get(DRAFTS, 0))
+        out.update(acceptance_block(steps, int(c.get(ACCEPTED, 0)),
+                                    [int(x) for x in (c.get(ACCEPTED_PER_POS) or [0] * K)], K))
+        out["step_s"] = decode_s / steps if decode_s and steps else None
+        hists = p.get("histograms")
+        req_steps = [histogram_counts(h, K)[0] for h in hists] if hists is not None else None
+    else:
+        out["step_s"] = decode_s / decode_tokens if decode_s and decode_tokens else None
+        req_steps = [max(0, n - 1) for n in tokens]
+    out["request_step_s"] = ([d / s if s else None for d, s in zip(decode, req_steps)]
+                             if decode and req_steps is not None else None)
+    return out
+
+
+def timing_figures(passes: list[dict], K: int, speculative: bool) -> dict[str, Any] | None:
+    """The fastest pass's figures (other load only slows a pass down) and all passes' walls."""
+    if not passes:
+        return None
+    figs = [timing_pass(p, K, speculative) for p in passes]
+    best = min(figs, key=lambda f: f["wall_s"])
+    return {**best, "pass_wall_s": [f["wall_s"] for f in figs]}
+
+
+def request_step_spread(step_s: list[float | None] | None) -> float | None:
+    """Largest per-request decode step cost over the median one (1.0 = perfectly even)."""
+    v = [x for x in (step_s or []) if x]
+    if len(v) < 2:
+        return None
+    return float(max(v) / np.median(v))
+
+
+def timing_problems(timings: dict[str, dict | None]) -> list[str]:
+    """Reasons to distrust this measurement's timings (acceptance is unaffected)."""
+    out = []
+    for name, r in timings.items():
+        if not r:
+            continue
+        walls = r.get("pass_wall_s") or []
+        if len(walls) > 1 and max(walls) > MAX_PASS_SPREAD * min(walls):
+            out.append(f"the {name} run's timed passes took {' / '.join(f'{w:.1f}' for w in walls)} s for the same "
+                       f"work")
+        spread = request_step_spread(r.get("request_step_s"))
+        if spread is not None and spread > MAX_REQUEST_STEP_SPREAD:
+            out.append(f"one {name} request's decode steps took {spread:.1f}x the median request's (single "
+                       f"stream, same model)")
+    a = (timings.get("trained") or {}).get("step_s")
+    b = (timings.get("untrained") or {}).get("step_s")
+    if a and b and max(a, b) > MAX_STEP_COST_RATIO * min(a, b):
+        out.append(f"a speculative step took {1000 * a:.1f} ms with the trained drafter and {1000 * b:.1f} ms with "
+                   f"the untrained one, which does the same work")
+    return out
+
+
+def paired_speedups(plain: dict | None, spec: dict | None) -> list[float] | None:
+    """Per-prompt end-to-end speedup: the same prompt served with and without the drafter."""
+    if not plain or not spec:
+        return None
+    return [s / p for p, s in zip(plain["request_tokens_per_s"], spec["request_tokens_per_s"]) if p and s]
+
+
+# --------------------------------------------------------------------------- every run's figures
+
+def run_figures(raw: dict[str, dict], K: int, prompt_categories: list[str | None],
+                temperatures: list[float]) -> dict[str, dict]:
+    """Engine results (`raw[name]`, one per run) -> the figures `summarise` reads, per run:
+    acceptance per temperature, single-stream timing and, for drafter runs, the share of
+    greedy outputs equal to the plain run's."""
+    greedy = temperatures.index(0.0) if 0.0 in temperatures else None
+    plain_greedy = raw["plain"]["acceptance"][0]["tokens"] if "plain" in raw and greedy is not None else None
+    runs: dict[str, dict] = {}
+    for name, res in raw.items():
+        speculative = name != "plain"
+        acc = ([acceptance_figures(p, K, prompt_categories) for p in res["acceptance"]] if speculative else
+               [{"temperature": p["temperature"], "tokens": sum(len(t) for t in p["tokens"]), "wall_s": p["wall_s"]}
+                for p in res["acceptance"]])
+        runs[name] = {"init_s": res["init_s"], "per_request_metrics": res.get("per_request_metrics"),
+                      "acceptance": acc, "timing": timing_figures(res["timing"], K, speculative)}
+        # The untrained run is served at the first temperature only: no greedy pass when that is not 0.
+        if speculative and plain_greedy is not None and greedy < len(res["acceptance"]):
+            runs[name]["outputs_match_plain"] = outputs_match(res["acceptance"][greedy]["tokens"], plain_greedy)
+    return runs
+
+
+def teacher_check(references: list[list[int] | None], plain_greedy: list[list[int]] | None) -> dict:
+    """How often the target's greedy answer starts with the dataset's answer. A target that
+    rarely reproduces its training chats is a noisy teacher for the drafter."""
+    refs = [(r, t) for r, t in zip(references, plain_greedy or []) if r]
+    return {"greedy_equals_dataset_answer": sum(r == t[:len(r)] for r, t in refs) / len(refs) if refs else None}

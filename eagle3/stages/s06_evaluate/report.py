@@ -1,0 +1,293 @@
+"""Stage 06's report: results.json's layout (`summarise`), the report lines and the plot.
+
+`summarise` gathers every run's figures (eagle3/stages/s06_evaluate/figures.py) into the dict
+written as WORK/06_evaluate/results.json; its keys of earlier versions are kept
+(eagle3/tools/demo.py reads them). `report_lines` is what the stage logs; `write_plot`
+draws evaluate.png. Pure functions, except `write_plot`'s one file.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle3.core.atomic import atomic_path
+from eagle3.core.workdir import WorkDir
+from eagle3.stages.s06_evaluate.figures import _spread, paired_speedups, timing_problems
+
+# How each headline figure is computed, written into results.json beside the figures.
+FORMULAS = {
+    "acceptance_length": "1 + accepted_tokens / drafts (vLLM's spec_decode counters), all prompts at once",
+    "acceptance_length_ci95": "1.96 x delta-method standard error of sum(accepted_i) / sum(drafts_i) over "
+                              "prompts (vLLM's per-request acceptance histograms)",
+    "acceptance_per_position": "accepted_per_position[k] / drafts (served counterpart of full_acc_k)",
+    "break_even_acceptance_length": "c_s / c_t; c_t = plain decode seconds per token, c_s = speculative "
+                                    "decode seconds per verification step (prefill excluded), both single "
+                                    "stream on the timing subset",
+    "expected_accept_length_training": "1 + sum_{k<K} full_acc_k of stage 04's held-out eval",
+    "speedup": "speculative tokens/s / plain tokens/s, single stream, end to end (prefill included)",
+}
+
+
+# --------------------------------------------------------------------------- results.json
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+def _by_temperature(trained: dict, untrained: dict | None, temperatures: list[float]) -> list[dict[str, Any]]:
+    """One row per temperature: the trained drafter's acceptance and the untrained one's (the
+    floor is served at the first temperature only)."""
+    rows = []
+    u = (untrained or {}).get("acceptance") or []
+    for i, t in enumerate(temperatures):
+        rows.append({"temperature": t, "trained": trained["acceptance"][i], "untrained": u[i] if i < len(u) else None})
+    return rows
+
+
+def _timing_summary(tp: dict | None, ts: dict | None, settings: dict) -> dict[str, Any]:
+    """The single-stream subset: how many prompts, its acceptance and the per-prompt spreads."""
+    tp, ts = tp or {}, ts or {}
+    return {
+        "prompts": (tp or ts).get("requests", 0), "max_num_seqs": 1, "temperature": 0.0,
+        "indices": settings.get("timing_indices"),
+        "acceptance_length": ts.get("acceptance_length"),
+        "speedup_per_prompt": _spread(paired_speedups(tp, ts) or []),
+        "tokens_per_s_per_prompt": {"plain": _spread(tp.get("request_tokens_per_s") or []),
+                                    "speculative": _spread(ts.get("request_tokens_per_s") or [])},
+    }
+
+
+def _batched_throughput(plain: dict, trained: dict, temperatures: list[float], settings: dict) -> dict[str, Any]:
+    """End-to-end tokens/s of the greedy acceptance passes (many sequences at once)."""
+    greedy = next((i for i, t in enumerate(temperatures) if t == 0), None)
+    plain_batched = (plain.get("acceptance") or [None])[0]
+    spec_batched = trained["acceptance"][greedy] if greedy is not None else None
+    return {"max_num_seqs": settings.get("max_num_seqs"),
+            "tokens_per_s": {
+                "plain": _ratio(plain_batched["tokens"], plain_batched["wall_s"]) if plain_batched else None,
+                "speculative": _ratio(spec_batched["tokens"], spec_batched["wall_s"]) if spec_batched else None}}
+
+
+def summarise(runs: dict[str, dict], K: int, temperatures: list[float], expectation: dict, prompts: dict,
+              settings: dict, engine: dict, teacher: dict) -> dict[str, Any]:
+    """results.json: every figure, the keys of earlier versions kept (eagle3/tools/demo.py reads them).
+
+    `runs[name]` holds `acceptance` (list of `acceptance_figures`, one per temperature;
+    the plain run: its greedy pass), `timing` (`timing_figures` or None), `init_s` and,
+    for drafter runs, `outputs_match_plain` (figures.py, `run_figures`)."""
+    plain, trained = runs.get("plain") or {}, runs["trained"]
+    untrained = runs.get("untrained")
+    tp, ts = plain.get("timing") or {}, trained.get("timing") or {}
+    tu = (untrained or {}).get("timing") or {}
+    c_t, c_s = tp.get("step_s"), ts.get("step_s")
+    break_even = c_s / c_t if c_t and c_s else None
+    by_temp = _by_temperature(trained, untrained, temperatures)
+    # The headline figures are at the first temperature (greedy by default).
+    primary, primary_u = by_temp[0]["trained"], by_temp[0]["untrained"] or {}
+    by_category = primary.get("by_category") or {}
+    L = primary.get("acceptance_length")
+    return {
+        "engine": engine,
+        "settings": settings,
+        "prompts": prompts,
+        "num_speculative_tokens": K,
+        "temperatures": temperatures,
+        "acceptance_temperature": temperatures[0],
+        "acceptance_length": L,
+        "acceptance_length_ci95": primary.get("ci95"),
+        "acceptance_per_position": primary.get("acceptance_per_position"),
+        "untrained_acceptance_length": primary_u.get("acceptance_length"),
+        "untrained_acceptance_per_position": primary_u.get("acceptance_per_position"),
+        "acceptance": by_temp,
+        "categories": {"field": prompts.get("category_field"), "names": list(by_category),
+                       "prompts": {n: b["prompts"] for n, b in by_category.items()}},
+        "expected_accept_length_training": expectation,
+        "tokens_per_s": {"plain": tp.get("tokens_per_s"), "speculative": ts.get("tokens_per_s"),
+                         "untrained": tu.get("tokens_per_s")},
+        "decode_tokens_per_s": {"plain": tp.get("decode_tokens_per_s"), "speculative": ts.get("decode_tokens_per_s")},
+        "speedup": _ratio(ts.get("tokens_per_s"), tp.get("tokens_per_s")),
+        "decode_speedup": _ratio(ts.get("decode_tokens_per_s"), tp.get("decode_tokens_per_s")),
+        "timing": _timing_summary(plain.get("timing"), trained.get("timing"), settings),
+        "batched": _batched_throughput(plain, trained, temperatures, settings),
+        "step_cost_s": {"plain_decode_step": c_t, "speculative_step": c_s,
+                        "untrained_speculative_step": tu.get("step_s")},
+        "break_even_acceptance_length": break_even,
+        "beats_break_even": (L > break_even) if L is not None and break_even is not None else None,
+        "timing_problems": timing_problems({n: (r or {}).get("timing") for n, r in runs.items()}),
+        "outputs_match_plain": trained.get("outputs_match_plain"),
+        "teacher": teacher,
+        "runs": runs,
+        "formulas": dict(FORMULAS),
+    }
+
+
+# --------------------------------------------------------------------------- the report
+
+def _fmt(v, spec: str = ".2f") -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _ms(v):
+    return None if v is None else 1000 * v
+
+
+def _pm(block: dict | None, spec: str = ".2f") -> str:
+    """`2.41 ±0.06` (the 95% interval over prompts), or just the value."""
+    if not block:
+        return "n/a"
+    ci = block.get("ci95")
+    return _fmt(block.get("acceptance_length"), spec) + (f" ±{ci:{spec}}" if ci is not None else "")
+
+
+def _temp(t: float) -> str:
+    return "greedy" if t == 0 else f"T={t:g}"
+
+
+def report_lines(r: dict) -> list[str]:
+    K = r["num_speculative_tokens"]
+    exp = r["expected_accept_length_training"]
+    per = " ".join(_fmt(a, ".3f") for a in (r["acceptance_per_position"] or []))
+    exp_per = " ".join(_fmt(a, ".3f") for a in exp.get("full_acc", []))
+    tps = r["tokens_per_s"]
+    n = (r.get("prompts") or {}).get("count")
+    ci = r.get("acceptance_length_ci95")
+    # A figure this run has no source for (no training here, no baseline served) leaves its part out.
+    lines = [
+        f"acceptance length (K={K}): {_fmt(r['acceptance_length'], '.3f')}"
+        + (f" ±{ci:.3f}" if ci is not None else "")
+        + f" ({_temp(r.get('acceptance_temperature', 0.0))}, {n} prompts) measured in {r['engine']['name']} "
+        f"{r['engine']['version']} ({r['engine']['platform']})"
+        + (f", training-time expected {_fmt(exp['value'], '.3f')} (1 + sum of full_acc_k, k<{exp.get('k')})"
+           if exp.get("value") is not None else f"; no training-time estimate ({exp.get('source')})"),
+        f"acceptance per position: measured {per}" + (f" | training full_acc {exp_per}" if exp_per else ""),
+    ]
+    if r["untrained_acceptance_length"] is not None:
+        lines.append(f"untrained drafter: acceptance length {_fmt(r['untrained_acceptance_length'], '.3f')}")
+    for row in r.get("acceptance") or []:
+        t, u = row["trained"], row.get("untrained")
+        lines.append(f"  {_temp(row['temperature']):>7}: trained {_pm(t)} per position "
+                     f"{' '.join(_fmt(a) for a in (t.get('acceptance_per_position') or []))}"
+                     + (f" | untrained {_pm(u)}" if u else ""))
+    cats = (r.get("categories") or {}).get("names") or []
+    if cats:
+        head = " | ".join(_temp(row["temperature"]) for row in r["acceptance"])
+        lines.append(f"acceptance length by {r['categories']['field']} ({head}):")
+        for name in cats:
+            vals = " | ".join(_pm(row["trained"]["by_category"].get(name)) for row in r["acceptance"])
+            lines.append(f"  {name} (n={r['categories']['prompts'][name]}): {vals}")
+    timing = r.get("timing") or {}
+    if timing.get("prompts"):
+        sp = timing.get("speedup_per_prompt") or {}
+        lines += [
+            f"tokens/s (single stream, {timing['prompts']} of {n} prompts, greedy): plain {_fmt(tps['plain'], '.1f')}, "
+            f"with drafter {_fmt(tps['speculative'], '.1f')} -> speedup {_fmt(r['speedup'], '.2f')}x "
+            f"(per prompt {_fmt(sp.get('min'))}-{_fmt(sp.get('max'))}x, decode only "
+            f"{_fmt(r['decode_speedup'], '.2f')}x; acceptance length on these prompts "
+            f"{_fmt(timing.get('acceptance_length'))})",
+            f"break-even acceptance length {_fmt(r['break_even_acceptance_length'], '.2f')} (speculative step "
+            f"{_fmt(_ms(r['step_cost_s']['speculative_step']), '.1f')} ms / plain step "
+            f"{_fmt(_ms(r['step_cost_s']['plain_decode_step']), '.1f')} ms): "
+            + {True: "the drafter beats it", False: "the drafter does NOT beat it",
+               None: "n/a"}[r["beats_break_even"]],
+        ]
+    else:
+        lines.append("tokens/s, speedup and break-even: not measured (--timing-prompts 0)")
+    for problem in r.get("timing_problems") or []:
+        lines.append(f"UNRELIABLE TIMINGS: {problem}; other load on the machine? Rerun `python "
+                     f"{WorkDir.script('evaluate')} --force` on an idle machine (acceptance figures are unaffected).")
+    if r.get("outputs_match_plain") is not None and r["outputs_match_plain"] < 1.0:
+        lines.append(f"note: {100 * r['outputs_match_plain']:.0f}% of greedy speculative outputs equal plain greedy "
+                     f"ones (greedy verification is exact up to {r['settings']['dtype']} rounding of batched verify)")
+    return lines
+
+
+# --------------------------------------------------------------------------- plot
+
+def _plot_positions(a, r: dict) -> None:
+    """Acceptance per draft position: trained at each temperature, untrained, training full_acc_k."""
+    K = r["num_speculative_tokens"]
+    rows = r.get("acceptance") or []
+    x = np.arange(K)
+    bars = [(f"trained {_temp(row['temperature'])} (L={_fmt(row['trained'].get('acceptance_length'))})",
+             row["trained"].get("acceptance_per_position") or [0.0] * K) for row in rows]
+    if rows and rows[0].get("untrained"):
+        u = rows[0]["untrained"]
+        bars.append((f"untrained {_temp(rows[0]['temperature'])} (L={_fmt(u.get('acceptance_length'))})",
+                     u.get("acceptance_per_position") or [0.0] * K))
+    w = 0.8 / max(1, len(bars))
+    for i, (label, vals) in enumerate(bars):
+        a.bar(x - 0.4 + w * (i + 0.5), vals, w, label=label,
+              color="tab:gray" if label.startswith("untrained") else None)
+    exp = r["expected_accept_length_training"].get("full_acc")
+    if exp:
+        a.plot(np.arange(len(exp)), exp, "o--", color="black", label="training full_acc_k (held-out)")
+    a.set_xticks(x, [str(k) for k in x])
+    a.set_xlabel("draft position k")
+    a.set_ylabel("share of drafts accepted through k")
+    a.set_ylim(0, 1)
+    a.set_title(f"served acceptance, K={K}")
+    a.legend(fontsize=7)
+
+
+def _plot_categories(c, r: dict, cats: list[str]) -> None:
+    """Acceptance length per category and temperature, with the 95% interval over prompts."""
+    K = r["num_speculative_tokens"]
+    rows = r.get("acceptance") or []
+    y = np.arange(len(cats))
+    h = 0.8 / max(1, len(rows))
+    for i, row in enumerate(rows):
+        vals = [(row["trained"]["by_category"].get(n) or {}).get("acceptance_length") or 0.0 for n in cats]
+        err = [(row["trained"]["by_category"].get(n) or {}).get("ci95") or 0.0 for n in cats]
+        c.barh(y - 0.4 + h * (i + 0.5), vals, h, xerr=err, label=_temp(row["temperature"]))
+    c.set_yticks(y, cats, fontsize=7)
+    c.set_xlabel(f"acceptance length (K={K}; bars: 95% interval over prompts)")
+    c.set_xlim(1, K + 1)
+    c.set_title(f"by {r['categories']['field']}")
+    c.legend(fontsize=7)
+
+
+def _plot_training(b, curve: list[dict], colors: list[str]) -> None:
+    """full_acc_k over stage 04's steps: held-out evals as markers, train windows as faint lines."""
+    evals = [m for m in curve if m.get("split") == "eval"]
+    trains = [m for m in curve if m.get("split") == "train"]
+    n_steps = max((sum(1 for k in m if k.startswith("full_acc_")) for m in curve), default=0)
+    for k in range(n_steps):
+        col = colors[k % len(colors)]
+        if trains:
+            b.plot([m["step"] for m in trains], [m[f"full_acc_{k}"] for m in trains], "-", color=col, alpha=0.35)
+        if evals:
+            b.plot([m["step"] for m in evals], [m[f"full_acc_{k}"] for m in evals], "o-", color=col, ms=3,
+                   label=f"full_acc_{k}")
+    b.set_xlabel("stage 04 step")
+    b.set_ylabel("full_acc_k (held-out: markers)")
+    b.set_ylim(0, 1)
+    b.set_title("training curves")
+    if n_steps:
+        b.legend(fontsize=7, ncol=2)
+    else:
+        b.text(0.5, 0.5, "no stage 04 metrics", ha="center", va="center", transform=b.transAxes)
+
+
+def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
+    """Left: acceptance per draft position (trained at each temperature, untrained, training
+    full_acc_k). Middle (with categories): acceptance length per category and temperature.
+    Right: full_acc_k over stage 04's steps (held-out evals as markers, train windows as lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server
+    import matplotlib.pyplot as plt
+
+
+    cats = (r.get("categories") or {}).get("names") or []
+    fig, axes = plt.subplots(1, 3 if cats else 2, figsize=(15 if cats else 10, 3.8))
+    _plot_positions(axes[0], r)
+    if cats:
+        _plot_categories(axes[1], r, cats)
+    _plot_training(axes[-1], curve, plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)

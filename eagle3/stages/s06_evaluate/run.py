@@ -1,0 +1,426 @@
+"""Stage 06: measure the exported drafter in a real engine, as users benchmark it.
+
+Training accuracy is a proxy; what a deployment gets is the acceptance length in the
+server and whether it beats the break-even of that deployment. This stage serves the
+target in vLLM (its CUDA build on a GPU box, its CPU build on a laptop), one engine
+process per configuration:
+
+    plain       the target alone: greedy outputs of all prompts (the reference the
+                speculative outputs must equal) and single-stream timings
+    trained     the target + the drafter (default: stage 05's export), K speculative tokens:
+                acceptance over all prompts at each temperature, single-stream timings
+    untrained   the target + a drafter of the same config and mapping with fresh random
+                weights: the floor (it accepts ~nothing); acceptance at the first temperature only
+
+Two measurements, each in the regime that makes it cheap and right:
+- acceptance does not depend on how many requests run together, so every prompt is
+  served at once (up to --max-num-seqs sequences), once per sampling temperature
+  (--temperature, default greedy and 0.7; per-request seeds, so a rerun gives the same
+  figures); per-request acceptance histograms give the 95% interval over prompts and
+  the figures per category (--category-field);
+- speed is measured where speculative decoding is meant to help, single-stream: a
+  subset of --timing-prompts prompts (round-robin over categories) served one request
+  at a time, greedy, for tokens/s, the speedup and the break-even.
+
+Any drafter can be measured on its own, before anything is trained: with --drafter-dir
+and --prompts the work directory may be new (only 06_evaluate/ is written there), e.g. a
+published drafter trained for an earlier version of the target. Before serving, the stage
+logs which target layers each engine feeds the drafter (eagle3/core/engine_rules.py) next to
+the layers it was trained on, and warns when vLLM would feed it others.
+
+Reads
+    WORK/01_dataset/eval/ + manifest.json   held-out conversations (the default prompts; each
+                                            assistant turn's context, token ids as stage 01 made them)
+    --prompts FILE | DATASET_ID             instead: a prompt set (eagle3/stages/s06_evaluate/prompts.py)
+    WORK/05_export/manifest.json            the drafter folder (unless --drafter-dir)
+    WORK/04_train/manifest.json, metrics.jsonl   (optional) training-time figures
+Writes WORK/06_evaluate/
+    results.json            every measured figure (eagle3/stages/s06_evaluate/report.py, `summarise`)
+    evaluate.png            acceptance per draft position and per category; training curves
+    untrained_drafter/      the baseline drafter folder
+    runs/NAME.{request,result}.json, logs/NAME.log   one engine run each
+    manifest.json
+
+Run: `python 06_evaluate_drafter.py --config configs/tiny-llama.yaml [--num-speculative-tokens 3]`.
+
+The stage's steps are `evaluate_drafter`'s, top to bottom: read the inputs and check them,
+stop if already complete, choose the prompts, plan the engine runs, serve each in its own
+process (eagle3/stages/s06_evaluate/engine.py: `python -m eagle3.stages.s06_evaluate --serve REQ OUT`), turn the
+engine results into figures (figures.py) and write results.json, the plot and the manifest
+(report.py).
+
+Break-even (from this run's own single-stream timings, decode phase only, per request):
+    c_t = decode seconds / decode tokens          of the plain run (one token per step)
+    c_s = decode seconds / verification steps     of the speculative run
+    L*  = c_s / c_t
+A speculative step costs L* plain steps, so it must yield L* tokens on average to tie:
+drafting helps iff the measured acceptance length L > L*, and the decode speedup is
+about L / L*. Prefill (the first token of each request) is the same in both runs and
+is left out of these; end-to-end tokens/s include it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eagle3.core.atomic import write_json
+from eagle3.core.config import identity_params
+from eagle3.core.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, load_drafter_dir, save_drafter_dir
+from eagle3.core.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_layers, intended_layers, rules_for,
+                                      target_family)
+from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file,
+                                  sha256_json, write_manifest)
+from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.core.vocab_map import target_ids
+from eagle3.core.workdir import WorkDir
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
+from eagle3.stages.s06_evaluate.engine import run_engine
+from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
+from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
+from eagle3.stages.s06_evaluate.report import report_lines, summarise, write_plot
+
+log = logging.getLogger(__name__)
+
+STAGE_SCRIPT = WorkDir.script("evaluate")
+
+
+# --------------------------------------------------------------------------- the untrained baseline
+
+def write_untrained_drafter(drafter_dir: Path, out_dir: Path, seed: int) -> Path:
+    """A drafter with the same config.json and vocab mapping as `drafter_dir`, fresh weights.
+
+    Same shape and same d2t, so the engine does the same work per step; only what the
+    weights learned is missing. Its acceptance is the floor of this measurement.
+    """
+    import torch
+
+
+    hf, tensors = load_drafter_dir(drafter_dir)
+    dc = DrafterConfig.from_dict(drafter_config_from_hf_config(hf, tensors, source=str(drafter_dir)))
+    torch.manual_seed(seed)
+    fresh = Eagle3Drafter(dc)  # the module's own initialisation: what training starts from
+    if D2T in tensors:
+        vocab = dc.target_vocab_size
+        t2d = tensors.get(T2D)
+        if t2d is None:
+            t2d = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, target_ids(tensors[D2T]), True)
+        fresh.set_vocab_mapping(tensors[D2T], t2d)
+    state = {k: v for k, v in fresh.state_dict().items() if k != "embed_tokens.weight"}
+    if D2T not in tensors:
+        state.pop(D2T, None)
+        state.pop(T2D, None)
+    save_drafter_dir(out_dir, state, hf, dtype="bf16", overwrite=True, allow_engine_mismatch=True)
+    return out_dir
+
+
+
+# --------------------------------------------------------------------------- training-time figures
+
+def training_expectation(wd: WorkDir, K: int, export_report: dict | None) -> dict[str, Any]:
+    """Training-time expected accept length for K tokens: 1 + sum_{k<K} full_acc_k (convention 5),
+    from the held-out evaluation of the exported checkpoint's step."""
+    step = ((export_report or {}).get("checkpoint") or {}).get("step")
+    curve = read_train_metrics(wd)
+    evals = [m for m in curve if m.get("split") == "eval"]
+    row = next((m for m in reversed(evals) if m.get("step") == step), None)
+    source = f"{wd.train_metrics()} (held-out eval at the exported step {step})"
+    if row is None and wd.manifest("train").is_file():
+        try:
+            tm = read_manifest(wd, "train", needed_by=STAGE_SCRIPT)
+            row = tm.counts.get("best_eval")
+            source = f"{tm.path} (best held-out eval, step {tm.counts.get('best_step')})"
+        except PipelineError:
+            row = None
+    if not row:
+        return {"value": None, "k": K, "source": "no stage 04 held-out metrics in this work dir"}
+    trained_k = sum(1 for k in row if k.startswith("full_acc_"))
+    full = [float(row[f"full_acc_{k}"]) for k in range(min(K, trained_k))]
+    return {"value": 1.0 + sum(full), "k": len(full), "full_acc": full, "source": source,
+            "ttt_steps": trained_k, "all_steps": float(row.get("expected_accept_length", float("nan")))}
+
+
+def read_train_metrics(wd: WorkDir) -> list[dict]:
+    path = wd.train_metrics()
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+
+def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest | None, dict | None]:
+    """(drafter folder, stage 05 manifest, export report); the last two are None when the
+    drafter is not this work dir's export, so no training figures of another drafter are
+    set beside its measurement."""
+    if cfg.drafter_dir is None:
+        export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
+        drafter_dir = Path(export_m.extra.get("drafter_dir") or wd.export_dir())
+    else:
+        drafter_dir = Path(cfg.drafter_dir)
+        if not wd.manifest("export").is_file():
+            return drafter_dir, None, None
+        export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
+        exported = Path(export_m.extra.get("drafter_dir") or wd.export_dir())
+        if exported.resolve() != drafter_dir.resolve():
+            log.info("%s is not this work dir's export (%s): no training-time figures beside it", drafter_dir,
+                     exported)
+            return drafter_dir, None, None
+    rp = wd.export_report("json")
+    return drafter_dir, export_m, json.loads(rp.read_text()) if rp.is_file() else None
+
+
+def _check_target(cfg: EvaluateConfig, prep: Manifest | None, drafter_cfg: dict, drafter_dir: Path):
+    """The target's info and tokenizer, checked against the drafter and (for stage 01's
+    prompts, which are token ids) against stage 01's tokenizer."""
+
+    info = read_target_info(cfg.target_model, cfg.trust_remote_code)
+    if int(drafter_cfg.get("vocab_size", info.vocab_size)) != info.vocab_size:
+        raise PipelineError(f"target vocab size mismatch: {drafter_cfg.get('vocab_size')} ({drafter_dir}/config.json) "
+                            f"vs {info.vocab_size} ({cfg.target_model}); evaluate with the target the drafter "
+                            f"was trained for (--target-model).")
+    hidden = int(drafter_cfg.get("target_hidden_size") or drafter_cfg.get("hidden_size", info.hidden_size))
+    if hidden != info.hidden_size:
+        raise PipelineError(f"target hidden size mismatch: {hidden} ({drafter_dir}/config.json) vs "
+                            f"{info.hidden_size} ({cfg.target_model}); pass the drafter's own target.")
+    tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
+    fp = tokenizer_fingerprint(tok)
+    if prep is not None and fp != prep.extra.get("tokenizer_fingerprint"):
+        raise PipelineError(f"the tokenizer of {cfg.target_model} is not the one stage 01 tokenized with "
+                            f"({prep.path}); the prompts are token ids, so serve the same target or rerun "
+                            f"`python {WorkDir.script('prepare')} --force` with it.")
+    return info, tok
+
+
+def _prompt_source_fingerprint(cfg: EvaluateConfig) -> dict | None:
+    if cfg.prompts is None:
+        return None
+    p = Path(cfg.prompts)
+    if p.is_file():
+        return {"file": sha256_file(p)}
+    return {"dataset": cfg.prompts, "split": cfg.prompts_split}  # a datasets id: its name is all we have
+
+
+def _load_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, max_prompt: int,
+                  prep: Manifest | None) -> tuple[list[Prompt], dict]:
+    if cfg.prompts is None:
+        return held_out_prompts(wd, cfg.num_prompts, max_prompt)
+    return file_prompts(cfg.prompts, cfg.prompts_split, tok, cfg.prompt_field, cfg.category_field,
+                        cfg.num_prompts, max_prompt, (prep.extra.get("chat_template_kwargs") if prep else None))
+
+
+@dataclass
+class _Drafter:
+    """The drafter measured, and what this work dir knows of it."""
+    dir: Path
+    config: dict  # its config.json
+    export: Manifest | None  # stage 05's manifest, when the drafter is this work dir's export
+    export_report: dict | None
+
+
+def _read_drafter(wd: WorkDir, cfg: EvaluateConfig) -> _Drafter:
+
+    drafter_dir, export_m, export_report = _resolve_drafter(wd, cfg)
+    cfg_file = drafter_dir / CONFIG_NAME
+    if not cfg_file.is_file():
+        raise PipelineError(f"{drafter_dir} has no {CONFIG_NAME}; pass a drafter folder with --drafter-dir or run "
+                            f"`python {WorkDir.script('export')}` first.")
+    return _Drafter(drafter_dir, json.loads(cfg_file.read_text()), export_m, export_report)
+
+
+def _identity(cfg: EvaluateConfig, drafter: _Drafter, prep: Manifest | None, info) -> tuple[dict, dict]:
+    """(params, inputs) the manifest records: a rerun with the same ones does nothing."""
+    params = identity_params(cfg)
+    params["drafter_dir"] = str(drafter.dir)
+    files = sorted(p.name for p in drafter.dir.iterdir() if p.name.endswith((".json", ".safetensors")))
+    inputs: dict[str, Any] = {"drafter": {n: sha256_file(drafter.dir / n) for n in files}}
+    if cfg.prompts is None:
+        inputs["prepare"] = manifest_fingerprint(prep)
+    else:
+        inputs["prompts"] = _prompt_source_fingerprint(cfg)
+    if drafter.export is not None:
+        inputs["export"] = manifest_fingerprint(drafter.export)
+    inputs["target_config"] = sha256_json(info.text_config)
+    return params, inputs
+
+
+def _expectation(wd: WorkDir, cfg: EvaluateConfig, drafter: _Drafter) -> dict[str, Any]:
+    """Stage 04's expected accept length, only for the drafter stage 05 exported here (the
+    training figures describe no other drafter)."""
+    K = cfg.num_speculative_tokens
+    if drafter.export is None:
+        return {"value": None, "k": K, "source": f"{drafter.dir} was not exported from this work dir"}
+    expectation = training_expectation(wd, K, drafter.export_report)
+    if expectation.get("ttt_steps") and K > expectation["ttt_steps"]:
+        log.warning("K = %d speculative tokens, but the drafter was trained with %d train-time-test steps: "
+                    "positions past %d were never trained (retrain with --ttt-steps >= %d)",
+                    K, expectation["ttt_steps"], expectation["ttt_steps"], K)
+    return expectation
+
+
+def _choose_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, info, prep: Manifest | None
+                    ) -> tuple[list[Prompt], dict, int]:
+    """The prompts that fit the engine's context with room to answer, their description, and
+    the engine's max_model_len (the longest prompt + max_new_tokens + K + 1 unless given)."""
+    K = cfg.num_speculative_tokens
+    limit = cfg.max_model_len or info.max_position_embeddings or 4096
+    max_prompt = limit - cfg.max_new_tokens - K - 1
+    if max_prompt < 1:
+        raise PipelineError(f"max_model_len {limit} leaves no room for prompts after --max-new-tokens "
+                            f"{cfg.max_new_tokens}; raise --max-model-len or lower --max-new-tokens.")
+    prompts, prompt_info = _load_prompts(cfg, wd, tok, max_prompt, prep)
+    longest = max(len(p.prompt_ids) for p in prompts)
+    return prompts, prompt_info, cfg.max_model_len or min(limit, longest + cfg.max_new_tokens + K + 1)
+
+
+def _plan_runs(wd: WorkDir, cfg: EvaluateConfig, drafter_dir: Path,
+               timed: list[int]) -> list[tuple[str, str | None, list[float], bool]]:
+    """(name, drafter folder, temperatures of its acceptance passes, timed?) of each engine run;
+    writes the untrained baseline drafter when one is served."""
+    greedy = 0.0 in cfg.temperature
+    plan: list[tuple[str, str | None, list[float], bool]] = [
+        ("plain", None, [0.0] if greedy else [], bool(timed)),
+        ("trained", str(drafter_dir), cfg.temperature, bool(timed))]
+    if cfg.baseline_untrained:
+        untrained_dir = write_untrained_drafter(drafter_dir, wd.untrained_drafter(), cfg.seed)
+        # The floor at the headline temperature only: it accepts ~nothing at any temperature.
+        plan.append(("untrained", str(untrained_dir), cfg.temperature[:1], False))
+    return [p for p in plan if p[2] or p[3]]  # plain has nothing to do without greedy or timing
+
+
+def _base_request(cfg: EvaluateConfig, prompts: list[Prompt], max_model_len: int) -> dict[str, Any]:
+    """What every engine run is asked; each run adds its drafter, temperatures and timed prompts."""
+    cats = [p.category for p in prompts]
+    groups = [[i for i, c in enumerate(cats) if c == n] for n in categories(prompts)]
+    return {"target": cfg.target_model, "num_speculative_tokens": cfg.num_speculative_tokens,
+            "max_model_len": max_model_len, "max_num_seqs": cfg.max_num_seqs, "max_new_tokens": cfg.max_new_tokens,
+            "dtype": cfg.dtype, "seed": cfg.seed, "tensor_parallel_size": cfg.tensor_parallel_size,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
+            "trust_remote_code": cfg.trust_remote_code, "warmup_prompts": cfg.warmup_prompts,
+            "timed_passes": cfg.timed_passes, "groups": groups or [list(range(len(prompts)))],
+            "prompts": [p.prompt_ids for p in prompts]}
+
+
+def _serve(plan: list, base_req: dict, timed: list[int], wd: WorkDir, cfg: EvaluateConfig) -> dict[str, dict]:
+    """Each planned engine run, one after the other, each in its own process."""
+    from tqdm import tqdm
+
+    raw: dict[str, dict] = {}
+    for name, drafter, temps, timed_run in tqdm(plan, desc="engine runs", unit="run"):
+        raw[name] = run_engine(name, {**base_req, "drafter": drafter, "temperatures": temps,
+                                      "timing_indices": timed if timed_run else []}, wd, cfg)
+    return raw
+
+
+def _results(raw: dict[str, dict], cfg: EvaluateConfig, prompts: list[Prompt], prompt_info: dict,
+             base_req: dict, timed: list[int], drafter_dir: Path, expectation: dict) -> dict[str, Any]:
+    """Engine results -> results.json's dict (figures.py, report.py)."""
+    K = cfg.num_speculative_tokens
+    runs = run_figures(raw, K, [p.category for p in prompts], cfg.temperature)
+    plain_greedy = raw["plain"]["acceptance"][0]["tokens"] if "plain" in raw and 0.0 in cfg.temperature else None
+    teacher = teacher_check([p.reference_ids for p in prompts], plain_greedy)
+    first = next(iter(raw.values()))
+    engine = {"name": "vllm", "version": first["vllm_version"], "platform": first["platform"],
+              "enforce_eager": first["enforce_eager"]}
+    settings = {**{k: v for k, v in base_req.items() if k not in ("prompts", "groups")},
+                "temperatures": cfg.temperature, "timing_prompts": cfg.timing_prompts, "timing_indices": timed,
+                "drafter": str(drafter_dir), "baseline_untrained": cfg.baseline_untrained}
+    return summarise(runs, K, cfg.temperature, expectation, prompt_info, settings, engine, teacher)
+
+
+def _manifest_counts(results: dict, prompt_info: dict, timed: list[int]) -> dict[str, Any]:
+    return {"prompts": prompt_info["count"], "timing_prompts": len(timed),
+            "acceptance_length": results["acceptance_length"],
+            "untrained_acceptance_length": results["untrained_acceptance_length"],
+            "acceptance_length_by_temperature": {f"{row['temperature']:g}": row["trained"]["acceptance_length"]
+                                                 for row in results["acceptance"]},
+            "speedup": results["speedup"], "break_even_acceptance_length": results["break_even_acceptance_length"],
+            "tokens_per_s_plain": results["tokens_per_s"]["plain"],
+            "tokens_per_s_speculative": results["tokens_per_s"]["speculative"]}
+
+
+def layer_capture(drafter_config: dict, info) -> dict[str, Any]:
+    """Which target layers each engine feeds this drafter, beside the layers it was trained on
+    (eagle3/core/engine_rules.py: the engines' rules, read from their sources)."""
+
+    family = target_family(info.architecture, info.text_config.get("model_type", info.model_type))
+    trained, where = intended_layers(drafter_config)
+    return {"trained": trained, "trained_from": where, "target_family": family, "num_target_layers": info.num_layers,
+            "captured": {rule: captured_layers(rule, drafter_config, info.num_layers) for rule in rules_for(family)}}
+
+
+def capture_lines(capture: dict[str, Any]) -> list[str]:
+    """The log lines of `layer_capture`: one per engine rule, marked where it differs from training."""
+
+    trained = capture["trained"]
+    lines = [f"stage 06: the drafter was trained on target layers {trained} ({capture['trained_from']}); the "
+             f"engines capture (convention 1 ids, {capture['num_target_layers']}-layer target):"]
+    for rule, ids in capture["captured"].items():
+        mark = "" if trained is None or ids == trained else "  <-- NOT the trained layers"
+        lines.append(f"  {RULES[rule].split(':')[0]}: {ids}{mark}")
+    return lines
+
+
+def _log_capture(capture: dict[str, Any], drafter_dir: Path) -> None:
+
+    for line in capture_lines(capture):
+        log.info("%s", line)
+    trained = capture["trained"]
+    wrong = {r: ids for r, ids in capture["captured"].items() if r in (VLLM, VLLM_V2) and trained is not None
+             and ids != trained}
+    if wrong:
+        log.warning("vLLM feeds this drafter other layers than it was trained on (%s, trained %s): the acceptance "
+                    "measured here understates it; see `python -m eagle3.tools.diagnose inspect %s`",
+                    ", ".join(f"{r} {ids}" for r, ids in wrong.items()), trained, drafter_dir)
+
+
+def _log_report(results: dict, warn: bool = True) -> None:
+    for line in report_lines(results):
+        (log.warning if warn and line.startswith("UNRELIABLE") else log.info)("%s", line)
+
+
+def evaluate_drafter(cfg: EvaluateConfig) -> dict:
+    """Stage 06: serve plain / trained / untrained, write results.json, the plot and the manifest."""
+
+    wd = WorkDir(cfg.work_dir)
+    # Stage 01's prompts are its token ids; a prompt set is tokenized here, so needs no stage 01.
+    prep = (read_manifest(wd, "prepare", needed_by=STAGE_SCRIPT)
+            if cfg.prompts is None or wd.manifest("prepare").is_file() else None)
+    drafter = _read_drafter(wd, cfg)
+    info, tok = _check_target(cfg, prep if cfg.prompts is None else None, drafter.config, drafter.dir)
+    params, inputs = _identity(cfg, drafter, prep, info)
+    if already_complete(wd, "evaluate", params, inputs, force=cfg.force):
+        results = json.loads(wd.evaluate_results().read_text())
+        _log_report(results, warn=False)
+        return results
+
+    expectation = _expectation(wd, cfg, drafter)
+    capture = layer_capture(drafter.config, info)
+    _log_capture(capture, drafter.dir)
+    prompts, prompt_info, max_model_len = _choose_prompts(cfg, wd, tok, info, prep)
+    timed = timing_subset(prompts, cfg.timing_prompts)
+    names = categories(prompts)
+    log.info("stage 06: %d prompts from %s (of %d; mean %.0f tokens%s) x %d new tokens at most, K = %d, "
+             "temperatures %s, %d timed single-stream, drafter %s", prompt_info["count"], prompt_info["source"],
+             prompt_info["available"], prompt_info["prompt_tokens_mean"],
+             f"; {len(names)} categories" if names else "", cfg.max_new_tokens, cfg.num_speculative_tokens,
+             cfg.temperature, len(timed), drafter.dir)
+
+    wd.evaluate_dir().mkdir(parents=True, exist_ok=True)
+    wd.manifest("evaluate").unlink(missing_ok=True)  # the manifest marks completion: drop a stale one first
+    base_req = _base_request(cfg, prompts, max_model_len)
+    raw = _serve(_plan_runs(wd, cfg, drafter.dir, timed), base_req, timed, wd, cfg)
+    results = _results(raw, cfg, prompts, prompt_info, base_req, timed, drafter.dir, expectation)
+    results["settings"]["aux_layers"] = capture
+
+    write_json(wd.evaluate_results(), results)
+    write_plot(wd.evaluate_plot(), results, read_train_metrics(wd) if drafter.export is not None else [])
+    write_manifest(wd, "evaluate", params=params, inputs=inputs, counts=_manifest_counts(results, prompt_info, timed),
+                   outputs=[wd.evaluate_results(), wd.evaluate_plot()],
+                   extra={"drafter_dir": str(drafter.dir), "target_model": cfg.target_model})
+    _log_report(results)
+    log.info("stage 06: results -> %s, plot -> %s", wd.evaluate_results(), wd.evaluate_plot())
+    return results

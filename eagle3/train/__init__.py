@@ -1,1 +1,0 @@
-"""Stage 04: train the EAGLE-3 drafter (see eagle3/train/loop.py)."""
