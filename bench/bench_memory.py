@@ -26,13 +26,13 @@ check, exit status 1 if any fails (2 without a CUDA device):
              run in float64, each within ATTN_RTOL relative (L2) error. Measured on CPU
              at this shape (`attention_grad_errors` below, with the CPU kernels, and
              with the CUDA branch through the kernel emulator of
-             tests/test_attention_kernel_contract.py): the correct path's worst gradient
+             tests/unit/test_attention_kernel_contract.py): the correct path's worst gradient
              is 1.0e-2 off (bf16 rounding; the reference attention under bf16 is as
              far), the loss 2e-6; the CUDA branch handing the kernel `out` in
              [B, nh, T, D] memory (the code before this check) puts q_proj/k_proj 1.6e-1 (whole
              rows) and 3.6e-1 (packed rows) off while the loss stays right. ATTN_RTOL =
              3e-2 leaves the correct path a factor 3 and fails that defect by a factor
-             5; tests/test_attention_kernel_contract.py checks both sides on CPU.
+             5; tests/unit/test_attention_kernel_contract.py checks both sides on CPU.
   training   a few stage-04 steps (forward, backward, clip, AdamW) on synthetic data at
              the reference widths, one packed row of the config's batch_tokens in
              4096-token samples, bf16 autocast: a finite loss.

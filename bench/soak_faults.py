@@ -2,7 +2,7 @@
 
     python bench/soak_faults.py [--trials 5] [--stages prepare,extract] [--budget-s 1500] [--seed 1]
 
-The short version (one kill per stage) runs in CI as tests/test_faults.py; this one runs
+The short version (one kill per stage) runs in CI as tests/e2e/test_faults.py; this one runs
 `--trials` seeded kill points per stage on the tiny Llama (built here) with the
 harness's small settings (tests/fault_harness.py), stops starting trials when
 `--budget-s` is spent, and prints trials / passes per stage and each failure. Run it

@@ -21,7 +21,7 @@
 # (README "GPU box install"). Every check judges: a miss is a FAIL line and the script
 # exits 1. Before any work it checks the box (a CUDA device, the CUDA builds of torch
 # and vLLM) and, on a miss, prints one FAIL line naming each missing piece and exits 2;
-# that part runs in CI on CPU machines (tests/test_gpu_check_script.py).
+# that part runs in CI on CPU machines (tests/stages/test_gpu_check_script.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -163,7 +163,7 @@ PY
 # Batches are interleaved over ranks (eagle3/stages/s04_train/data.py), so the two runs read the
 # same micro-batches per step; fp32 leaves them differing only in the order gradients
 # are summed, which bf16 roundings would amplify. The tolerance is the CPU test's for
-# two gloo processes (tests/test_train.py).
+# two gloo processes (tests/stages/test_train.py).
 ngpu=$($PY -c 'import torch; print(torch.cuda.device_count())' 2>> "$LOG")
 if [ "${ngpu:-0}" -lt 2 ]; then
     say "SKIP stage 04 torchrun 2 processes (NCCL) vs 1 process with grad_accum 2: ${ngpu:-0} GPU visible, needs 2"

@@ -1,4 +1,4 @@
-"""One rank of tests/test_collectives.py, started by `torchrun --nproc-per-node 2` (CPU, gloo).
+"""One rank of tests/stages/test_collectives.py, started by `torchrun --nproc-per-node 2` (CPU, gloo).
 
     python -m torch.distributed.run --nproc-per-node 2 tests/collectives_worker.py SCENARIO OUT_DIR
 

@@ -1,4 +1,13 @@
-"""Shared fixtures: tiny targets and a prepared work directory, built once per session."""
+"""Shared fixtures (tiny targets, a prepared work directory, built once per session) and the tiers.
+
+The suite is three folders, each a marker of the same name, cheapest first:
+
+    tests/unit/    pure functions and single modules on tensors built in the test (under a minute)
+    tests/stages/  one or a few stages on the tiny targets, on CPU, without an engine
+    tests/e2e/     vLLM's CPU engine, kill -9 faults, the real small target, the demo
+
+`pytest tests/unit` (or `-m unit`) is the quick check; CI runs `pytest tests`, all three.
+"""
 from __future__ import annotations
 
 import sys
@@ -65,5 +74,22 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(target_head.TargetHead, "load", classmethod(boom))
 
 
+TIERS = {
+    "unit": "pure functions and single modules (tests/unit, under a minute in all)",
+    "stages": "stages on the tiny targets, no engine (tests/stages)",
+    "e2e": "vLLM's CPU engine, faults, the real target, the demo (tests/e2e)",
+}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "fault: kill -9 / disk-full fault tests (run in CI; the soak is bench/soak_faults.py)")
+    for tier, what in TIERS.items():
+        config.addinivalue_line("markers", f"{tier}: {what}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test carries its folder's tier as a marker, so `-m unit` selects what `tests/unit` does."""
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))

@@ -1,6 +1,6 @@
 """kill -9 at a random point of a stage, then the same command again.
 
-Used by tests/test_faults.py (one kill per stage) and bench/soak_faults.py (several).
+Used by tests/e2e/test_faults.py (one kill per stage) and bench/soak_faults.py (several).
 One row of `ROWS` per stage: the script, the stages whose outputs it reads (copied
 from an unbroken reference run), and how its artifacts compare with the reference's.
 A trial:

@@ -38,7 +38,7 @@ kernel_forward.h and kernel_backward.h) and in torch 2.13's meta functions
   hand it the forward's own length (ROCm builds do not pad, per the meta function),
   padded as the forward pads (+inf).
 
-tests/test_attention_kernel_contract.py patches this table and the two call
+tests/unit/test_attention_kernel_contract.py patches this table and the two call
 functions to run the CUDA branch on CPU against an emulator of that contract.
 """
 from __future__ import annotations

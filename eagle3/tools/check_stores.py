@@ -6,7 +6,7 @@ and one store against transformers' own hidden states, neighbouring layers inclu
 Reads the two work directories' `02_hidden_states/` (and, with `--target`, runs the
 target in transformers, float32, on the first samples); writes nothing. Prints one
 `PASS`/`FAIL` line per check with its figure and exits 1 when any check fails.
-scripts/gpu_check.sh and tests/test_real_target_e2e.py use it.
+scripts/gpu_check.sh and tests/e2e/test_real_target_e2e.py use it.
 
 Checks (bf16 tolerance: two bf16 runs of the same model differ by rounding, ~0.5-2%
 per token; neighbouring layers differ by far more, so an off-by-one fails):

@@ -24,7 +24,7 @@ What is counted, for one process training with bf16 autocast (what GPUs run):
     ddp buckets      under torchrun: DDP's fp32 gradient buckets, 4 per parameter
 
 Activations per token and per TTT step, from the tensors autograd saves (checked
-against a measurement by tests/test_memory.py and bench/bench_memory.py):
+against a measurement by tests/unit/test_memory.py and bench/bench_memory.py):
 
     sdpa       28 H + 8 I + 4 (nh + n_kv + 1) D + 4 nh + 2 V_d + 28
                (2 V_d: the bf16 logits the blocked loss keeps, `ttt.soft_cross_entropy`)

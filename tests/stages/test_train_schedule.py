@@ -32,7 +32,7 @@ from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.core.workdir import WorkDir
 from stage_fixtures import copy_stages
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # On the 60 chats below, seed 8 and rows of 416 tokens pack epoch 1 into fewer rows
 # than epoch 0 (the test checks it), both of the samples that carry loss and, as the
 # schedule that counted every epoch's steps from epoch 0 did, of all samples: that

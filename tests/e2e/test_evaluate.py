@@ -3,7 +3,7 @@ break-even formula on fabricated engine results, the untrained baseline drafter,
 training-time expectation, the layers each engine captures, the errors, and the
 package's steps (run figures, engine shutdown, plot). One test serves a real engine: a
 drafter from elsewhere measured on a new work directory (~50 s, one engine start);
-tests/test_pipeline_e2e.py serves the pipeline's own. About 75 s on 2 cores."""
+tests/e2e/test_pipeline_e2e.py serves the pipeline's own. About 75 s on 2 cores."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts,
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K = 3
 
 

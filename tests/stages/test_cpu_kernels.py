@@ -20,7 +20,7 @@ import torch
 
 from eagle3.core import cpu
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _machine(monkeypatch, *, capability: str, amx: bool, avx512_bf16: bool) -> None:

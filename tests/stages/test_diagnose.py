@@ -196,7 +196,7 @@ def test_inspect_without_target_and_unreadable_folders(clean, tmp_path, capsys):
 
 def test_diagnose_runs_as_a_module(clean):
     p = subprocess.run([sys.executable, "-m", "eagle3.tools.diagnose", "inspect", str(clean)], capture_output=True,
-                       text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 0 and "OK: both engines" in p.stdout
 
 
@@ -336,7 +336,7 @@ def test_versions_of_this_machine_pass():
     assert rows["torch"]["status"] == "ok" and rows["transformers"]["status"] == "ok"
     assert r["ok"]
     p = subprocess.run([sys.executable, "-m", "eagle3.tools.diagnose", "versions"], capture_output=True, text=True,
-                       timeout=120, cwd=Path(__file__).resolve().parent.parent)
+                       timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 0 and "OK: every installed engine meets the minimums" in p.stdout
 
 

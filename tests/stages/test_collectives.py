@@ -21,7 +21,7 @@ from eagle3.stages.s04_train import checkpoint
 from eagle3.stages.s04_train.distributed import all_gather_object, all_reduce_sum, backend_for
 from eagle3.stages.s04_train.metrics import MetricSum
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

@@ -22,7 +22,7 @@ from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.core.workdir import WorkDir
 from stage_fixtures import build_stages_123
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=3,
              warmup_steps=2)
 

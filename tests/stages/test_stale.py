@@ -26,7 +26,7 @@ from eagle3.core.manifest import (_load, completed, find_stale, manifest_fingerp
 from eagle3.core.stages import STAGE
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The stage graph (README): which manifests each stage reads.
 GRAPH = {

@@ -267,7 +267,7 @@ def _defect1_backward(dout, q, k, v, out, lse, scale, saved):
 
 
 def _bench_memory():
-    path = Path(__file__).resolve().parent.parent / "bench" / "bench_memory.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_memory.py"
     spec = importlib.util.spec_from_file_location("bench_memory", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -20,7 +20,7 @@ import pytest
 from eagle3.core.config import build_config
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-llama.yaml"
 # Reduced from the demo (150 target steps, 120 drafter steps, 77 prompts x 64 tokens).
 TARGET_STEPS = 60

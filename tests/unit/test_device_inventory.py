@@ -20,7 +20,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "DEVICE_BRANCHES.md"
 SEAM_CALLS = {"on_cpu", "bf16_fused_attention_ok", "bf16_pays"}
 BACKEND_NAME = re.compile(r"^(?:[a-z]+:)?(?:nccl|gloo)(?:,(?:[a-z]+:)?(?:nccl|gloo))*$")

@@ -28,7 +28,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.core.workdir import WorkDir
 from stage_fixtures import kill_after_entries
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 H, A = 32, 3
 N_CHATS = 40
 DiskUsage = namedtuple("DiskUsage", "total used free")

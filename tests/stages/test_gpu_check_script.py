@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Runs the script's Python (`$PY -`, read from stdin) in a process whose torch reports one
 # CUDA device: the box with a GPU that the script's vLLM check is for.

@@ -34,7 +34,7 @@ from eagle3.core.atomic import DiskFullError, atomic_path, save_numpy, save_torc
 from eagle3.core.errors import PipelineError
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- disk full -------------------------------------------------------------------------------

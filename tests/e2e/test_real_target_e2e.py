@@ -27,7 +27,7 @@ import pytest
 from eagle3.core.config import build_config
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
 HELD_OUT = ROOT / "data" / "demo_prompts_heldout.jsonl"

@@ -1,6 +1,6 @@
 """The demo's closing summary (eagle3/tools/demo.py) on fabricated stage results: it judges the
 run by what it measured and leaves out what was not measured. No engine; about 2 s.
-(tests/test_pipeline_e2e.py reads the summary of a real run.)"""
+(tests/e2e/test_pipeline_e2e.py reads the summary of a real run.)"""
 from __future__ import annotations
 
 import json

@@ -23,7 +23,7 @@ from eagle3.core.manifest import write_manifest
 from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [2, 4, 5]  # default [2, N//2, N-3] of the 8-layer tiny Llama
 TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=512,
             target_hidden_size=256, draft_vocab_size=256, target_vocab_size=960, max_position_embeddings=2048,

@@ -24,7 +24,7 @@ from eagle3.core.store import HiddenStateStore
 from eagle3.core.workdir import WorkDir
 from stage_fixtures import kill_after_entries
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 N_CHATS = 40
 AUX = [2, 4, 5]  # the default [2, N//2, N-3] for the 8-layer tiny targets
 

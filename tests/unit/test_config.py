@@ -15,7 +15,7 @@ from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s03_vocab.config import VocabConfig
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_yaml_shared_keys_section_and_flags(tmp_path):

@@ -1,7 +1,7 @@
 """No silent empty result: stages 00, 01 and 02 stop with one line (the input, the counts
 by reason, the likely fix) when their output would hold no usable sample.
 
-Stage 00's and 01's refusals are tested in tests/test_generate.py and tests/test_prepare.py;
+Stage 00's and 01's refusals are tested in tests/e2e/test_generate.py and tests/stages/test_prepare.py;
 here stage 02's (an empty train split, a store whose every sample is NaN) and the scripts'
 exit: status 2, one error line, no traceback. About 40 s on 2 cores (three script starts,
 two transformers extractions on the tiny Llama).
@@ -23,7 +23,7 @@ from eagle3.stages.s01_prepare.run import prepare_dataset
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 N_CHATS = 8
 
 

@@ -25,7 +25,7 @@ from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LO
 from eagle3.core.loss_mask import assistant_suffix
 from eagle3.core.workdir import WorkDir
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
 N_CHATS = 20  # 17 multi-turn among the first 20 demo chats (2 or 3 assistant turns)
 MAX_NEW = 10
@@ -461,7 +461,7 @@ def test_other_settings_are_refused_without_force(unbroken, engine, tiny_llama, 
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thinking, tmp_path):
-    """A Kimi-K2.5 style thinking template (tests/test_loss_mask.py), a scripted target that
+    """A Kimi-K2.5 style thinking template (tests/unit/test_loss_mask.py), a scripted target that
     thinks, then answers: stage 01 reads the switches from stage 00's manifest and masks
     exactly the generated ids, reasoning and </think> included."""
     from transformers import LlamaConfig
