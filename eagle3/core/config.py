@@ -222,7 +222,8 @@ class ShardedStageConfig(StageConfig):
 
     num_shards: int = param(1, min=1, identity=False, help="number of boxes splitting the work")
     shard_index: int = param(0, min=0, identity=False, help="this box's index in [0, num_shards)")
-    tensor_parallel_size: int = param(1, min=1, identity=False, help="GPUs per engine (8 for Kimi-K2.5)")
+    # tensor_parallel_size, the engine's own setting, is declared with the engine's others
+    # (eagle3/engines/config.py's EngineSettings, which stages 00 and 02 also inherit).
     data_parallel_size: int = param(1, min=1, identity=False, help="engines on this box (for targets that fit "
                                                                   "tensor_parallel_size GPUs), one process each")
 

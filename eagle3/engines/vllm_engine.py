@@ -1,8 +1,12 @@
-"""Starting a vLLM engine the way every stage that runs one does (stages 00 and 02).
+"""Starting a vLLM engine the way every stage that runs one does (stages 00, 02 and 06).
 
-What the stages share: the CPU build's settings (a fixed KV cache size instead of
-vLLM's profiling), quiet engine processes unless -v, and one refusal naming the
-target and what to check when the engine does not start. Stopping one is
+`start_llm(EngineConfig)` is the one path from an engine's settings
+(eagle3/engines/config.py) to `vllm.LLM(**kwargs)`: `for_platform` fills the settings
+left to the platform (the CPU build: a share of RAM, eager, a fixed KV cache size
+instead of vLLM's profiling; a GPU: a share of the GPU, compiled with CUDA graphs),
+`engine_kwargs` turns them into `vllm.LLM`'s arguments, and `start_llm` starts the
+engine in this process or spawned, quiet unless -v, with one refusal naming the target
+and what to check when it does not start. Stopping one is
 eagle3/engines/vllm_shutdown.py's `shutdown_llm`.
 
 `vllm` is imported only inside `on_cpu` and `start_llm`: this module is importable without
@@ -10,20 +14,18 @@ it. Which platform the engine runs on is `on_cpu`'s answer alone (vLLM's, not to
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
 from eagle3.core.errors import PipelineError
+from eagle3.engines.config import CPU_KV_CACHE_GIB, CPU_MEMORY_SHARE, GPU_MEMORY_SHARE, EngineConfig
 
 log = logging.getLogger(__name__)
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-# The stages' `engine_in_process` setting. Off by default: an in-process engine pins the
-# calling process's threads to its cores (vLLM's CPU worker), which a long-lived caller
-# such as a test session must not inherit; a script run is a process of its own.
-IN_PROCESS_HELP = ("run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): on CPU the "
-                   "engine starts ~1 min sooner")
-CPU_KV_CACHE_GIB = 1.0  # a fixed size also skips the CPU build's profiling warm-up
+# EngineConfig fields that are not `vllm.LLM` arguments under their own name.
+NOT_LLM_ARGS = ("engine_in_process", "kv_cache_gib", "extra")
 
 
 def on_cpu() -> bool:
@@ -39,7 +41,7 @@ def on_cpu() -> bool:
       then fails with "Cannot re-initialize CUDA in forked subprocess". vLLM's platform
       probe uses NVML and leaves CUDA untouched.
     """
-    quiet_vllm()  # the import below is the first `import vllm` of stages 00 and 02
+    quiet_vllm()  # the import below is the first `import vllm` of stages 00, 02 and 06
     try:
         from vllm.platforms import current_platform
     except ImportError as e:
@@ -48,11 +50,28 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def kv_cache_kwargs(kv_cache_gib: float | None) -> dict:
-    """`kv_cache_memory_bytes` for `vllm.LLM` (on CPU, CPU_KV_CACHE_GIB unless given; on GPU, vLLM sizes it)."""
-    if kv_cache_gib is None and on_cpu():
-        kv_cache_gib = CPU_KV_CACHE_GIB
-    return {} if kv_cache_gib is None else {"kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30))}
+def for_platform(engine: EngineConfig) -> EngineConfig:
+    """`engine` with the settings left to the platform (None) filled for vLLM's platform:
+    the memory share, eager mode and, on CPU, a fixed KV cache (on GPU, vLLM sizes it)."""
+    cpu = on_cpu()
+    return dataclasses.replace(
+        engine,
+        gpu_memory_utilization=engine.gpu_memory_utilization or (CPU_MEMORY_SHARE if cpu else GPU_MEMORY_SHARE),
+        enforce_eager=cpu if engine.enforce_eager is None else engine.enforce_eager,
+        kv_cache_gib=CPU_KV_CACHE_GIB if engine.kv_cache_gib is None and cpu else engine.kv_cache_gib)
+
+
+def engine_kwargs(engine: EngineConfig) -> dict:
+    """The arguments of `vllm.LLM` for `engine` on this platform: every field that is set
+    (None: vLLM's default), `kv_cache_gib` as `kv_cache_memory_bytes`, then `extra`."""
+    engine = for_platform(engine)
+    kw = {f.name: getattr(engine, f.name) for f in dataclasses.fields(engine)
+          if f.name not in NOT_LLM_ARGS and getattr(engine, f.name) is not None}
+    if kw.get("speculative_config") is not None:
+        kw["speculative_config"] = dict(kw["speculative_config"])  # vLLM builds its config from a dict
+    if engine.kv_cache_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(engine.kv_cache_gib * (1 << 30))
+    return {**kw, **engine.extra}
 
 
 def quiet_vllm() -> None:
@@ -61,18 +80,20 @@ def quiet_vllm() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
 
 
-def start_llm(engine_kw: dict, *, fix: str, in_process: bool = False):
-    """`vllm.LLM(**engine_kw)`, or a PipelineError naming the model, vLLM's error and `fix`.
+def start_llm(engine: EngineConfig, *, fix: str):
+    """`vllm.LLM(**engine_kwargs(engine))`, or a PipelineError naming the model, vLLM's error and `fix`.
 
-    `in_process`: run vLLM's engine core (and, at tensor parallel 1, the model) in this
+    `engine.engine_in_process`: run vLLM's engine core (and, at tensor parallel 1, the model) in this
     process instead of spawning a process for each, as VLLM_ENABLE_V1_MULTIPROCESSING=0
-    does. Each spawned process imports vLLM and torch afresh: on 2 CPU cores SmolLM2's
-    engine started in 16 s in process and 88 s spawned. The variable is set for this
+    does. Each spawned process imports vLLM and torch afresh, so on a small CPU machine a
+    spawned engine starts several times slower (docs/results.md). The variable is set for this
     start only; the engine keeps the mode it was built with.
     """
     quiet_vllm()
     from vllm import LLM
 
+    in_process = engine.engine_in_process
+    engine_kw = engine_kwargs(engine)
     saved = os.environ.get(IN_PROCESS_ENV)
     if in_process:
         os.environ[IN_PROCESS_ENV] = "0"

@@ -1,6 +1,10 @@
 """What the stages hand vLLM, checked on CPU against the contracts read in vLLM 0.32's and
 torch 2.13's sources (docs/DEVICE_BRANCHES.md names each source).
 
+- Stages 00, 02 and 06 build one `EngineConfig` each (eagle3/engines/config.py) and start
+  it through `eagle3/engines/vllm_engine.py:start_llm`; `engine_kwargs` is the one path
+  from it to `vllm.LLM(**kwargs)`, checked here per stage and per platform against vLLM's
+  `EngineArgs` (and stage 02's and 06's speculative settings against `SpeculativeConfig`).
 - Which platform the engine runs on is vLLM's answer (`vllm.platforms.current_platform`),
   never torch's: `eagle3/engines/vllm_engine.py:on_cpu` is the one seam, and every engine setting
   that means something else on CUDA (`gpu_memory_utilization`, `enforce_eager`, the KV
@@ -17,16 +21,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import eagle3.stages.s06_evaluate.engine as evaluate_engine
+from eagle3.core.errors import PipelineError
 from eagle3.engines import parallel
 from eagle3.engines import vllm_engine
-from eagle3.core.errors import PipelineError
-from eagle3.stages.s02_extract import vllm_backend
+from eagle3.engines.config import CPU_KV_CACHE_GIB, CPU_MEMORY_SHARE, GPU_MEMORY_SHARE, EngineConfig
 from eagle3.stages.s00_generate import vllm_runner
+from eagle3.stages.s00_generate.config import GenerateConfig
+from eagle3.stages.s02_extract import vllm_backend
+from eagle3.stages.s02_extract.config import ExtractConfig
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
 
 vllm_platforms = pytest.importorskip("vllm.platforms")
 from vllm.platforms.interface import Platform, PlatformEnum  # noqa: E402
@@ -61,12 +71,30 @@ def torch_never_asked(monkeypatch):
 
 
 INFO = SimpleNamespace(source="some/target", architecture="KimiK25ForConditionalGeneration")
+AUX = [2, 15, 27]
 
 
-def _extract_kwargs(**kw) -> dict:
-    return vllm_backend.engine_kwargs(INFO, tensor_parallel_size=8, dtype="bfloat16", max_model_len=4096,
-                                      batch_tokens=8192, gpu_memory_utilization=0.85, kv_cache_gib=None,
-                                      enforce_eager=None, trust_remote_code=False, **kw)
+# Each stage's engine as its run builds it: the stage config's `engine_config`, then what the
+# stage's engine module adds (stage 02: exact extraction + connector; stage 06: the drafter).
+def generate_engine(**kw) -> EngineConfig:
+    cfg = GenerateConfig(work_dir=Path("w"), target_model="some/target", data=["chats.jsonl"], **kw)
+    return vllm_runner.generation_engine(cfg.engine_config())
+
+
+def extract_engine(**kw) -> EngineConfig:
+    cfg = ExtractConfig(work_dir=Path("w"), target_model="some/target", **{"tensor_parallel_size": 8, **kw})
+    engine = cfg.engine_config(model=INFO.source, max_model_len=4096)
+    return vllm_backend.extracting(vllm_backend.extraction_engine(engine, batch_tokens=8192), AUX)
+
+
+def evaluate_engine_for(drafter: str | None = "some/drafter", per_request: bool = True, **kw) -> EngineConfig:
+    cfg = EvaluateConfig(work_dir=Path("w"), target_model="some/target", **kw)
+    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=512)), "drafter": drafter,
+           "num_speculative_tokens": cfg.num_speculative_tokens}
+    return evaluate_engine.run_engine_config(req, per_request)
+
+
+STAGE_ENGINES = {"generate": generate_engine, "extract": extract_engine, "evaluate": evaluate_engine_for}
 
 
 def test_this_build_runs_vllms_cpu_platform():
@@ -75,32 +103,37 @@ def test_this_build_runs_vllms_cpu_platform():
     assert vllm_engine.on_cpu()
 
 
-def test_engine_settings_on_a_gpu_box_follow_vllms_cuda_platform(cuda_vllm):
+@pytest.mark.parametrize("stage", STAGE_ENGINES)
+def test_engine_settings_on_a_gpu_box_follow_vllms_cuda_platform(stage, cuda_vllm):
     """On CUDA, vLLM sizes the KV cache from `gpu_memory_utilization` x total GPU memory
     (v1/worker/utils.py request_memory) and compiles + captures CUDA graphs unless eager:
-    no fixed KV cache size, compiled, and the GPU shares of memory."""
+    no fixed KV cache size, compiled, and the GPU share of memory, the same for every stage."""
     assert not torch.cuda.is_available() and not vllm_engine.on_cpu()
-    gen = vllm_runner.engine_kwargs("some/target", tensor_parallel_size=8)
-    assert "kv_cache_memory_bytes" not in gen
-    assert gen["enforce_eager"] is False and gen["gpu_memory_utilization"] == pytest.approx(0.9)
-    ext = _extract_kwargs()
-    assert "kv_cache_memory_bytes" not in ext and ext["enforce_eager"] is False
-    assert ext["gpu_memory_utilization"] == pytest.approx(0.85) and ext["tensor_parallel_size"] == 8
-    vllm_backend.check_supported(INFO)  # the multimodal Kimi-K2.5 is refused on CPU only
+    kw = vllm_engine.engine_kwargs(STAGE_ENGINES[stage]())
+    assert "kv_cache_memory_bytes" not in kw and kw["enforce_eager"] is False
+    assert kw["gpu_memory_utilization"] == pytest.approx(GPU_MEMORY_SHARE)
+    if stage == "extract":
+        assert kw["tensor_parallel_size"] == 8
+        vllm_backend.check_supported(INFO)  # the multimodal Kimi-K2.5 is refused on CPU only
+    # What a user sets wins on either platform.
+    kw = vllm_engine.engine_kwargs(STAGE_ENGINES[stage](gpu_memory_utilization=0.5, kv_cache_gib=2.0,
+                                                        enforce_eager=True))
+    assert kw["gpu_memory_utilization"] == 0.5 and kw["kv_cache_memory_bytes"] == 2 << 30 and kw["enforce_eager"]
 
 
-def test_vllm_cpu_on_a_box_where_torch_sees_a_gpu_keeps_the_cpu_settings(monkeypatch):
+@pytest.mark.parametrize("stage", STAGE_ENGINES)
+def test_vllm_cpu_on_a_box_where_torch_sees_a_gpu_keeps_the_cpu_settings(stage, monkeypatch):
     """vLLM's platform comes from its build and NVML (vllm/platforms/__init__.py: the `cpu`
     version suffix wins over a visible GPU). Its CPU worker reads `gpu_memory_utilization` as
     the share of RAM (v1/worker/cpu_worker.py): the settings must be the CPU ones even when
     torch, a CUDA build, sees a GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    gen = vllm_runner.engine_kwargs("some/target")
-    assert gen["kv_cache_memory_bytes"] == int(vllm_engine.CPU_KV_CACHE_GIB * (1 << 30))
-    assert gen["enforce_eager"] is True and gen["gpu_memory_utilization"] == pytest.approx(0.3)
-    assert _extract_kwargs()["enforce_eager"] is True
-    with pytest.raises(PipelineError, match="--backend hf on CPU"):
-        vllm_backend.check_supported(INFO)
+    kw = vllm_engine.engine_kwargs(STAGE_ENGINES[stage]())
+    assert kw["kv_cache_memory_bytes"] == int(CPU_KV_CACHE_GIB * (1 << 30))
+    assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == pytest.approx(CPU_MEMORY_SHARE)
+    if stage == "extract":
+        with pytest.raises(PipelineError, match="--backend hf on CPU"):
+            vllm_backend.check_supported(INFO)
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
@@ -113,56 +146,140 @@ def test_engine_settings_never_ask_torch_about_cuda(platform, torch_never_asked,
     fails with "Cannot re-initialize CUDA in forked subprocess"."""
     if platform == "cuda":
         monkeypatch.setattr(vllm_platforms, "_current_platform", FakeCudaPlatform())
-    vllm_runner.engine_kwargs("some/target")
-    _extract_kwargs()
-    vllm_engine.kv_cache_kwargs(None)
+    for build in STAGE_ENGINES.values():
+        vllm_engine.engine_kwargs(build())
     if platform == "cuda":
         vllm_backend.check_supported(INFO)
 
 
-def test_every_engine_setting_is_an_engine_argument():
-    """What the stages hand `vllm.LLM` on either platform are fields of vLLM's EngineArgs (an
-    unknown name is a TypeError at engine start, and CI never starts the GPU settings)."""
+def _engine_args_fields() -> set[str]:
     from vllm.engine.arg_utils import EngineArgs
 
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    ext = {**_extract_kwargs(), **vllm_backend.extraction_kwargs([2, 15, 27])}
-    gen = vllm_runner.engine_kwargs("some/target", max_model_len=2048)
-    cpu_only = vllm_engine.kv_cache_kwargs(0.5)
-    for kw in (ext, gen, cpu_only):
-        assert set(kw) - {"model"} <= fields, sorted(set(kw) - fields)
-    spec = ext["speculative_config"]
+    return {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def test_every_engine_config_field_is_an_engine_argument():
+    """`engine_kwargs` hands vLLM each EngineConfig field under its own name (but the three
+    it translates or spends itself): each must be an EngineArgs field, or `vllm.LLM` raises
+    a TypeError at engine start."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)} - set(vllm_engine.NOT_LLM_ARGS)
+    assert names <= _engine_args_fields(), sorted(names - _engine_args_fields())
+    assert "kv_cache_memory_bytes" in _engine_args_fields()
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+@pytest.mark.parametrize("stage", STAGE_ENGINES)
+def test_every_engine_setting_is_an_engine_argument(stage, platform, monkeypatch):
+    """What each stage hands `vllm.LLM` on either platform are fields of vLLM's EngineArgs (an
+    unknown name is a TypeError at engine start, and CI never starts the GPU settings), and its
+    speculative settings are fields of vLLM's SpeculativeConfig."""
+    from vllm.config import SpeculativeConfig
+
+    if platform == "cuda":
+        monkeypatch.setattr(vllm_platforms, "_current_platform", FakeCudaPlatform())
+    kw = vllm_engine.engine_kwargs(STAGE_ENGINES[stage](kv_cache_gib=0.5))
+    assert set(kw) <= _engine_args_fields(), sorted(set(kw) - _engine_args_fields())
+    assert kw["model"] == "some/target" and kw["kv_cache_memory_bytes"] == 1 << 29
+    spec = kw.get("speculative_config")
+    if spec is not None:
+        spec_fields = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+        assert set(spec) <= spec_fields, sorted(set(spec) - spec_fields)
+
+
+def test_extraction_engine_settings():
+    """Stage 02's engine keeps stored states exact (vllm_backend's module doc) and asks for the
+    aux layers through the extraction method and our connector."""
+    kw = vllm_engine.engine_kwargs(extract_engine())
+    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is False
+    assert kw["max_num_batched_tokens"] == 8192 and kw["max_model_len"] == 4096 and kw["seed"] == 0
+    spec = kw["speculative_config"]
     assert spec["method"] == "extract_hidden_states" and spec["num_speculative_tokens"] == 1  # V1 and V2 require 1
     hf = spec["draft_model_config"]["hf_config"]
     # V2's ExtractHiddenStatesSpeculator (v1/worker/gpu/spec_decode/extract_hidden_states.py) and
     # its layer setup (eagle3_utils.get_eagle3_aux_layers_from_config) read only this top-level key.
-    assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
-    kv = ext["kv_transfer_config"]
+    assert hf["eagle_aux_hidden_state_layer_ids"] == AUX
+    kv = kw["kv_transfer_config"]
     assert kv.kv_connector_module_path == "eagle3.stages.s02_extract.vllm_connector" and kv.kv_role == "kv_producer"
+    # The batch holds at least one whole sample, whatever --batch-tokens says.
+    assert vllm_engine.engine_kwargs(vllm_backend.extraction_engine(
+        EngineConfig(model="t", max_model_len=4096), batch_tokens=100))["max_num_batched_tokens"] == 4096
+
+
+def test_generation_and_evaluation_engine_settings():
+    """Stage 00 keeps prefix caching on (a multi-turn round reuses earlier turns) and its seed;
+    stage 06 turns it off (timed prefills cost what a new prompt's does), keeps log stats on
+    (its spec-decode counters), serves the drafter with EAGLE-3 and asks per-request metrics
+    only of an engine that has them."""
+    gen = vllm_engine.engine_kwargs(generate_engine(seed=7, max_num_seqs=32, max_model_len=2048))
+    assert gen["enable_prefix_caching"] is True and gen["disable_log_stats"] is True
+    assert (gen["seed"], gen["max_num_seqs"], gen["max_model_len"]) == (7, 32, 2048)
+    ev = vllm_engine.engine_kwargs(evaluate_engine_for(seed=3, max_num_seqs=16, num_speculative_tokens=5))
+    assert ev["enable_prefix_caching"] is False and ev["disable_log_stats"] is False
+    assert (ev["seed"], ev["max_num_seqs"], ev["max_model_len"]) == (3, 16, 512)
+    assert ev["speculative_config"] == {"method": "eagle3", "model": "some/drafter", "num_speculative_tokens": 5}
+    assert ev["per_request_spec_decode_metrics"] == "summary"
+    assert "per_request_spec_decode_metrics" not in vllm_engine.engine_kwargs(evaluate_engine_for(per_request=False))
+    plain = vllm_engine.engine_kwargs(evaluate_engine_for(drafter=None))
+    assert "speculative_config" not in plain and "per_request_spec_decode_metrics" not in plain
+
+
+def test_start_llm_hands_vllm_the_engine_kwargs(monkeypatch):
+    """`start_llm` builds `vllm.LLM(**engine_kwargs(engine))`, sets the in-process switch for
+    that start only, and names the model and the fix when vLLM refuses."""
+    import vllm
+
+    seen = []
+
+    def fake_llm(**kw):
+        seen.append((kw, os.environ.get(vllm_engine.IN_PROCESS_ENV)))
+        if kw["model"] == "bad":
+            raise ValueError("no such model")
+        return "engine"
+
+    monkeypatch.setattr(vllm, "LLM", fake_llm)
+    monkeypatch.delenv(vllm_engine.IN_PROCESS_ENV, raising=False)
+    engine = generate_engine(engine_in_process=True)
+    assert vllm_engine.start_llm(engine, fix="check it") == "engine"
+    assert seen == [(vllm_engine.engine_kwargs(engine), "0")]
+    assert vllm_engine.IN_PROCESS_ENV not in os.environ
+    with pytest.raises(PipelineError, match=r"vLLM could not start bad \(ValueError: no such model\); check it\."):
+        vllm_engine.start_llm(EngineConfig(model="bad"), fix="check it")
+    assert seen[-1][1] is None  # spawned: the switch untouched
+
+
+def test_engine_config_refuses_what_it_cannot_hand_vllm():
+    with pytest.raises(PipelineError, match=r"extra sets \['dtype', 'kv_cache_memory_bytes'\]"):
+        EngineConfig(model="t", extra={"dtype": "float16", "kv_cache_memory_bytes": 1})
+    with pytest.raises(PipelineError, match=r"gpu_memory_utilization = 1.5 must be in \(0, 1\]"):
+        EngineConfig(model="t", gpu_memory_utilization=1.5)
+    with pytest.raises(PipelineError, match=r"kv_cache_gib = 0 must be > 0"):
+        EngineConfig(model="t", kv_cache_gib=0)
 
 
 def test_evaluation_worker_on_a_gpu_box(cuda_vllm, monkeypatch):
-    """Stage 06's worker on CUDA: compiled with CUDA graphs (what production serves), 0.85 of
-    the GPU, the GPU's name as the platform, and no CPU workaround applied."""
-    import eagle3.stages.s06_evaluate.engine as engine
+    """Stage 06's worker on CUDA: compiled with CUDA graphs (what production serves), the GPU
+    share of memory, the GPU's name as the platform, and no CPU workaround applied."""
+    seen = []
 
-    seen = {}
-
-    def start(req, eager, gmu, per_request):
-        seen.update(eager=eager, gmu=gmu)
+    def start(engine):
+        seen.append(engine)
         return SimpleNamespace(generate=lambda *a, **k: [], get_metrics=lambda: [],
                                llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: None)))
 
     def no_cpu_fix():
         raise AssertionError("the CPU build's sampler workaround must not run on a GPU box")
 
-    monkeypatch.setattr(engine, "_start_engine", start)
-    monkeypatch.setattr(engine, "_fix_cpu_sampled_verification", no_cpu_fix)
-    req = {"drafter": "some/drafter", "gpu_memory_utilization": None, "enforce_eager": None,
-           "num_speculative_tokens": 3, "seed": 0, "max_new_tokens": 4, "prompts": [], "groups": [[]],
+    monkeypatch.setattr(evaluate_engine, "_start_engine", start)
+    monkeypatch.setattr(evaluate_engine, "_fix_cpu_sampled_verification", no_cpu_fix)
+    cfg = EvaluateConfig(work_dir=Path("w"), target_model="some/target")
+    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=64)), "drafter": "some/drafter",
+           "num_speculative_tokens": 3, "max_new_tokens": 4, "prompts": [], "groups": [[]],
            "temperatures": [], "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
-    out = engine.serve_and_measure(req)
-    assert seen == {"eager": False, "gmu": pytest.approx(0.85)}
+    out = evaluate_engine.serve_and_measure(req)
+    (engine,) = seen
+    assert engine.enforce_eager is False and engine.gpu_memory_utilization == pytest.approx(GPU_MEMORY_SHARE)
+    assert engine.kv_cache_gib is None and engine.speculative_config["model"] == "some/drafter"
+    assert out["enforce_eager"] is False and out["gpu_memory_utilization"] == pytest.approx(GPU_MEMORY_SHARE)
     assert out["platform"] == "NVIDIA H200" and out["patched_cpu_sampled_verification"] is False
 
 

@@ -1,21 +1,23 @@
 """Stage 00's config: which target, how to sample, how to split the work.
 
 Filled from the shared YAML keys, the `generate:` section and flags (eagle3/core/config.py).
-Fields with `identity=False` change how the work is done, not what is generated, so
-finished chunks are not redone when only they change.
+The engine's settings (dtype, memory, eager, ...) are eagle3/engines/config.py's
+`EngineSettings`, shared with stages 02 and 06. Fields with `identity=False` change how
+the work is done, not what is generated, so finished chunks are not redone when only
+they change.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-from eagle3.core.config import DTYPE_CHOICES, ShardedStageConfig, data_sources, dtype_name, param
+from eagle3.core.config import ShardedStageConfig, data_sources, param
 from eagle3.core.errors import PipelineError
-from eagle3.engines.vllm_engine import IN_PROCESS_HELP
+from eagle3.engines.config import EngineConfig, EngineSettings
 
 
 @dataclass(kw_only=True)
-class GenerateConfig(ShardedStageConfig):
+class GenerateConfig(EngineSettings, ShardedStageConfig):
     target_model: str = param(help="target model folder or hub id: the model the drafter will serve with")
     data: list[str] = param(help="chats or prompts: .json/.jsonl files (OpenAI `messages`, ShareGPT "
                                  "`conversations`, a `prompt` / `instruction` / `question` field or MT-Bench "
@@ -31,21 +33,14 @@ class GenerateConfig(ShardedStageConfig):
     max_new_tokens: int = param(2048, min=1, help="cap on generated tokens per assistant turn; cut answers are "
                                            "counted and kept")
     seed: int = param(0, help="sampling seed; each request's seed derives from (seed, sample id, turn)")
-    max_model_len: int | None = param(None, help="context length; longer prompts are counted and their "
-                                                 "conversation ends before that turn (default: the target's)")
-    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="dtype the target runs in")
+    # Part of what is generated (identity, unlike the other stages' context length): a
+    # conversation ends before the first turn whose prompt does not fit.
+    max_model_len: int | None = param(None, min=1, help="context length; longer prompts are counted and their "
+                                                        "conversation ends before that turn (default: the target's)")
     chunk_size: int = param(256, min=1, help="conversations per output chunk: the unit of resume, of multi-box "
                                       "splitting, and of batching (all turn-k prompts of a chunk go together)")
     # --- how the work is done (not part of what is generated) ---
     max_num_seqs: int = param(256, min=1, identity=False, help="vLLM: concurrent sequences per engine")
-    gpu_memory_utilization: float | None = param(None, gt=0.0, max=1.0, identity=False,
-                                                 help="share of GPU memory (on the CPU build: of RAM) the engine "
-                                                      "reserves (default 0.3 CPU, 0.9 GPU)")
-    kv_cache_gib: float | None = param(None, identity=False, help="fixed KV cache size in GiB (default: "
-                                                                  "vLLM sizes it; 1 on CPU)")
-    enforce_eager: bool | None = param(None, identity=False, help="no compilation / CUDA graphs (default: "
-                                                                  "on for CPU, off on GPU)")
-    engine_in_process: bool = param(False, identity=False, help=IN_PROCESS_HELP)
     force: bool = param(False, identity=False, help="delete what this stage wrote and start over")
 
     def __post_init__(self):
@@ -59,8 +54,12 @@ class GenerateConfig(ShardedStageConfig):
         if self.chat_template_kwargs is not None and not isinstance(self.chat_template_kwargs, dict):
             raise PipelineError(f"generate.chat_template_kwargs = {self.chat_template_kwargs!r} must be a JSON "
                                 f"object, e.g. '{{\"thinking\": false}}'.")
-        super().__post_init__()  # the choices and ranges declared with the fields
-        self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16
+        super().__post_init__()  # the choices and ranges declared with the fields; dtype's one spelling
+
+    def engine_config(self, **stage_specific) -> EngineConfig:
+        """Stage 00's engine: the shared settings, its batch limit and its seed (vllm_runner.py
+        adds what generation needs of any engine)."""
+        return super().engine_config(**{"max_num_seqs": self.max_num_seqs, "seed": self.seed, **stage_specific})
 
     @property
     def template_kwargs(self) -> dict:

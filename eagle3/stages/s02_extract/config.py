@@ -1,6 +1,8 @@
 """Stage 02's config: which target, which layers, which backend, how to split the work.
 
 Filled from the shared YAML keys, the `extract:` section and flags (eagle3/core/config.py).
+The vllm backend's engine settings (memory, eager, ...) are eagle3/engines/config.py's
+`EngineSettings`, shared with stages 00 and 06.
 Fields with `identity=False` change how the work is done, not what is stored, so a
 finished store is not redone when only they change.
 """
@@ -9,22 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.core.config import DTYPE_CHOICES, ShardedStageConfig, dtype_name, param
-from eagle3.engines.vllm_engine import IN_PROCESS_HELP
+from eagle3.core.config import ShardedStageConfig, param
+from eagle3.engines.config import EngineSettings
 
 BACKENDS = ("vllm", "hf")
 STORE_DTYPES = ("bf16", "fp8")  # the encodings of eagle3/core/store.py (`store.ENCODINGS`)
 
 
 @dataclass(kw_only=True)
-class ExtractConfig(ShardedStageConfig):
+class ExtractConfig(EngineSettings, ShardedStageConfig):
     work_dir: Path = param(help="work directory (stage 01 output in it; the store goes to 02_hidden_states/)")
     target_model: str = param(help="target model folder or hub id (the one served, same tokenizer as stage 01)")
     backend: str = param("vllm", choices=BACKENDS, help="vllm (GPU box, tensor/data parallel) or hf (transformers; CPU "
                                       "reference and small targets)")
     aux_layers: list[int] | None = param(None, help="aux layer ids, convention 1 (default [2, N//2, N-3])")
-    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="dtype the target runs in (the stored states: "
-                                                                 "--store-dtype)")
     store_dtype: str = param("bf16", choices=STORE_DTYPES, help="how the store holds the aux and final states: bf16 "
                              "(the reference) or fp8 (e4m3 with a power-of-two scale per token and tensor, "
                              "dequantised to bf16 when read; 4H + 13 bytes per token for 3 aux layers instead of "
@@ -34,23 +34,7 @@ class ExtractConfig(ShardedStageConfig):
     # --- how the work is done (not part of the store's identity) ---
     batch_tokens: int = param(16384, min=1, identity=False, help="tokens per forward batch (vllm: "
                                                           "max_num_batched_tokens, at least max_model_len)")
-    max_model_len: int | None = param(None, identity=False, help="vllm: context length (default: longest "
-                                                                 "sample + 1)")
-    gpu_memory_utilization: float = param(0.85, gt=0, max=1, identity=False,
-                                          help="vllm: share of GPU memory (on the CPU build: of RAM) the engine "
-                                               "reserves")
-    kv_cache_gib: float | None = param(None, identity=False, help="vllm: fixed KV cache size in GiB "
-                                                                  "(default: vLLM sizes it; 1 on CPU)")
-    # On CPU, vLLM's worker compiles the model at start (~100 s for SmolLM2 on 2 cores) and then
-    # extracts no faster than eager (716 vs 714 tokens/s on 45.9K tokens): eager by default there.
-    enforce_eager: bool | None = param(None, identity=False, help="vllm: no compilation / CUDA graphs "
-                                                                  "(default: on for CPU, off on GPU)")
-    engine_in_process: bool = param(False, identity=False, help="vllm: " + IN_PROCESS_HELP)
     verify_checksums: bool = param(True, identity=False, help="on resume, re-read finished files and "
                                                               "redo any whose checksum differs")
     force: bool = param(False, identity=False, help="delete the existing store (every box's files in this "
                                                     "folder) and start over")
-
-    def __post_init__(self):
-        super().__post_init__()  # the choices and ranges declared with the fields
-        self.dtype = dtype_name(self.dtype)  # one spelling: `bf16` in a YAML file is stored as bfloat16

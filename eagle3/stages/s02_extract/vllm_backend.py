@@ -8,16 +8,19 @@ normed final state and the argmax). Each request is a prompt-only prefill
 (`max_tokens=1`); the project's KV connector writes its states into the partial
 store file at the request's token offset.
 
-Settings that keep the stored states exact: prefix caching off (a cached prefix
-would skip its forward and its hidden-state rows), chunked prefill off (vLLM's
-extraction requires it), `max_num_batched_tokens >= max_model_len`.
+Settings that keep the stored states exact (`extraction_engine`): prefix caching off (a
+cached prefix would skip its forward and its hidden-state rows), chunked prefill off
+(vLLM's extraction requires it), `max_num_batched_tokens >= max_model_len`.
 
-On the CPU build (no CUDA): `gpu_memory_utilization` is the share of RAM, the KV
-cache gets a fixed size (`kv_cache_gib`, default 1 GiB) and the engine process is
-spawned, so callers need an `if __name__ == "__main__":` guard.
+The rest is the stage's `EngineConfig` (eagle3/engines/config.py), started by
+eagle3/engines/vllm_engine.py's `start_llm`: on the CPU build (no CUDA)
+`gpu_memory_utilization` is the share of RAM, the KV cache gets a fixed size
+(`kv_cache_gib`, default 1 GiB) and the engine process is spawned unless
+`engine_in_process`, so callers need an `if __name__ == "__main__":` guard.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -27,7 +30,8 @@ import numpy as np
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.target import TargetInfo
-from eagle3.engines.vllm_engine import kv_cache_kwargs, on_cpu, quiet_vllm, start_llm
+from eagle3.engines.config import EngineConfig
+from eagle3.engines.vllm_engine import on_cpu, quiet_vllm, start_llm
 from eagle3.engines.vllm_shutdown import shutdown_llm
 
 log = logging.getLogger(__name__)
@@ -41,27 +45,21 @@ DONE_TIMEOUT_S = 600.0  # how long to wait for the worker to write a file's last
 UNSUPPORTED_ON_CPU = {"KimiK25ForConditionalGeneration"}
 
 
-def engine_kwargs(info: TargetInfo, *, tensor_parallel_size: int, dtype: str, max_model_len: int,
-                  batch_tokens: int, gpu_memory_utilization: float, kv_cache_gib: float | None,
-                  enforce_eager: bool | None, trust_remote_code: bool) -> dict:
-    """Arguments of `vllm.LLM` shared by the extraction engine and the benchmark's plain one."""
-    if enforce_eager is None:
-        enforce_eager = on_cpu()
-    kw = dict(
-        model=info.source, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-        max_model_len=max_model_len, max_num_batched_tokens=max(batch_tokens, max_model_len),
-        gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=False,
-        enable_chunked_prefill=False, trust_remote_code=trust_remote_code, enforce_eager=enforce_eager,
-        seed=0, disable_log_stats=True,
-    )
-    return {**kw, **kv_cache_kwargs(kv_cache_gib)}
+def extraction_engine(engine: EngineConfig, batch_tokens: int) -> EngineConfig:
+    """`engine` with the settings that keep stored states exact (module doc), shared by the
+    extraction engine and the benchmark's plain one. `engine.max_model_len` must be set."""
+    assert engine.max_model_len is not None, "stage 02 sizes its context from its longest sample"
+    return dataclasses.replace(engine, max_num_batched_tokens=max(batch_tokens, engine.max_model_len),
+                               enable_prefix_caching=False, enable_chunked_prefill=False, seed=0,
+                               disable_log_stats=True)
 
 
-def extraction_kwargs(layer_ids: Sequence[int]) -> dict:
+def extracting(engine: EngineConfig, layer_ids: Sequence[int]) -> EngineConfig:
     """What turns a plain engine into an extracting one: the spec method + our connector."""
     from vllm.config import KVTransferConfig
 
-    return dict(
+    return dataclasses.replace(
+        engine,
         speculative_config={
             "method": "extract_hidden_states", "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
@@ -86,26 +84,20 @@ def _done_lines(done_log: Path) -> list[str]:
 class VllmBackend:
     """Fills partial store files with aux states and the pre-norm final state via vLLM."""
 
-    def __init__(self, info: TargetInfo, aux_layers: Sequence[int], *, tensor_parallel_size: int, dtype: str,
-                 max_model_len: int, batch_tokens: int, gpu_memory_utilization: float,
-                 kv_cache_gib: float | None, enforce_eager: bool | None, trust_remote_code: bool,
-                 in_process: bool = False):
+    def __init__(self, info: TargetInfo, aux_layers: Sequence[int], engine: EngineConfig, batch_tokens: int):
+        """`engine`: the stage's engine settings for `info`'s target, its context length set."""
         check_supported(info)
-        quiet_vllm()  # before extraction_kwargs imports vllm
+        quiet_vllm()  # before `extracting` imports vllm
         self.info = info
         self._threads = None
         # Ascending ids; vLLM returns them in layer order, id N last.
         self.layer_ids = list(aux_layers) + [info.num_layers]
-        kw = engine_kwargs(info, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                           max_model_len=max_model_len, batch_tokens=batch_tokens,
-                           gpu_memory_utilization=gpu_memory_utilization, kv_cache_gib=kv_cache_gib,
-                           enforce_eager=enforce_eager, trust_remote_code=trust_remote_code)
         log.info("starting vLLM (tp=%d, dtype=%s, max_model_len=%d) extracting layer ids %s",
-                 tensor_parallel_size, dtype, max_model_len, self.layer_ids)
-        self.in_process = in_process
-        self.llm = start_llm({**kw, **extraction_kwargs(self.layer_ids)},
+                 engine.tensor_parallel_size, engine.dtype, engine.max_model_len, self.layer_ids)
+        self.in_process = in_process = engine.engine_in_process
+        self.llm = start_llm(extracting(extraction_engine(engine, batch_tokens), self.layer_ids),
                              fix="check the model, --tensor-parallel-size and --gpu-memory-utilization, or use "
-                                 "--backend hf for a small target", in_process=in_process)
+                                 "--backend hf for a small target")
         if on_cpu() and not in_process:
             import torch
 

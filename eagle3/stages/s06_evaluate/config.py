@@ -1,6 +1,8 @@
 """Stage 06's config: which drafter, which prompts, what is measured, how the engines run.
 
 Filled from the shared YAML keys, the `evaluate:` section and flags (eagle3/core/config.py).
+The engine's settings (dtype, memory, eager, ...) are eagle3/engines/config.py's
+`EngineSettings`, shared with stages 00 and 02.
 Fields with `identity=False` change how the engines run, not what is measured, so a
 finished measurement is not redone when only they change.
 """
@@ -9,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.core.config import DTYPE_CHOICES, StageConfig, dtype_name, param
+from eagle3.core.config import param
 from eagle3.core.errors import PipelineError
+from eagle3.engines.config import EngineConfig, EngineSettings
 
 
 @dataclass(kw_only=True)
-class EvaluateConfig(StageConfig):
+class EvaluateConfig(EngineSettings):
     work_dir: Path = param(help="work directory (stage 05 must have run in it, and stage 01 unless --prompts; with "
                                 "--drafter-dir and --prompts any folder, even a new one)")
     target_model: str = param(help="target model folder or hub id to serve (the one stage 02 extracted from)")
@@ -42,32 +45,24 @@ class EvaluateConfig(StageConfig):
     max_num_seqs: int = param(64, min=1, help="concurrent sequences in the acceptance passes (acceptance does not "
                                        "depend on it; timing is always single-stream)")
     baseline_untrained: bool = param(True, help="also serve an untrained drafter of the same shape (the floor)")
-    dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="dtype the engine serves in")
     seed: int = param(0, help="engine seed, per-request sampling seeds (seed + prompt index) and the "
                               "untrained drafter's initialisation")
     # -- how the engines run (not part of what is measured) --------------------------------
-    tensor_parallel_size: int = param(1, min=1, identity=False, help="GPUs per engine (8 for Kimi-K2.5)")
-    gpu_memory_utilization: float | None = param(None, gt=0.0, max=1.0, identity=False,
-                                                 help="share of GPU memory (on the CPU build: of RAM) the "
-                                                      "engine reserves (default: 0.3 on CPU, 0.85 on GPU)")
-    enforce_eager: bool | None = param(None, identity=False, help="no compilation / CUDA graphs (default: "
-                                                                  "on for CPU, off on GPU, where graphs are "
-                                                                  "what production uses)")
-    max_model_len: int | None = param(None, identity=False, help="engine context (default: longest prompt + "
-                                                                 "max_new_tokens + K + 1)")
     warmup_prompts: int = param(1, min=0, identity=False, help="short single-stream requests served before timing "
                                                         "(first-call costs)")
     timed_passes: int = param(1, min=1, identity=False, help="time the subset this many times and keep the fastest "
                                                       "pass's timings (other load on the machine only slows "
                                                       "a pass down)")
+    # On by default, unlike stages 00 and 02: each engine runs in a worker process of its own
+    # (engine.py), so no long-lived caller inherits the engine's thread pinning, and the CPU
+    # build's sampled-verification fix (engine.py) patches the engine core only in this process.
     engine_in_process: bool = param(True, identity=False, help="run vLLM's engine core in the worker "
                                                                "process (VLLM_ENABLE_V1_MULTIPROCESSING=0; "
                                                                "faster start on CPU)")
     timeout_s: int = param(1800, min=1, identity=False, help="seconds one engine run may take")
 
     def __post_init__(self):
-        super().__post_init__()  # the choices and ranges declared with the fields
-        self.dtype = dtype_name(self.dtype)  # `bf16` in a YAML file is served as `bfloat16`
+        super().__post_init__()  # the choices and ranges declared with the fields; dtype's one spelling
         self.temperature = [float(t) for t in self.temperature]
         if not self.temperature or len(set(self.temperature)) != len(self.temperature):
             raise PipelineError(f"evaluate.temperature = {self.temperature}: give one or more distinct values >= 0 "
@@ -75,3 +70,8 @@ class EvaluateConfig(StageConfig):
         if self.category_field and not self.prompts:
             raise PipelineError(f"--category-field {self.category_field} needs a prompt set (--prompts FILE or "
                                 f"DATASET_ID); stage 01's eval split has no categories.")
+
+    def engine_config(self, **stage_specific) -> EngineConfig:
+        """Stage 06's engine: the shared settings, its batch limit and its seed (engine.py adds
+        each run's drafter and what measuring needs of any engine)."""
+        return super().engine_config(**{"max_num_seqs": self.max_num_seqs, "seed": self.seed, **stage_specific})

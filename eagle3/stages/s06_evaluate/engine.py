@@ -5,8 +5,10 @@ Parent side (`run_engine`): writes the run's request (WorkDir.engine_request), s
 and reads the result back, or stops the stage naming the log.
 
 Worker side (`serve_and_measure`, the only module of the stage that imports vllm):
-builds the engine, serves the acceptance passes (all prompts at once, one pass per
-temperature) and the single-stream timing passes, and returns plain dicts of outputs,
+builds the engine (the stage's `EngineConfig` from the request plus the run's drafter,
+started by eagle3/engines/vllm_engine.py's `start_llm` as stages 00 and 02 start theirs),
+serves the acceptance passes (all prompts at once, one pass per temperature) and the
+single-stream timing passes, and returns plain dicts of outputs,
 spec-decode counters, per-request histograms and timestamps; eagle3/stages/s06_evaluate/figures.py
 turns them into figures.
 
@@ -30,6 +32,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
 from eagle3.core.workdir import REPO_ROOT, WorkDir
 from eagle3.engines import vllm_engine
+from eagle3.engines.config import EngineConfig
 from eagle3.engines.vllm_shutdown import shutdown_llm
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.figures import counter_diff
@@ -37,6 +40,10 @@ from eagle3.stages.s06_evaluate.figures import counter_diff
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 8  # a warmup request only needs to reach the decode path
+# The engine settings a run's request carries, flat under EngineConfig's names (the target
+# as "target"), as results.json's `settings` shows them.
+ENGINE_KEYS = ("dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed", "gpu_memory_utilization",
+               "kv_cache_gib", "enforce_eager", "engine_in_process", "trust_remote_code")
 
 # --------------------------------------------------------------------------- engine-side readings
 
@@ -82,7 +89,7 @@ def _fix_cpu_sampled_verification() -> bool:
     Its CPU stand-in for the `expand_kernel` that spreads each request's temperature over
     its draft tokens casts the float output to a new int64 tensor and writes there, so the
     target's logits are divided by uninitialised memory: at any temperature > 0 nearly no
-    draft is accepted (measured on the tiny Llama: 1.02 at T = 0.01 against 1.76 greedy) and
+    draft is accepted (sampled acceptance reads about 1.0 even at a temperature near 0) and
     the recovered tokens come from a wrong distribution. Greedy verification does not use
     it. Patched only when a probe of the engine's own function gives a wrong answer, so
     fixed builds and GPU builds run untouched. Needs the engine core in this process
@@ -116,21 +123,26 @@ def _per_request_metrics_supported() -> bool:
 
     return "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}
 
-def _start_engine(req: dict, eager: bool, gmu: float, per_request: bool):
-    from vllm import LLM
+def engine_request(engine: EngineConfig) -> dict[str, Any]:
+    """The stage's engine settings as a run's request carries them (parent side)."""
+    return {"target": engine.model, **{k: getattr(engine, k) for k in ENGINE_KEYS}}
 
-    kwargs: dict[str, Any] = {}
+def run_engine_config(req: dict, per_request: bool) -> EngineConfig:
+    """The engine of one run: the request's settings, the run's drafter (none: the plain target)."""
+    spec, extra = None, {}
     if req["drafter"]:
-        kwargs["speculative_config"] = {"method": "eagle3", "model": req["drafter"],
-                                        "num_speculative_tokens": req["num_speculative_tokens"]}
+        spec = {"method": "eagle3", "model": req["drafter"], "num_speculative_tokens": req["num_speculative_tokens"]}
         if per_request:
-            kwargs["per_request_spec_decode_metrics"] = "summary"
+            extra = {"per_request_spec_decode_metrics": "summary"}
     # No prefix caching: the timing passes serve prompts the acceptance passes already saw,
-    # and a benchmark's prefill must cost what a new prompt costs.
-    return LLM(model=req["target"], dtype=req["dtype"], max_model_len=req["max_model_len"],
-               max_num_seqs=req["max_num_seqs"], enforce_eager=eager, gpu_memory_utilization=gmu,
-               tensor_parallel_size=req["tensor_parallel_size"], trust_remote_code=req["trust_remote_code"],
-               disable_log_stats=False, seed=req["seed"], enable_prefix_caching=False, **kwargs)
+    # and a benchmark's prefill must cost what a new prompt costs. Log stats on: the
+    # spec-decode counters and the per-request timestamps come from them.
+    return EngineConfig(model=req["target"], **{k: req[k] for k in ENGINE_KEYS}, enable_prefix_caching=False,
+                        disable_log_stats=False, speculative_config=spec, extra=extra)
+
+def _start_engine(engine: EngineConfig):
+    return vllm_engine.start_llm(engine, fix="check the target and the drafter (`python -m eagle3.tools.diagnose "
+                                             "inspect DRAFTER`), --gpu-memory-utilization and --max-model-len")
 
 def _acceptance_pass(llm, prompts: list[dict], temp: float, req: dict, per_request: bool) -> dict:
     """Every prompt at once at one temperature: outputs, the pass's counters and each request's
@@ -214,10 +226,9 @@ def serve_and_measure(req: dict) -> dict:
 
     on_cpu = vllm_engine.on_cpu()  # vLLM's platform: the one seam every stage asks
     per_request = bool(req["drafter"]) and _per_request_metrics_supported()
-    gmu = req["gpu_memory_utilization"] or (0.3 if on_cpu else 0.85)
-    eager = req["enforce_eager"] if req["enforce_eager"] is not None else on_cpu
+    engine = vllm_engine.for_platform(run_engine_config(req, per_request))  # the settings it runs with, for results
     t0 = time.perf_counter()
-    llm = _start_engine(req, eager, gmu, per_request)
+    llm = _start_engine(engine)
     init_s = time.perf_counter() - t0
     try:
         # After the engine exists: the CPU platform installs its kernel stand-ins at start.
@@ -228,7 +239,8 @@ def serve_and_measure(req: dict) -> dict:
     finally:
         shutdown_llm(llm)
     return {"vllm_version": vllm.__version__, "platform": _platform_name(current_platform, on_cpu),
-            "enforce_eager": eager, "gpu_memory_utilization": gmu, "init_s": init_s,
+            "enforce_eager": engine.enforce_eager, "gpu_memory_utilization": engine.gpu_memory_utilization,
+            "init_s": init_s,
             "per_request_metrics": per_request, "patched_cpu_sampled_verification": patched,
             "acceptance": acceptance, "timing": timing}
 
@@ -243,12 +255,12 @@ def serve_main(argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------- one engine run (parent side)
 
-def _engine_env(in_process: bool) -> dict[str, str]:
+def _engine_env() -> dict[str, str]:
+    """The worker's environment (its engine core runs in process or not as its request's
+    `engine_in_process` says: `start_llm` sets that)."""
     env = dict(os.environ)
     # The worker runs `-m eagle3.stages.s06_evaluate` from any directory: put this checkout first.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    if in_process:
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     return env
 
 def _worker_cmd(req_path: Path, out_path: Path) -> list[str]:
@@ -275,7 +287,7 @@ def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
     with open(log_path, "w") as logf:
         try:
             p = subprocess.run(_worker_cmd(req_path, out_path), stdout=logf, stderr=subprocess.STDOUT,
-                               env=_engine_env(cfg.engine_in_process), timeout=cfg.timeout_s)
+                               env=_engine_env(), timeout=cfg.timeout_s)
         except subprocess.TimeoutExpired as e:
             raise PipelineError(f"the {name} engine run took longer than --timeout-s {cfg.timeout_s} s (log: "
                                 f"{log_path}); raise --timeout-s or lower --num-prompts / --max-new-tokens / "
