@@ -61,12 +61,11 @@ def plain_engine(cfg, p, files):
     from vllm.inputs import TokensPrompt
 
     from eagle3.stages.s02_extract.run import load_split
-    from eagle3.stages.s02_extract.vllm_backend import engine_kwargs
+    from eagle3.engines.vllm_engine import engine_kwargs
+    from eagle3.stages.s02_extract.vllm_backend import extraction_engine
 
-    llm = LLM(**engine_kwargs(p.info, tensor_parallel_size=1, dtype=cfg.dtype, max_model_len=p.max_tokens + 1,
-                              batch_tokens=cfg.batch_tokens, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                              kv_cache_gib=cfg.kv_cache_gib, enforce_eager=cfg.enforce_eager,
-                              trust_remote_code=False))
+    engine = cfg.engine_config(model=p.info.source, tensor_parallel_size=1, max_model_len=p.max_tokens + 1)
+    llm = LLM(**engine_kwargs(extraction_engine(engine, cfg.batch_tokens)))
     splits = {s: load_split(p.wd, s) for s in ("train", "eval")}
     chunks = [[TokensPrompt(prompt_token_ids=[int(t) for t in x])
                for x in splits[f.split][f.first:f.first + f.count]["input_ids"]] for f in files]

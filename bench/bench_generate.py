@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from eagle3.core.logs import setup_logging  # noqa: E402
+from eagle3.core.manifest import record_of  # noqa: E402
 
 log = logging.getLogger("bench_generate")
 
@@ -59,6 +60,7 @@ def main(argv=None) -> None:
 
     from eagle3.stages.s00_generate.config import GenerateConfig
     from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.engines.config import EngineConfig
     from eagle3.stages.s00_generate.vllm_runner import VllmEngine
     from eagle3.tools.tiny import build_tiny_target
 
@@ -68,7 +70,7 @@ def main(argv=None) -> None:
                                                     else build_tiny_target("llama", work / "tiny-llama"))
     chats = work / "chats.jsonl"
     chats.write_text("".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines(True)[:args.chats]))
-    engine = VllmEngine(str(target), max_model_len=2048, max_num_seqs=256)
+    engine = VllmEngine(EngineConfig(model=str(target), max_model_len=2048, max_num_seqs=256))
 
     def cfg(n: int) -> GenerateConfig:
         return GenerateConfig(work_dir=work / f"wd-{n}", target_model=str(target), data=[str(chats)],
@@ -84,7 +86,7 @@ def main(argv=None) -> None:
         engine.reset_prefix_cache()
         t0 = time.perf_counter()
         m = generate_responses(cfg(n), engine=engine)
-        return time.perf_counter() - t0, m.counts["generated_tokens"]
+        return time.perf_counter() - t0, record_of(m).generated_tokens
 
     def bare_pass() -> tuple[float, int]:
         engine.reset_prefix_cache()

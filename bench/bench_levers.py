@@ -97,7 +97,7 @@ def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str
     for name, r, m04, secs in rows:
         L, ci = r["acceptance_length"], r["acceptance_length_ci95"]
         per = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
-        est = m04["counts"]["best_expected_accept_length"]
+        est = m04["record"]["best_expected_accept_length"]
         if base is None or name == "baseline":
             delta, verdict = "", "" if base is None else f"interval [{lo:.3f}, {hi:.3f}]"
         else:

@@ -17,6 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3.core.logs import setup_logging  # noqa: E402
+from eagle3.core.manifest import record_of  # noqa: E402
 from eagle3.stages.s01_prepare.run import prepare_dataset
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.tools.synthetic_chats import write_jsonl  # noqa: E402
@@ -39,8 +40,8 @@ def main():
             m = prepare_dataset(PrepareConfig(work_dir=tmp / f"w{workers}", target_model=str(target),
                                               data=[str(data)], max_length=4096, num_workers=workers))
             dt = time.perf_counter() - t0
-            convs = m.counts["train_samples"] + m.counts["eval_samples"]
-            tokens = m.counts["train_tokens"] + m.counts["eval_tokens"]
+            convs = sum(record_of(m).samples.values())
+            tokens = sum(record_of(m).tokens.values())
             rows.append((workers, dt, convs / dt, tokens / dt))
             print(f"workers={workers}: {convs} conversations, {tokens} tokens in {dt:.1f} s -> "
                   f"{convs / dt:,.0f} conv/s, {tokens / dt:,.0f} tokens/s")

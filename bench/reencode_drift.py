@@ -6,7 +6,7 @@
 Reads stage 00's chunks (00_generate/) and, for every regenerated assistant turn,
 compares the ids the target generated with what rendering the decoded text would
 give (the stage-01 path for plain chats, `build_sample`), with the target's own chat
-template or with a Kimi-K2 style one (tests/chat_templates.py; its header tokens
+template or with a Kimi-K2 style one (tests/fixtures.py; its header tokens
 added as special tokens: only tokenization runs here, no model; the stop token each
 finished answer ended on stands for that template's end-of-turn token). Splits the
 differences into those inside the answer (the decoded text alone re-encodes to other
@@ -33,26 +33,26 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", required=True)
     ap.add_argument("--target", required=True)
-    ap.add_argument("--template", default="own", help="own, or a template name of tests/chat_templates.py")
+    ap.add_argument("--template", default="own", help="own, or a template name of tests/fixtures.py")
     args = ap.parse_args(argv)
     from eagle3.core.target import load_tokenizer
     from eagle3.core.workdir import WorkDir
 
     tok = load_tokenizer(args.target)
     if args.template != "own":
-        from chat_templates import TEMPLATES
+        from fixtures import TEMPLATES
 
         spec = TEMPLATES[args.template]
         tok.add_special_tokens({"additional_special_tokens": spec["special"]})
         tok.chat_template = spec["template"]
     suffix = assistant_suffix(tok)
     m = json.loads(WorkDir(args.work_dir).manifest("generate").read_text())
-    kw = m["extra"].get("chat_template_kwargs") or {}
-    stop = set(m["extra"]["stop_token_ids"])
+    kw = m["record"]["chat_template_kwargs"]
+    stop = set(m["record"]["stop_token_ids"])
     if args.template != "own":
         stop.add(suffix[0])
     turns = differs = inside = unplaced = 0
-    for k in range(m["extra"]["num_chunks"]):
+    for k in range(m["record"]["num_chunks"]):
         for line in WorkDir(args.work_dir).generate_chunk(k).read_text().splitlines():
             rec = json.loads(line)
             if "generated" not in rec:

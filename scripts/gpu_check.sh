@@ -138,7 +138,7 @@ $PY - "$WORK" <<'PY' || failed=1
 import json, sys
 from pathlib import Path
 work = Path(sys.argv[1])
-train = json.loads((work / "04_train" / "manifest.json").read_text())["counts"]
+train = json.loads((work / "04_train" / "manifest.json").read_text())["record"]
 r = json.loads((work / "06_evaluate" / "results.json").read_text())
 fmt = lambda v, s=".2f": "n/a" if v is None else format(v, s)
 oks = []

@@ -7,6 +7,13 @@ and sha256 of every output file. A stage reads its inputs' manifests before any
 work (`read_manifest`), and skips itself when its own manifest already matches
 its parameters and inputs (`completed`).
 
+Typed records. The facts a later stage or tool reads from a stage (aux layer ids,
+tokenizer fingerprint, ttt_steps, the best checkpoint, ...) are the manifest's `record`
+section: one frozen dataclass per stage (eagle3/core/records.py), written through
+`write_manifest(..., record=...)` and read back through `read_record` / `record_of`,
+which refuse a manifest without one (format version 1) or with a field missing,
+naming the manifest and the rerun. `counts` keeps figures that are only reported.
+
 Stale artifacts. Reading a manifest through `read_manifest` registers it as
 consumed by the running stage (stage key -> `manifest_fingerprint`), and
 `write_manifest` records that set as `consumed`, so each manifest says which
@@ -31,12 +38,13 @@ from typing import Any, Callable, Iterable, Iterator
 
 from eagle3.core.atomic import write_json
 from eagle3.core.errors import PipelineError
+from eagle3.core.records import RECORDS, Record, record_from_json
 from eagle3.core.stages import STAGE, stage_index
 from eagle3.core.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the typed `record` section (eagle3/core/records.py)
 
 
 def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
@@ -67,7 +75,8 @@ class Manifest:
     inputs: dict  # name -> fingerprint (sha256 hex or a manifest fingerprint)
     counts: dict
     outputs: dict  # path relative to the stage folder -> {"bytes": int, "sha256": str|None}
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # notes for a human reader; no stage reads them
+    record: dict | None = None  # the stage's typed record (records.py), as `dataclasses.asdict` wrote it
     consumed: dict = field(default_factory=dict)  # upstream stage key -> manifest_fingerprint it was built from
     stale: list = field(default_factory=list)  # what --allow-stale let through, one line each
     format_version: int = FORMAT_VERSION
@@ -88,14 +97,19 @@ def write_manifest(
     inputs: dict,
     counts: dict,
     outputs: Iterable[Path],
+    record: Record | None,
     extra: dict | None = None,
     hash_outputs: bool = True,
 ) -> Manifest:
     """Record a finished stage. Call last: the manifest is the completion mark.
 
+    `record`: the stage's record of eagle3/core/records.py, the facts later stages read
+    (None writes a manifest whose record every reader refuses: tests' stand-ins only).
+
     `hash_outputs=False` records sizes only, for outputs too large to re-read
     (the hidden-state store keeps its own per-shard checksums).
     """
+    assert record is None or type(record) is RECORDS[stage], (stage, type(record))
     base = wd.stage_dir(stage)
     out = {}
     for f in _output_files(outputs):
@@ -104,7 +118,7 @@ def write_manifest(
     consumed, stale = _run.take(wd, stage)
     m = Manifest(
         stage=stage, params=params, inputs=inputs, counts=counts, outputs=out, extra=extra or {},
-        consumed=consumed, stale=stale,
+        record=None if record is None else asdict(record), consumed=consumed, stale=stale,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
     write_json(wd.manifest(stage), m.to_json())
@@ -143,14 +157,27 @@ def read_manifest(wd: WorkDir, stage: str, *, needed_by: str) -> Manifest:
     m = _load(path)
     if m.format_version != FORMAT_VERSION:
         raise PipelineError(
-            f"{path} has format version {m.format_version}, this code reads {FORMAT_VERSION}: "
-            f"rerun `python {wd.script(stage)} --force`.")
+            f"{path} has format version {m.format_version}, this code reads {FORMAT_VERSION} (version 2 holds "
+            f"the stage's typed record, eagle3/core/records.py): rerun `python {wd.script(stage)} --force`.")
     problem = _outputs_intact(m, wd.stage_dir(stage))
     if problem:
         raise PipelineError(f"{needed_by}: {problem} ({path}); rerun `python {wd.script(stage)} --force`.")
     check_fresh(wd, m, needed_by=needed_by)
     _run.register(wd, stage, manifest_fingerprint(m))
     return m
+
+
+def record_of(m: Manifest) -> Record:
+    """The typed record of a manifest already read (`read_manifest`, `already_complete`, a
+    stage's own return value); refused, naming the manifest and the rerun, when it has none
+    or its fields are not its class's."""
+    return record_from_json(m.stage, m.record, m.path)
+
+
+def read_record(wd: WorkDir, stage: str, *, needed_by: str) -> Record:
+    """`read_manifest` (existence, version, outputs, staleness), then its typed record:
+    the one way a stage or tool reads another stage's facts."""
+    return record_of(read_manifest(wd, stage, needed_by=needed_by))
 
 
 def manifest_fingerprint(m: Manifest) -> str:

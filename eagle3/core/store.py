@@ -979,7 +979,7 @@ class HiddenStateStore:
             raise PipelineError(
                 f"{needed_by}: the store in {store_dir} lacks {len(missing)} file(s) (e.g. {missing[:3]}): "
                 f"a box of a multi-box run has not finished, or its files were not copied here. Run the "
-                f"missing --shard-index values (see {m.path} extra.missing), copy all files into {store_dir}, "
+                f"missing --shard-index values (see {m.path} record.missing_shard_indices), copy all files into {store_dir}, "
                 f"then rerun `python {script}` once to rebuild the index.")
         for e in (e for info in index["splits"].values() for e in info["files"]):
             problem = file_problem(store_dir, e, verify_checksum=False)

@@ -8,7 +8,7 @@ target in transformers, float32, on the first samples); writes nothing. Prints o
 `PASS`/`FAIL` line per check with its figure and exits 1 when any check fails.
 scripts/gpu_check.sh and tests/e2e/test_real_target_e2e.py use it.
 
-Checks (bf16 tolerance: two bf16 runs of the same model differ by rounding, ~0.5-2%
+Checks (bf16 tolerance: two bf16 runs of the same model differ by rounding, a few percent
 per token; neighbouring layers differ by far more, so an off-by-one fails):
     aux        per aux layer, the median per-token relative L2 error of store A against B
     final      the same for the final (normed) hidden state
@@ -34,8 +34,8 @@ from eagle3.core.workdir import WorkDir
 log = logging.getLogger(__name__)
 
 # Median, 90th percentile of the per-token relative error that still counts as "the same
-# states in bf16". Measured on SmolLM2-135M, vLLM CPU vs transformers: aux layers 2/15/27
-# 0.5/1.3/1.5% median, final state 2.2% (p90 3.4%); neighbouring layers differ by 23-29%.
+# states in bf16": above what two bf16 backends of one model differ by (vLLM's CPU build against
+# transformers on SmolLM2-135M, docs/results.md), far below what neighbouring layers differ by.
 TOL_MEDIAN, TOL_P90 = 0.04, 0.08
 MIN_ARGMAX_AGREEMENT = 0.95
 NEIGHBOUR_FACTOR, NEIGHBOUR_MIN = 5.0, 0.2

@@ -2,8 +2,8 @@
 
     python -m eagle3.tools.demo --config configs/tiny-llama.yaml [--elapsed-s SECONDS]
 
-Reads the manifests of stages 00, 01, 03 and 04 (those that ran) and 06 of the config's
-work directory, stage 04's metrics.jsonl, stage 06's results.json and, when given, the
+Reads the records (eagle3/core/records.py) of stages 00, 01, 03 and 04 (those that ran)
+and 06 of the config's work directory, stage 04's metrics.jsonl, stage 06's results.json and, when given, the
 per-stage wall times scripts/demo.sh records (`--stage-times FILE`: lines `name seconds`);
 writes nothing. `summary_text` returns the text (tests read it); `main` prints it.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from eagle3.core.config import load_yaml
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest
+from eagle3.core.manifest import read_record
 from eagle3.core.workdir import WorkDir
 
 CURVE_ROWS = 8  # held-out evaluations shown in the training table (evenly spaced)
@@ -51,13 +51,13 @@ def _evenly(rows: list, n: int) -> list:
     return [rows[i] for i in idx]
 
 
-def training_table(metrics: list[dict], K: int) -> list[str]:
+def training_table(metrics: list[dict], K: int, ttt_steps: int) -> list[str]:
+    """Stage 04's held-out curve: full_acc_k for the first min(K, ttt_steps) positions."""
     evals = [m for m in metrics if m.get("split") == "eval"]
     trains = [m for m in metrics if m.get("split") == "train"]
     if not evals:
         return ["  (no held-out evaluations in stage 04's metrics)"]
-    k_trained = sum(1 for key in evals[0] if key.startswith("full_acc_"))
-    ks = list(range(min(K, k_trained)))
+    ks = list(range(min(K, ttt_steps)))
     head = "  step    loss_0  " + "  ".join(f"full_acc_{k}" for k in ks) + f"  expected L (K={len(ks)})"
     lines = [head]
     for m in _evenly(evals, CURVE_ROWS):
@@ -87,38 +87,35 @@ def _mmss(seconds: float) -> str:
 
 
 def _optional(wd: WorkDir, stage: str, need: str):
-    """A stage's manifest when that stage ran here (stage 06 alone may measure a drafter from elsewhere)."""
-    return read_manifest(wd, stage, needed_by=need) if wd.manifest(stage).is_file() else None
+    """A stage's record when that stage ran here (stage 06 alone may measure a drafter from elsewhere)."""
+    return read_record(wd, stage, needed_by=need) if wd.manifest(stage).is_file() else None
 
 
-def pipeline_lines(wd: WorkDir, K: int, exp: dict, need: str) -> list[str]:
+def pipeline_lines(wd: WorkDir, K: int, need: str) -> list[str]:
     """What stages 00-04 made, one block each, for the stages that ran in this work directory."""
     gen, prep = _optional(wd, "generate", need), _optional(wd, "prepare", need)
     vocab, train = _optional(wd, "vocab", need), _optional(wd, "train", need)
     lines = []
     if gen:
-        gc = gen.counts
-        new = gc.get("new_turns", 0)
-        lines.append(f"answers   stage 00: the target answered {gc.get('turns_regenerated', '?')} turns of "
-                     f"{gc.get('conversations', '?')} conversations itself"
+        new = gen.new_turns
+        lines.append(f"answers   stage 00: the target answered {gen.turns_regenerated} turns of "
+                     f"{gen.conversations} conversations itself"
                      + (f" ({new} of them prompts without an answer in the data)" if new else "")
-                     + f", {gc.get('generated_tokens', '?')} tokens; the drafter learns those, token-exact")
+                     + f", {gen.generated_tokens} tokens; the drafter learns those, token-exact")
     if prep:
-        c = prep.counts
-        lines.append(f"data      {c['train_samples']} train / {c['eval_samples']} held-out conversations; "
-                     f"{c['train_tokens']:,} / {c['eval_tokens']:,} tokens ({c['train_assistant_tokens']:,} / "
-                     f"{c['eval_assistant_tokens']:,} assistant tokens carry the loss)")
+        n, t, a = prep.samples, prep.tokens, prep.assistant_tokens
+        lines.append(f"data      {n['train']} train / {n['eval']} held-out conversations; "
+                     f"{t['train']:,} / {t['eval']:,} tokens ({a['train']:,} / "
+                     f"{a['eval']:,} assistant tokens carry the loss)")
     if vocab:
-        vc = vocab.counts
-        lines.append(f"vocab     draft vocab {vc.get('draft_vocab_size')} ids; coverage of assistant tokens: train "
-                     f"{_pct(vc.get('coverage_train'))}, held-out {_pct(vc.get('coverage_eval'))}")
+        lines.append(f"vocab     draft vocab {vocab.draft_vocab_size} ids; coverage of assistant tokens: train "
+                     f"{_pct(vocab.coverage_train)}, held-out {_pct(vocab.coverage_eval)}")
     if train:
-        tc = train.counts
         metrics = [json.loads(line) for line in wd.train_metrics().read_text().splitlines() if line.strip()] \
             if wd.train_metrics().is_file() else []
-        lines += [f"training  {tc.get('steps')} steps; best held-out expected accept length "
-                  f"{_num(tc.get('best_expected_accept_length'), '.3f')} (all {exp.get('ttt_steps', '?')} TTT steps) "
-                  f"at step {tc.get('best_step')}", *training_table(metrics, K)]
+        lines += [f"training  {train.steps} steps; best held-out expected accept length "
+                  f"{_num(train.best_expected_accept_length, '.3f')} (all {train.ttt_steps} TTT steps) "
+                  f"at step {train.best_step}", *training_table(metrics, K, train.ttt_steps)]
     return lines
 
 
@@ -196,18 +193,18 @@ def summary_text(work_dir: Path | str, elapsed_s: float | None = None,
                  stage_times: list[tuple[str, float]] | None = None) -> str:
     wd = WorkDir(work_dir)
     need = "the demo summary"
-    ev = read_manifest(wd, "evaluate", needed_by=need)
+    ev = read_record(wd, "evaluate", needed_by=need)
     results = json.loads(wd.evaluate_results().read_text())
     K = results["num_speculative_tokens"]
     lines = ["", f"== EAGLE-3 pipeline summary ({wd.root}) ==",
-             *pipeline_lines(wd, K, results["expected_accept_length_training"], need),
+             *pipeline_lines(wd, K, need),
              *served_lines(results), *verdict_lines(results)]
     if elapsed_s is not None:
         lines.append(f"wall time {_mmss(elapsed_s)} for the whole run (target build to stage 06)")
     if stage_times:
         lines.append("  per stage  " + "  ".join(f"{name} {_mmss(sec)}" for name, sec in stage_times))
     lines += [f"files     {wd.evaluate_results()}, {wd.evaluate_plot()}, "
-              f"drafter {ev.extra.get('drafter_dir')}", ""]
+              f"drafter {ev.drafter_dir}", ""]
     return "\n".join(lines)
 
 

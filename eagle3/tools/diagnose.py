@@ -23,7 +23,7 @@ over the same samples): cosine similarity per aux layer and per position range, 
 judge whether a drafter trained on one target can serve the other.
 
 `store-size` prints the bytes stage 02 will write for this dataset (stage 01's
-manifest counts: samples and tokens per split), target (hidden size, aux layer count
+record: samples and tokens per split), target (hidden size, aux layer count
 from its config and `extract.aux_layers`) and store encoding (`extract.store_dtype`,
 or `--store-dtype`), for every encoding side by side, and the free space where the work
 dir lies. It exits 1 when the chosen encoding does not fit: stage 02 itself refuses to
@@ -65,7 +65,7 @@ from eagle3.core.engine_rules import (RULES, VERSION_RULES, TargetFacts, Version
                                       vllm_name)
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
-from eagle3.core.manifest import read_manifest
+from eagle3.core.manifest import read_record
 from eagle3.core.store import HiddenStateStore
 from eagle3.core.target import read_target_info, validate_aux_layers
 from eagle3.core.vocab_map import VocabMapping, compare_mappings, coverage, target_ids
@@ -436,7 +436,7 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
 
     cfg = build_config(ExtractConfig, "extract", config, {"work_dir": work_dir, "store_dtype": store_dtype})
     wd = WorkDir(cfg.work_dir)
-    prep = read_manifest(wd, "prepare", needed_by="diagnose store-size")
+    prep = read_record(wd, "prepare", needed_by="diagnose store-size")
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     aux = validate_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else info.default_aux_layers(),
                               info.num_layers, source=f"extract.aux_layers for {cfg.target_model}")
@@ -444,10 +444,10 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
     files: list[tuple[int, int]] = []  # (samples, tokens) per file, in stage 02's plan
     samples, tokens = {}, {}
     for split in SPLITS:
-        n, t = int(prep.counts.get(f"{split}_samples", 0)), int(prep.counts.get(f"{split}_tokens", 0))
+        n, t = prep.samples[split], prep.tokens[split]
         samples[split], tokens[split] = n, t
         counts = [min(spf, n - a) for a in range(0, n, spf)]
-        # The manifest has each split's token total, not each file's: only the total matters
+        # The record has each split's token total, not each file's: only the total matters
         # to the size (headers are counted at their largest), so share it out by samples.
         shares = [t * c // n for c in counts]
         if shares:
@@ -461,7 +461,7 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
                            "needed_bytes": store.bytes_to_write(files, H, A, name, cfg.data_parallel_size)}
     free = free_bytes(wd.root)
     present = sum(f.stat().st_size for f in wd.store().glob("*.safetensors")) if wd.store().is_dir() else 0
-    return {"config": config, "work_dir": str(wd.root), "prepare_manifest": str(prep.path),
+    return {"config": config, "work_dir": str(wd.root), "prepare_manifest": str(wd.manifest("prepare")),
             "target_model": cfg.target_model, "hidden_size": H, "num_layers": info.num_layers, "aux_layers": aux,
             "samples": samples, "tokens": tokens, "files": len(files), "samples_per_file": spf,
             "store_dtype": cfg.store_dtype, "encodings": encodings, "free_bytes": free, "present_bytes": present,

@@ -17,7 +17,7 @@ retrained (stage 04's own completion check).
 
 One point per fraction: D, the training tokens (the loss-carrying positions of the
 fraction's samples: the data a user collects, each pass counted once), and the best
-held-out expected accept length of stage 04's manifest (eagle3/stages/s04_train/run.py
+held-out expected accept length of stage 04's record (eagle3/stages/s04_train/run.py
 `finish`, docs/CONVENTIONS.md §5). A law g(AL) = a + b ln D is fitted by least
 squares; the laws, the interval arithmetic and how to read the report are in
 docs/FORECAST.md. The fit and the report are pure functions (`fit_law`,
@@ -34,7 +34,7 @@ from typing import Callable
 
 from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import stage_run
+from eagle3.core.manifest import record_of, stage_run
 from eagle3.core.store import HiddenStateStore
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.config import TrainConfig
@@ -297,7 +297,7 @@ class Point:
     tokens: int  # D: their loss-carrying positions (each counted once)
     steps: int
     warmup_steps: int
-    held_out_al: float  # best held-out expected accept length (stage 04's manifest)
+    held_out_al: float  # best held-out expected accept length (stage 04's record)
     best_step: int | None
     tokens_seen: int | None = None  # loss-carrying positions over all steps (metrics.jsonl), passes * tokens
     reused: bool = False  # read from a finished run with these settings
@@ -612,10 +612,10 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
             reused = before is not None and fwd.manifest("train").stat().st_mtime_ns == before
             if reused:
                 log.info("fraction %g: reused %s (same settings)", f, fwd.manifest("train"))
-            c = m.counts
+            r = record_of(m)
             points.append(Point(fraction=f, samples=len(share), tokens=int(per_sample[share].sum()),
-                                steps=int(c["steps"]), warmup_steps=warm,
-                                held_out_al=float(c["best_expected_accept_length"]), best_step=c.get("best_step"),
+                                steps=r.steps, warmup_steps=warm,
+                                held_out_al=float(r.best_expected_accept_length), best_step=r.best_step,
                                 tokens_seen=_tokens_seen(fwd), reused=reused))
     full = {"work_dir": str(wd.root), "runs_dir": str(wd.root / FORECAST_DIR), "steps": full_steps,
             "steps_from": steps_from, "warmup_steps": full_warmup, "conversations": len(trainable),

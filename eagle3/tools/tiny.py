@@ -15,8 +15,8 @@ chat set) with a Llama-3 style chat template. Kinds:
 prediction on the shipped chats (packed rows, `TRAIN_RECIPE`), so the demo's
 target is a teacher with predictable continuations: a random target's greedy
 output is noise no drafter can learn, and one trained 20 steps answers every
-prompt with newlines. 150 steps (loss ~0.46) give a served acceptance length of
-~2.95 at K = 3. Tests use untrained targets (faster, same shapes), except the
+prompt with newlines. 150 steps give a teacher whose answers a drafter learns to
+predict (its served acceptance: docs/results.md). Tests use untrained targets (faster, same shapes), except the
 end-to-end test, which trains 60 steps.
 
 Sizes are chosen so vLLM's CPU build runs them too (head_dim 64; MLA with
@@ -121,9 +121,9 @@ def build_model(kind: str, tok, seed: int = 0):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
-# The demo teacher's training recipe (measured on 2 CPU cores, see train_on_chats): the
-# shipped chats are ~33K tokens, so 150 steps of 16 x 256 packed tokens are ~19 passes,
-# enough for the 5M-parameter model to reproduce the chat templates (loss ~0.5).
+# The demo teacher's training recipe (see train_on_chats): the shipped chats are ~33K
+# tokens, so 150 steps of 16 x 256 packed tokens are ~19 passes, enough for the
+# 5M-parameter model to reproduce the chat templates.
 TRAIN_RECIPE = {"batch_size": 16, "seq_len": 256, "lr": 5e-3, "packing": "stream"}
 
 

@@ -51,7 +51,8 @@ from eagle3.core.chats import RawRecord, check_local_files, iter_records, likely
 from eagle3.core.config import identity_params
 from eagle3.core.errors import PipelineError
 from eagle3.core.loss_mask import assistant_suffix
-from eagle3.core.manifest import Manifest, already_complete, sha256_file, sha256_json, write_manifest
+from eagle3.core.manifest import Manifest, already_complete, record_of, sha256_file, sha256_json, write_manifest
+from eagle3.core.records import GenerateRecord
 from eagle3.core.target import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
 from eagle3.core.workdir import WorkDir
 from eagle3.engines.parallel import Reporter, run_data_parallel, use_gpu_group
@@ -63,6 +64,8 @@ from eagle3.stages.s00_generate.vllm_runner import VllmEngine
 log = logging.getLogger(__name__)
 
 FORMAT = 1  # of the chunk files; bump when a line's fields change meaning
+# Figures later stages and tools read: the manifest's record holds them, not its counts.
+RECORDED_COUNTS = ("conversations", "turns_regenerated", "new_turns", "generated_tokens")
 
 # Stage 00's own reasons for a record that yields no conversation (chats.FIXES has the rest).
 FIXES = {
@@ -207,11 +210,7 @@ def run_chunk(p: Plan, k: int, engine: Engine, cfg: GenerateConfig,
 
 def make_engine(cfg: GenerateConfig, p: Plan) -> Engine:
 
-    return VllmEngine(cfg.target_model, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
-                      max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_gib=cfg.kv_cache_gib,
-                      enforce_eager=cfg.enforce_eager, trust_remote_code=cfg.trust_remote_code, seed=cfg.seed,
-                      in_process=cfg.engine_in_process)
+    return VllmEngine(cfg.engine_config())
 
 
 def _turns_in(p: Plan, chunks: list[int]) -> int:
@@ -323,18 +322,18 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
                   **{k: dict(sorted(v.items())) for k, v in reasons.items()},
                   "chunks_expected": p.num_chunks, "chunks_present": len(metas)}
     t = p.turns
+    shard_indices = sorted({k % cfg.num_shards for k in missing})
+    record = GenerateRecord(
+        target_model=cfg.target_model, tokenizer_fingerprint=p.inputs["tokenizer"],
+        chat_template_kwargs=t.template_kwargs, stop_token_ids=sorted(t.stop_ids), complete=not missing,
+        num_chunks=p.num_chunks, missing_chunks=len(missing), missing_shard_indices=shard_indices,
+        **{k: out_counts[k] for k in RECORDED_COUNTS})
     extra = {
-        "complete": not missing,
-        "missing": {"chunks": missing[:100], "count": len(missing), "num_shards": cfg.num_shards,
-                    "shard_indices": sorted({k % cfg.num_shards for k in missing})},
-        "num_chunks": p.num_chunks,
+        "missing_chunks_first_100": missing[:100],
         "chunk_format": FORMAT,
         "identity_hash": p.identity_hash,
-        "tokenizer_fingerprint": p.inputs["tokenizer"],
         "chat_template_fingerprint": chat_template_fingerprint(t.tok),
-        "chat_template_kwargs": t.template_kwargs,
         "assistant_suffix": t.suffix,
-        "stop_token_ids": sorted(t.stop_ids),
     }
     problem = empty_or_mostly_dropped(cfg, out_counts)
     if problem and not out_counts["conversations"] and not missing:
@@ -343,8 +342,9 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
         raise PipelineError(f"{problem}.")
     outputs = [p.wd.generate_identity()] + [x for k in metas for x in (p.wd.generate_chunk(k),
                                                                        p.wd.generate_chunk_meta(k))]
-    m = write_manifest(p.wd, "generate", params=p.params, inputs=p.inputs, counts=out_counts, outputs=outputs,
-                       extra=extra, hash_outputs=False)  # each chunk's meta holds its sha256
+    reported = {k: v for k, v in out_counts.items() if k not in RECORDED_COUNTS}  # one home each
+    m = write_manifest(p.wd, "generate", params=p.params, inputs=p.inputs, counts=reported, outputs=outputs,
+                       record=record, extra=extra, hash_outputs=False)  # each chunk's meta holds its sha256
     log.info("stage 00: %d/%d chunks; %d records -> %d conversations, %d turns generated (%d of them new answers "
              "to prompts; %d tokens, %d cut at max_new_tokens); bad records %s, dropped %s, stopped early %s -> %s",
              len(metas), p.num_chunks, out_counts["records"], out_counts["conversations"],
@@ -357,7 +357,7 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
     if missing:
         log.warning("%d chunk(s) missing (%s...): run the other boxes (--num-shards %d --shard-index %s), copy "
                     "their chunks into %s, then rerun this command once to complete the manifest", len(missing),
-                    missing[0], cfg.num_shards, extra["missing"]["shard_indices"], p.wd.generate_chunks())
+                    missing[0], cfg.num_shards, shard_indices, p.wd.generate_chunks())
     return m
 
 
@@ -366,7 +366,7 @@ def generate_responses(cfg: GenerateConfig, engine: Engine | None = None) -> Man
     by default this starts its own (one per data-parallel rank) and closes it."""
     p = plan(cfg)
     done = already_complete(p.wd, "generate", p.params, p.inputs, force=cfg.force,
-                            intact=lambda m: bool(m.extra.get("complete")))  # every box's chunks are in
+                            intact=lambda m: record_of(m).complete)  # every box's chunks are in
     if done:
         return done
     refuse_if_nothing_to_answer(cfg, p)

@@ -46,7 +46,8 @@ from eagle3.core.errors import PipelineError
 from eagle3.core.logs import quiet_tokenizers
 from eagle3.core.loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
 from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
-                                  sha256_file, write_manifest)
+                                  record_of, sha256_file, write_manifest)
+from eagle3.core.records import GenerateRecord, PrepareRecord
 from eagle3.core.target import chat_template_fingerprint, load_tokenizer, read_target_info, tokenizer_fingerprint
 from eagle3.core.workdir import SPLITS, WorkDir
 from eagle3.stages.s01_prepare.config import PrepareConfig
@@ -135,9 +136,9 @@ def _process(raw: RawRecord) -> PreparedSample | BadRecord:
 
 
 def _tokenize_all(cfg: PrepareConfig, records: list[RawRecord], template_kwargs: dict | None = None):
-    # A spawned worker costs ~5 s to start (imports, tokenizer load), and the main
-    # process keeps one core busy feeding it: on 2 cores one process is faster
-    # (bench/bench_prepare.py), so the default leaves a core to the main process
+    # A spawned worker pays a start-up of its own (imports, tokenizer load), and the main
+    # process keeps one core busy feeding it: on a machine with few cores one process is
+    # faster (bench/bench_prepare.py), so the default leaves a core to the main process
     # and only goes parallel for large sets.
     workers = cfg.num_workers or max(1, min(16, (os.cpu_count() or 1) - 1, len(records) // 5000))
     init = (cfg.target_model, cfg.trust_remote_code, cfg.max_length, template_kwargs)
@@ -163,14 +164,14 @@ def generated_manifest(cfg: PrepareConfig, tok) -> Manifest:
     """Stage 00's manifest, checked: complete, and from this target's tokenizer."""
     wd = WorkDir(cfg.work_dir)
     m = read_manifest(wd, "generate", needed_by=f"{wd.script('prepare')} --data {GENERATED}")
-    if not m.extra.get("complete"):
-        miss = m.extra.get("missing", {})
+    gen: GenerateRecord = record_of(m)
+    if not gen.complete:
         raise PipelineError(
-            f"{m.path}: stage 00 is incomplete ({miss.get('count')} chunk(s) missing, shard indices "
-            f"{miss.get('shard_indices')}); run the missing boxes, copy their chunks into "
+            f"{m.path}: stage 00 is incomplete ({gen.missing_chunks} chunk(s) missing, shard indices "
+            f"{gen.missing_shard_indices}); run the missing boxes, copy their chunks into "
             f"{wd.generate_chunks()}, and rerun `python {wd.script('generate')}` once without shard flags.")
-    check_same("tokenizer fingerprint", m.extra.get("tokenizer_fingerprint"), tokenizer_fingerprint(tok),
-               ours_from=f"{m.path} (stage 00, target {m.params.get('target_model')})",
+    check_same("tokenizer fingerprint", gen.tokenizer_fingerprint, tokenizer_fingerprint(tok),
+               ours_from=f"{m.path} (stage 00, target {gen.target_model})",
                theirs_from=f"tokenizer of {cfg.target_model}",
                fix="stage 01 must use the target that generated the answers (--target-model)")
     return m
@@ -178,7 +179,7 @@ def generated_manifest(cfg: PrepareConfig, tok) -> Manifest:
 
 def generated_records(wd: WorkDir, m: Manifest):
     """Stage 00's lines in input order, as records `_process` recognises."""
-    for k in range(m.extra["num_chunks"]):
+    for k in range(record_of(m).num_chunks):
         path = wd.generate_chunk(k)
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -291,19 +292,20 @@ def refuse_or_warn_dropped(cfg: PrepareConfig, n: int, split: dict[str, list[Pre
                     likely_fix(t.bad, FIXES))
 
 
-def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]], vocab_size: int,
-                 counts: dict) -> list[Path]:
-    """Each split's dataset and token frequencies; adds their sizes to `counts`, returns the paths."""
-    outputs = []
+def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]],
+                 vocab_size: int) -> tuple[list[Path], dict[str, dict[str, int]]]:
+    """Each split's dataset and token frequencies: the paths, and their sizes as the record's
+    `samples`, `tokens` and `assistant_tokens` (split -> count)."""
+    outputs, sizes = [], {"samples": {}, "tokens": {}, "assistant_tokens": {}}
     for name, samples in split.items():
         freq = token_frequencies(samples, vocab_size)
-        counts[f"{name}_samples"] = len(samples)
-        counts[f"{name}_tokens"] = int(sum(len(s.input_ids) for s in samples))
-        counts[f"{name}_assistant_tokens"] = int(freq.sum())
+        sizes["samples"][name] = len(samples)
+        sizes["tokens"][name] = int(sum(len(s.input_ids) for s in samples))
+        sizes["assistant_tokens"][name] = int(freq.sum())
         _save_split(wd.dataset(name), samples)
         save_numpy(wd.token_freq(name), freq)
         outputs += [wd.dataset(name), wd.token_freq(name)]
-    return outputs
+    return outputs, sizes
 
 
 def prepare_dataset(cfg: PrepareConfig):
@@ -311,7 +313,7 @@ def prepare_dataset(cfg: PrepareConfig):
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
     gen = generated_manifest(cfg, tok) if uses_generated(cfg) else None
-    template_kwargs = gen.extra.get("chat_template_kwargs") if gen else None
+    template_kwargs = record_of(gen).chat_template_kwargs if gen else None
     params, inputs = identity_params(cfg), _input_fingerprints(cfg, tok, gen)
     done = already_complete(wd, "prepare", params, inputs, force=cfg.force)
     if done:
@@ -323,31 +325,27 @@ def prepare_dataset(cfg: PrepareConfig):
 
     records = read_records(cfg, wd, gen)
     split, t = tokenize_and_split(cfg, records, info.vocab_size, template_kwargs)
-    counts: dict = {"records": len(records), "bad_records": dict(sorted(t.bad.items())),
-                    "truncated": t.truncated, "trailing_user_turns_trimmed": t.trimmed,
+    outputs, sizes = write_splits(wd, split, info.vocab_size)
+    record = PrepareRecord(
+        target_model=cfg.target_model, tokenizer_fingerprint=inputs["tokenizer"], vocab_size=info.vocab_size,
+        chat_template_kwargs=template_kwargs or {}, assistant_suffix=assistant_suffix(tok, template_kwargs),
+        records=len(records), bad_records=dict(sorted(t.bad.items())), **sizes)
+    counts: dict = {"truncated": t.truncated, "trailing_user_turns_trimmed": t.trimmed,
                     "assistant_turns_without_template_suffix": t.fuzzy}
     if gen is not None:
         counts.update(generated_turns=t.generated_turns, generated_turns_reencode_differs=t.reencode_differs)
-    outputs = write_splits(wd, split, info.vocab_size, counts)
-    m = write_manifest(wd, "prepare", params=params, inputs=inputs, counts=counts, outputs=outputs, extra={
-        "tokenizer_fingerprint": inputs["tokenizer"],
-        "chat_template_fingerprint": chat_template_fingerprint(tok),
-        "vocab_size": info.vocab_size,
-        "tokenizer_size": len(tok),
-        "assistant_suffix": assistant_suffix(tok, template_kwargs),
-        "chat_template_kwargs": template_kwargs or {},
-        "data_from": "00_generate" if gen is not None else "chat files",
-    })
-    _log_summary(wd, m, t, generated=gen is not None)
+    m = write_manifest(wd, "prepare", params=params, inputs=inputs, counts=counts, outputs=outputs, record=record,
+                       extra={"chat_template_fingerprint": chat_template_fingerprint(tok), "tokenizer_size": len(tok),
+                              "data_from": "00_generate" if gen is not None else "chat files"})
+    _log_summary(wd, record, t, generated=gen is not None)
     return m
 
 
-def _log_summary(wd: WorkDir, m: Manifest, t: Tally, *, generated: bool) -> None:
-    c = m.counts
+def _log_summary(wd: WorkDir, r: PrepareRecord, t: Tally, *, generated: bool) -> None:
     bad_txt = ", ".join(f"{k}={v}" for k, v in sorted(t.bad.items())) or "none"
     log.info("stage 01: %d train / %d eval samples, %d / %d tokens (%d / %d assistant); truncated %d; "
-             "bad records skipped: %s -> %s", c["train_samples"], c["eval_samples"], c["train_tokens"],
-             c["eval_tokens"], c["train_assistant_tokens"], c["eval_assistant_tokens"], t.truncated, bad_txt,
+             "bad records skipped: %s -> %s", r.samples["train"], r.samples["eval"], r.tokens["train"],
+             r.tokens["eval"], r.assistant_tokens["train"], r.assistant_tokens["eval"], t.truncated, bad_txt,
              wd.stage_dir("prepare"))
     if generated:
         log.info("stage 01: %d regenerated assistant turns taken as the target's own ids; re-tokenizing their "
@@ -355,4 +353,4 @@ def _log_summary(wd: WorkDir, m: Manifest, t: Tally, *, generated: bool) -> None
                  100.0 * t.reencode_differs / max(t.generated_turns, 1))
     if t.fuzzy:
         log.warning("%d assistant turns did not end with the template's probed suffix %s; they are masked "
-                    "to the end of their rendering", t.fuzzy, m.extra["assistant_suffix"])
+                    "to the end of their rendering", t.fuzzy, r.assistant_suffix)

@@ -18,8 +18,9 @@ Order of work:
    killed at any point leaves only partial files (removed on restart) and complete
    ones.
 4. Rebuild `index.json` and the manifest from every complete file in the folder;
-   the manifest says which files are missing (`extra.missing`) while other boxes
-   have not finished or their files are not copied in yet.
+   the manifest says which files are missing (its record's `missing_files` and
+   `missing_shard_indices`) while other boxes have not finished or their files are
+   not copied in yet.
 
 No silent empty store: an empty train split stops the stage before any model loads,
 and a complete store whose every train sample was rejected for NaN/Inf gets no
@@ -45,7 +46,8 @@ from eagle3.core.config import identity_params
 from eagle3.core.dataset import load_split as load_prepared
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
-                                  sha256_json, write_manifest)
+                                  record_of, sha256_json, write_manifest)
+from eagle3.core.records import ExtractRecord, PrepareRecord
 from eagle3.core.target import (TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint,
                                 validate_aux_layers, weights_fingerprint)
 from eagle3.core.target_head import TargetHead
@@ -123,26 +125,26 @@ def validate(cfg: ExtractConfig) -> Prepared:
     wd = WorkDir(cfg.work_dir)
     script = wd.script("extract")
     prep = read_manifest(wd, "prepare", needed_by=script)
+    pr: PrepareRecord = record_of(prep)
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     aux = validate_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else info.default_aux_layers(),
                               info.num_layers, source=f"extract.aux_layers (--aux-layers) for {cfg.target_model}")
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
     fp = tokenizer_fingerprint(tok)
-    check_same("tokenizer fingerprint", prep.extra.get("tokenizer_fingerprint"), fp,
-               ours_from=f"{prep.path} (stage 01, target {prep.params.get('target_model')})",
+    check_same("tokenizer fingerprint", pr.tokenizer_fingerprint, fp,
+               ours_from=f"{prep.path} (stage 01, target {pr.target_model})",
                theirs_from=f"tokenizer of {cfg.target_model}",
                fix=f"pass the target stage 01 used, or rerun `python {wd.script('prepare')} --force` with "
                    f"--target-model {cfg.target_model}")
-    if prep.extra.get("vocab_size") not in (None, info.vocab_size):
-        raise PipelineError(f"stage 01 ({prep.path}) used vocab_size {prep.extra['vocab_size']}, "
+    if pr.vocab_size != info.vocab_size:
+        raise PipelineError(f"stage 01 ({prep.path}) used vocab_size {pr.vocab_size}, "
                             f"{cfg.target_model} has {info.vocab_size}; rerun stage 01 with this target.")
     lengths = {s: split_lengths(wd, s) for s in SPLITS}
     num_samples = {s: int(len(v)) for s, v in lengths.items()}
     if not num_samples["train"]:
-        c = prep.counts
         raise PipelineError(
-            f"stage 02: {wd.dataset('train')} holds 0 samples (stage 01 counted {c.get('records', '?')} records, "
-            f"{num_samples['eval']} held-out samples, bad records: {c.get('bad_records') or 'none'}); rerun "
+            f"stage 02: {wd.dataset('train')} holds 0 samples (stage 01 counted {pr.records} records, "
+            f"{num_samples['eval']} held-out samples, bad records: {pr.bad_records or 'none'}); rerun "
             f"`python {wd.script('prepare')} --force` with records that hold assistant turns and a lower "
             f"--eval-fraction.")
     max_tokens = max((int(v.max()) for v in lengths.values() if len(v)), default=1)
@@ -205,11 +207,8 @@ def make_backend(cfg: ExtractConfig, p: Prepared, device: str | None = None):
         return HFBackend(p.info, p.aux_layers, dtype=cfg.dtype, batch_tokens=cfg.batch_tokens,
                          trust_remote_code=cfg.trust_remote_code, device=device)
 
-    return VllmBackend(p.info, p.aux_layers, tensor_parallel_size=cfg.tensor_parallel_size, dtype=cfg.dtype,
-                       max_model_len=cfg.max_model_len or p.max_tokens + 1, batch_tokens=cfg.batch_tokens,
-                       gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_gib=cfg.kv_cache_gib,
-                       enforce_eager=cfg.enforce_eager, trust_remote_code=cfg.trust_remote_code,
-                       in_process=cfg.engine_in_process)
+    engine = cfg.engine_config(model=p.info.source, max_model_len=cfg.max_model_len or p.max_tokens + 1)
+    return VllmBackend(p.info, p.aux_layers, engine, cfg.batch_tokens)
 
 
 def load_engine(cfg: ExtractConfig, p: Prepared, device: str | None = None):
@@ -309,26 +308,27 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     counts["bytes_per_token"] = store.bytes_per_token(p.info.hidden_size, len(p.aux_layers), cfg.store_dtype)
     rejected = {e["name"]: [e["sample_ids"][i] for i in e["rejected"]] for e in entries if e["rejected"]}
     _refuse_or_warn_rejected(cfg, d, counts, complete=not missing)
+    encoding = store.encoding_fields(cfg.store_dtype)
+    shard_indices = sorted({k % cfg.num_shards for k, _ in missing})
+    record = ExtractRecord(
+        target_model=cfg.target_model, tokenizer_fingerprint=p.identity["tokenizer_fingerprint"],
+        aux_layer_ids=list(p.aux_layers), hidden_size=p.info.hidden_size, num_layers=p.info.num_layers,
+        vocab_size=p.info.vocab_size, store_dtype=encoding["store_dtype"], complete=not missing,
+        missing_files=len(missing), missing_shard_indices=shard_indices)
     extra = {
-        "aux_layers": p.aux_layers,
         "layer_ids": "docs/CONVENTIONS.md §1: id k = residual stream after k decoder layers",
-        "hidden_size": p.info.hidden_size, "num_layers": p.info.num_layers, "vocab_size": p.info.vocab_size,
-        **store.encoding_fields(cfg.store_dtype), "store_format": store.STORE_FORMAT,
-        "tokenizer_fingerprint": p.identity["tokenizer_fingerprint"],
+        "dtype": encoding["dtype"], "scale": encoding["scale"], "store_format": store.STORE_FORMAT,
         "loss_target": "final = target hidden state after its final norm (read as bf16), so target logits = "
                        "final @ lm_head.T; target_argmax = full-vocab argmax of those logits (int32) where "
                        "loss_mask[t] or loss_mask[t+1] is 1, -1 elsewhere",
-        "complete": not missing,
-        "missing": {"files": [s.name for _, s in missing][:100], "count": len(missing),
-                    "num_shards": cfg.num_shards,
-                    "shard_indices": sorted({k % cfg.num_shards for k, _ in missing})},
+        "missing_files_first_100": [s.name for _, s in missing][:100],
         "rejected_sample_ids": rejected,
         "identity_hash": p.identity_hash,
     }
     outputs = [d / store.STORE_JSON, index_path]
     outputs += [x for e in entries for x in (d / e["name"], d / store.entry_name(e["split"], e["file_no"]))]
     m = write_manifest(p.wd, "extract", params=p.params, inputs=p.inputs, counts=counts, outputs=outputs,
-                       extra=extra, hash_outputs=False)
+                       record=record, extra=extra, hash_outputs=False)
     tok = counts["train_tokens"] + counts["eval_tokens"]
     log.info("stage 02: %d/%d files, %d train / %d eval samples, %d tokens, %.1f MB (%d B/token); "
              "rejected for NaN/Inf: %d train, %d eval -> %s", len(entries), len(plan), counts["train_samples"],
@@ -337,7 +337,7 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     if missing:
         log.warning("the store lacks %d file(s) (%s...): run the other boxes (--num-shards %d --shard-index %s), "
                     "copy their files into %s, then rerun this command once to complete the manifest",
-                    len(missing), missing[0][1].name, cfg.num_shards, extra["missing"]["shard_indices"], d)
+                    len(missing), missing[0][1].name, cfg.num_shards, shard_indices, d)
     return m
 
 
@@ -359,7 +359,7 @@ def _refuse_or_warn_rejected(cfg: ExtractConfig, d: Path, counts: dict, *, compl
 
 def store_intact(d: Path, m: Manifest, *, verify_checksums: bool) -> bool:
     """A finished store whose every file is still there, whole (and, when asked, with its checksum)."""
-    if not m.extra.get("complete"):
+    if not record_of(m).complete:
         return False
     entries = json.loads((d / store.INDEX_JSON).read_text())["splits"]
     bad = [store.file_problem(d, e, verify_checksum=verify_checksums)

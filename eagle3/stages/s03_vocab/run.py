@@ -17,7 +17,8 @@ import numpy as np
 from eagle3.core.atomic import save_numpy, save_torch
 from eagle3.core.config import identity_params
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import already_complete, manifest_fingerprint, read_manifest, write_manifest
+from eagle3.core.manifest import already_complete, manifest_fingerprint, read_manifest, record_of, write_manifest
+from eagle3.core.records import PrepareRecord, VocabRecord
 from eagle3.core.target import load_tokenizer, tokenizer_fingerprint
 from eagle3.core.vocab_map import coverage, d2t_from_ids
 from eagle3.core.workdir import WorkDir
@@ -55,13 +56,14 @@ def mapping_from_ids(draft_ids: np.ndarray, target_vocab_size: int) -> tuple[np.
 def build_vocab_mapping(cfg: VocabConfig):
     wd = WorkDir(cfg.work_dir)
     prep = read_manifest(wd, "prepare", needed_by="stage 03 (vocab mapping)")
-    vocab_size = int(prep.extra["vocab_size"])
+    pr: PrepareRecord = record_of(prep)
+    vocab_size = pr.vocab_size
     if cfg.target_model is not None:
         fp = tokenizer_fingerprint(load_tokenizer(cfg.target_model, cfg.trust_remote_code))
-        if fp != prep.extra["tokenizer_fingerprint"]:
+        if fp != pr.tokenizer_fingerprint:
             raise PipelineError(
                 f"{prep.path} was built with another tokenizer (fingerprint "
-                f"{prep.extra['tokenizer_fingerprint'][:12]}) than {cfg.target_model}'s ({fp[:12]}); "
+                f"{pr.tokenizer_fingerprint[:12]}) than {cfg.target_model}'s ({fp[:12]}); "
                 f"rerun `python 01_prepare_dataset.py --target-model {cfg.target_model} --force`.")
     if cfg.draft_vocab_size > vocab_size:
         raise PipelineError(
@@ -95,15 +97,14 @@ def build_vocab_mapping(cfg: VocabConfig):
     save_numpy(wd.t2d("npy"), t2d)
     save_torch(wd.d2t("pt"), torch.from_numpy(d2t))
     save_torch(wd.t2d("pt"), torch.from_numpy(t2d))
+    record = VocabRecord(tokenizer_fingerprint=pr.tokenizer_fingerprint, target_vocab_size=vocab_size,
+                         draft_vocab_size=cfg.draft_vocab_size, coverage_train=cov["train"], coverage_eval=cov["eval"])
     counts = {
-        "draft_vocab_size": cfg.draft_vocab_size, "target_vocab_size": vocab_size,
         "distinct_train_tokens": distinct, "padded_ids": max(0, cfg.draft_vocab_size - distinct),
-        "coverage_train": cov["train"], "coverage_eval": cov["eval"],
         "train_assistant_tokens": int(freqs["train"].sum()), "eval_assistant_tokens": int(freqs["eval"].sum()),
     }
     m = write_manifest(wd, "vocab", params=params, inputs=inputs, counts=counts,
-                       outputs=[wd.d2t("pt"), wd.d2t("npy"), wd.t2d("pt"), wd.t2d("npy")],
-                       extra={"tokenizer_fingerprint": prep.extra["tokenizer_fingerprint"]})
+                       outputs=[wd.d2t("pt"), wd.d2t("npy"), wd.t2d("pt"), wd.t2d("npy")], record=record)
     log.info("stage 03: draft vocab %d of %d target ids (%d distinct assistant ids seen, %d padded); "
              "coverage of assistant tokens: train %.2f%% (%d tokens, the data that chose the vocab), "
              "held-out %.2f%% (%d tokens)", cfg.draft_vocab_size, vocab_size, distinct, counts["padded_ids"],

@@ -125,9 +125,8 @@ class MetricsLog:
             self.tb.close()
 
 
-def fmt(split: str, step: int, total: int, m: dict, extra: str = "") -> str:
-    """One fixed-format log line."""
-    K = sum(1 for k in m if k.startswith("full_acc_"))
+def fmt(split: str, step: int, total: int, m: dict, K: int, extra: str = "") -> str:
+    """One fixed-format log line; `K`: the TTT steps, whose full_acc_k it shows."""
     accs = " ".join(f"{m[f'full_acc_{k}']:.3f}" for k in range(K))
     return (f"{split:5s} step {step:6d}/{total} | loss_0 {m['loss_0']:.4f} | full_acc {accs} | "
             f"accept_len {m['expected_accept_length']:.3f}{extra}")

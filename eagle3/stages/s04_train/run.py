@@ -36,8 +36,9 @@ from eagle3.core.config import identity_params
 from eagle3.core.cpu import bf16_fused_attention_ok, bf16_pays
 from eagle3.core.drafter_io import drafter_config_for_target
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file,
-                                  sha256_json, write_manifest)
+from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
+                                  sha256_file, sha256_json, write_manifest)
+from eagle3.core.records import TrainRecord
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.store import HiddenStateStore
 from eagle3.core.target import TargetInfo, read_target_info
@@ -127,11 +128,11 @@ class StageInputs:
 
 def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
-    prep = read_manifest(wd, "prepare", needed_by="stage 04 (train)")
+    prep = read_record(wd, "prepare", needed_by="stage 04 (train)")
     vocab_m = read_manifest(wd, "vocab", needed_by="stage 04 (train)")
     store = HiddenStateStore.open(wd, needed_by="stage 04 (train)",
-                                  tokenizer_fingerprint=prep.extra["tokenizer_fingerprint"],
-                                  hidden_size=info.hidden_size, expected_from=str(prep.path))
+                                  tokenizer_fingerprint=prep.tokenizer_fingerprint,
+                                  hidden_size=info.hidden_size, expected_from=str(wd.manifest("prepare")))
     if store.vocab_size != info.vocab_size:
         raise PipelineError(f"the store was extracted from a target with vocab {store.vocab_size}, "
                             f"{cfg.target_model} has {info.vocab_size}; pass the same --target-model as stage 02.")
@@ -371,7 +372,7 @@ class Trainer:
         improved = m["expected_accept_length"] > self.best["expected_accept_length"]
         if improved:
             self.best = {"expected_accept_length": m["expected_accept_length"], "step": self.step, "metrics": m}
-        log.info(fmt("eval", self.step, self.total, m, " (best)" if improved else ""))
+        log.info(fmt("eval", self.step, self.total, m, self.ttt.num_steps, " (best)" if improved else ""))
         return improved
 
     def check_start(self) -> None:
@@ -385,7 +386,7 @@ class Trainer:
         self.metrics.write("eval", 0, start)
         V = self.dcfg.draft_vocab_size
         uniform = math.log(V)
-        log.info(fmt("start", 0, self.total, start, f" | uniform loss ln({V}) = {uniform:.3f}"))
+        log.info(fmt("start", 0, self.total, start, self.ttt.num_steps, f" | uniform loss ln({V}) = {uniform:.3f}"))
         if start["num_valid"] == 0:
             raise PipelineError(
                 f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
@@ -422,8 +423,8 @@ class Trainer:
         m.update(lr=self.sched.get_last_lr()[0], grad_norm=gnorm,
                  tokens_per_s=self.window_tokens * self.d.world / dt)
         self.metrics.write("train", self.step, m)
-        log.info(fmt("train", self.step, self.total, m, f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
-                                                        f"{m['tokens_per_s']:.0f} tok/s"))
+        log.info(fmt("train", self.step, self.total, m, self.ttt.num_steps,
+                     f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | {m['tokens_per_s']:.0f} tok/s"))
         self.new_window()
 
     def state_dict(self, rng: list[dict]) -> dict:
@@ -517,16 +518,20 @@ class Trainer:
         last_epoch = self.data_position(self.step)["epoch"]
         # With --init-from the starting weights are step 0's candidate (check_start).
         best_is_initial = best["step"] == 0
-        counts = {"steps": self.step, "steps_per_epoch": [self.plan.steps_in(e) for e in range(last_epoch + 1)],
+        counts = {"steps_per_epoch": [self.plan.steps_in(e) for e in range(last_epoch + 1)],
                   "processes": self.d.world,
-                  "best_step": best["step"], "best_expected_accept_length": best["expected_accept_length"],
-                  "best_is_initial": best_is_initial, "final_eval": self.last_eval, "best_eval": best.get("metrics"),
+                  "best_is_initial": best_is_initial, "final_eval": self.last_eval,
                   "loss_positions": self.loss_positions.to_json()}
-        extra = {"best_checkpoint": wd.best_checkpoint().relative_to(wd.stage_dir("train")).as_posix(),
-                 "drafter_config": self.dcfg.to_dict(), "aux_layers": self.store.aux_layers,
+        record = TrainRecord(
+            ttt_steps=self.ttt.num_steps, aux_layer_ids=list(self.store.aux_layers), steps=self.step,
+            best_step=best["step"], best_expected_accept_length=best["expected_accept_length"],
+            best_eval=best.get("metrics"),
+            best_checkpoint=wd.best_checkpoint().relative_to(wd.stage_dir("train")).as_posix())
+        extra = {"drafter_config": self.dcfg.to_dict(),
                  "init_from": self.init_report.to_json() if self.init_report else None}
         m = write_manifest(wd, "train", params=self.src.params, inputs=self.src.inputs, counts=counts,
-                           outputs=[wd.best_checkpoint(), wd.train_metrics()], extra=extra, hash_outputs=False)
+                           outputs=[wd.best_checkpoint(), wd.train_metrics()], record=record, extra=extra,
+                           hash_outputs=False)
         if best_is_initial:
             log.warning("no trained step beat the initial drafter (held-out expected accept length %.3f at step 0); "
                         "best.pt holds the initial weights of %s: lower --learning-rate, or fine-tune on more data",

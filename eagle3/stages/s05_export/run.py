@@ -1,7 +1,9 @@
 """Stage 05: a trained checkpoint -> a drafter folder SGLang and vLLM load as is.
 
 Reads
-    WORK/02_hidden_states/manifest.json   the aux layer ids the drafter was trained on
+    WORK/02_hidden_states/manifest.json   the aux layer ids stage 02 extracted (its record)
+    WORK/04_train/manifest.json           the best checkpoint, its held-out figures, the aux layer
+                                          ids training used (its record; optional with --checkpoint)
     WORK/04_train/...                      the checkpoint (default: the best one)
     WORK/01_dataset/token_freq_*.npy       (optional) for the draft vocab coverage
     the target's config.json               sizes, max_position_embeddings, family
@@ -30,10 +32,10 @@ from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_dra
 from eagle3.core.engine_rules import (D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for,
                                       translation_problems)
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file,
-                                  sha256_json, write_manifest)
+from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
+                                  read_record, record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig
-from eagle3.core.store import HiddenStateStore
+from eagle3.core.records import ExportRecord, TrainRecord
 from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
 from eagle3.core.target_head import load_embedding
 from eagle3.core.vocab_map import coverage, target_ids
@@ -85,8 +87,8 @@ def read_training_checkpoint(path: Path | str) -> tuple[dict, dict[str, torch.Te
 def resolve_checkpoint(wd: WorkDir, checkpoint: Path | None) -> tuple[Path, Manifest | None]:
     """The checkpoint to export and stage 04's manifest (None when it has none yet).
 
-    Default ("best"): the train manifest's extra["best_checkpoint"], else
-    `WorkDir.best_checkpoint()`. An explicit --checkpoint needs no finished training.
+    Default ("best"): the train record's `best_checkpoint`. An explicit --checkpoint needs
+    no finished training.
     """
     train_m = None
     if wd.manifest("train").is_file():
@@ -95,27 +97,18 @@ def resolve_checkpoint(wd: WorkDir, checkpoint: Path | None) -> tuple[Path, Mani
         return Path(checkpoint), train_m
     if train_m is None:
         train_m = read_manifest(wd, "train", needed_by=f"{STAGE_SCRIPT} (default --checkpoint: the best one)")
-    best = train_m.extra.get("best_checkpoint")
-    if best:
-        p = Path(best)
-        return (p if p.is_absolute() else wd.stage_dir("train") / p), train_m
-    p = wd.best_checkpoint()
-    if p.is_file():
-        return p, train_m
-    found = sorted(x.name for x in wd.checkpoints().glob("*")) if wd.checkpoints().is_dir() else []
-    raise PipelineError(f"{train_m.path} names no best checkpoint and {p} does not exist (found {found}); pass "
-                        f"--checkpoint PATH.")
+    return wd.stage_dir("train") / record_of(train_m).best_checkpoint, train_m  # relative to 04_train/
 
 
-def aux_layers_from_extract(wd: WorkDir) -> tuple[list[int], Manifest]:
-    """The aux layer ids stage 02 extracted (convention 1), from its manifest or store."""
-    m = read_manifest(wd, "extract", needed_by=STAGE_SCRIPT)
-    ids = m.extra.get("aux_layers") or m.counts.get("aux_layers") or m.params.get("aux_layers")
-    if not ids:
-        # The manifest's params hold None when the default was used; the store records what ran.
-
-        ids = HiddenStateStore.open(wd, needed_by=STAGE_SCRIPT, allow_missing=True).aux_layers
-    return [int(k) for k in ids], m
+def check_trained_layers(layers: list[int], extract_m: Manifest, train_m: Manifest | None) -> None:
+    """Stage 04's aux layer ids (its record) must be the ones stage 02 extracted (`layers`):
+    they differ only when stage 02 was rerun since (and --allow-stale let it through)."""
+    if train_m is None:
+        return
+    check_same("aux layers", record_of(train_m).aux_layer_ids, layers, ours_from=str(train_m.path),
+               theirs_from=str(extract_m.path),
+               fix="the drafter was trained on another extraction; rerun stage 04 on this one, or export in the "
+                   "work dir it was trained in")
 
 
 def expected_accept_length(meta: dict, train_m: Manifest | None) -> tuple[float | None, str]:
@@ -135,9 +128,9 @@ def expected_accept_length(meta: dict, train_m: Manifest | None) -> tuple[float 
     best = meta.get("best") if isinstance(meta.get("best"), dict) else {}
     if best.get("step") == step and valid(best.get("expected_accept_length")):
         return float(best["expected_accept_length"]), f"checkpoint best (step {step})"
-    if train_m is not None and train_m.counts.get("best_step") == step \
-            and valid(train_m.counts.get("best_expected_accept_length")):
-        return float(train_m.counts["best_expected_accept_length"]), f"{train_m.path} (best step {step})"
+    train: TrainRecord | None = record_of(train_m) if train_m is not None else None
+    if train is not None and train.best_step == step and valid(train.best_expected_accept_length):
+        return float(train.best_expected_accept_length), f"{train_m.path} (best step {step})"
     return None, f"no held-out evaluation recorded at this checkpoint's step ({step})"
 
 
@@ -165,9 +158,9 @@ def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> di
     # fine-tune can keep its source drafter's mapping, convention 3).
     if wd.manifest("vocab").is_file():
         try:
-            m03 = read_manifest(wd, "vocab", needed_by=STAGE_SCRIPT)
-            out["stage03_manifest"] = {k: m03.counts.get(k) for k in ("coverage_train", "coverage_eval",
-                                                                     "draft_vocab_size")}
+            r03 = read_record(wd, "vocab", needed_by=STAGE_SCRIPT)
+            out["stage03_manifest"] = {"coverage_train": r03.coverage_train, "coverage_eval": r03.coverage_eval,
+                                       "draft_vocab_size": r03.draft_vocab_size}
         except PipelineError as e:
             out["stage03_manifest"] = {"note": str(e)}
     if wd.d2t("npy").is_file():
@@ -278,9 +271,11 @@ def export_inputs(cfg: ExportConfig) -> ExportInputs:
     """The target, stage 02's layer ids, the checkpoint and the output folder, checked."""
     wd = WorkDir(cfg.work_dir)
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
-    layers, extract_m = aux_layers_from_extract(wd)
+    extract_m = read_manifest(wd, "extract", needed_by=STAGE_SCRIPT)
+    layers = list(record_of(extract_m).aux_layer_ids)  # convention 1
     validate_aux_layers(layers, info.num_layers, source=f"aux layers of {extract_m.path}")
     ckpt_path, train_m = resolve_checkpoint(wd, cfg.checkpoint)
+    check_trained_layers(layers, extract_m, train_m)
     out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else wd.export_dir()
     params = {**identity_params(cfg), "out_dir": str(out_dir)}
     inputs = {"checkpoint": sha256_file(ckpt_path) if ckpt_path.is_file() else str(ckpt_path),
@@ -376,10 +371,11 @@ def write_report_and_manifest(x: ExportInputs, report: dict) -> Manifest:
         outputs += [out_dir / CONFIG_NAME, out_dir / WEIGHTS_NAME]
     counts = {"tensors": len(report["tensors"]), "draft_vocab_size": report["drafter_config"]["draft_vocab_size"],
               "bytes": sum((out_dir / n).stat().st_size for n in (CONFIG_NAME, WEIGHTS_NAME))}
+    record = ExportRecord(drafter_dir=str(out_dir), drafter_files=report["files"], aux_layer_ids=list(x.layers),
+                          checkpoint_step=report["checkpoint"]["step"],
+                          expected_accept_length=report["expected_accept_length"]["value"])
     return write_manifest(wd, "export", params=x.params, inputs=x.inputs, counts=counts, outputs=outputs,
-                          extra={"drafter_dir": str(out_dir), "drafter_files": report["files"],
-                                 "aux_layers": x.layers,
-                                 "expected_accept_length": report["expected_accept_length"]["value"]})
+                          record=record)
 
 
 def export_drafter(cfg: ExportConfig) -> Path:
@@ -425,5 +421,5 @@ def _check_out_dir(out_dir: Path, stage_dir: Path, force: bool) -> None:
 
 
 def _drafter_intact(out_dir: Path, m: Manifest) -> bool:
-    files = m.extra.get("drafter_files") or {}
+    files = record_of(m).drafter_files
     return bool(files) and all((out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())

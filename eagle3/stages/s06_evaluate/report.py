@@ -249,11 +249,12 @@ def _plot_categories(c, r: dict, cats: list[str]) -> None:
     c.legend(fontsize=7)
 
 
-def _plot_training(b, curve: list[dict], colors: list[str]) -> None:
-    """full_acc_k over stage 04's steps: held-out evals as markers, train windows as faint lines."""
+def _plot_training(b, curve: list[dict], ttt_steps: int, colors: list[str]) -> None:
+    """full_acc_k (k < ttt_steps) over stage 04's steps: held-out evals as markers, train windows
+    as faint lines."""
     evals = [m for m in curve if m.get("split") == "eval"]
     trains = [m for m in curve if m.get("split") == "train"]
-    n_steps = max((sum(1 for k in m if k.startswith("full_acc_")) for m in curve), default=0)
+    n_steps = ttt_steps if curve else 0
     for k in range(n_steps):
         col = colors[k % len(colors)]
         if trains:
@@ -271,10 +272,11 @@ def _plot_training(b, curve: list[dict], colors: list[str]) -> None:
         b.text(0.5, 0.5, "no stage 04 metrics", ha="center", va="center", transform=b.transAxes)
 
 
-def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
+def write_plot(path: Path, r: dict, curve: list[dict], ttt_steps: int) -> None:
     """Left: acceptance per draft position (trained at each temperature, untrained, training
     full_acc_k). Middle (with categories): acceptance length per category and temperature.
-    Right: full_acc_k over stage 04's steps (held-out evals as markers, train windows as lines)."""
+    Right: full_acc_k over stage 04's steps (held-out evals as markers, train windows as lines);
+    `curve`: stage 04's metrics.jsonl rows, `ttt_steps`: stage 04's record's."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a server
@@ -286,7 +288,7 @@ def write_plot(path: Path, r: dict, curve: list[dict]) -> None:
     _plot_positions(axes[0], r)
     if cats:
         _plot_categories(axes[1], r, cats)
-    _plot_training(axes[-1], curve, plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    _plot_training(axes[-1], curve, ttt_steps, plt.rcParams["axes.prop_cycle"].by_key()["color"])
     fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=110, format="png")

@@ -72,14 +72,15 @@ from eagle3.core.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, l
 from eagle3.core.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_layers, intended_layers, rules_for,
                                       target_family)
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, sha256_file,
-                                  sha256_json, write_manifest)
+from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
+                                  record_of, sha256_file, sha256_json, write_manifest)
+from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
 from eagle3.core.vocab_map import target_ids
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
-from eagle3.stages.s06_evaluate.engine import run_engine
+from eagle3.stages.s06_evaluate.engine import engine_request, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
 from eagle3.stages.s06_evaluate.report import report_lines, summarise, write_plot
@@ -121,24 +122,22 @@ def write_untrained_drafter(drafter_dir: Path, out_dir: Path, seed: int) -> Path
 
 # --------------------------------------------------------------------------- training-time figures
 
-def training_expectation(wd: WorkDir, K: int, export_report: dict | None) -> dict[str, Any]:
+def training_expectation(wd: WorkDir, K: int, step: int | None, train: TrainRecord | None) -> dict[str, Any]:
     """Training-time expected accept length for K tokens: 1 + sum_{k<K} full_acc_k (convention 5),
-    from the held-out evaluation of the exported checkpoint's step."""
-    step = ((export_report or {}).get("checkpoint") or {}).get("step")
+    from the held-out evaluation of the exported checkpoint's `step` (stage 05's record), else
+    stage 04's best one; `train`: stage 04's record (None: it did not finish here)."""
+    if train is None:
+        return {"value": None, "k": K, "source": f"no stage 04 manifest in this work dir ({wd.manifest('train')})"}
     curve = read_train_metrics(wd)
     evals = [m for m in curve if m.get("split") == "eval"]
     row = next((m for m in reversed(evals) if m.get("step") == step), None)
     source = f"{wd.train_metrics()} (held-out eval at the exported step {step})"
-    if row is None and wd.manifest("train").is_file():
-        try:
-            tm = read_manifest(wd, "train", needed_by=STAGE_SCRIPT)
-            row = tm.counts.get("best_eval")
-            source = f"{tm.path} (best held-out eval, step {tm.counts.get('best_step')})"
-        except PipelineError:
-            row = None
+    if row is None:
+        row = train.best_eval
+        source = f"{wd.manifest('train')} (best held-out eval, step {train.best_step})"
     if not row:
         return {"value": None, "k": K, "source": "no stage 04 held-out metrics in this work dir"}
-    trained_k = sum(1 for k in row if k.startswith("full_acc_"))
+    trained_k = train.ttt_steps
     full = [float(row[f"full_acc_{k}"]) for k in range(min(K, trained_k))]
     return {"value": 1.0 + sum(full), "k": len(full), "full_acc": full, "source": source,
             "ttt_steps": trained_k, "all_steps": float(row.get("expected_accept_length", float("nan")))}
@@ -152,25 +151,21 @@ def read_train_metrics(wd: WorkDir) -> list[dict]:
 
 
 
-def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest | None, dict | None]:
-    """(drafter folder, stage 05 manifest, export report); the last two are None when the
-    drafter is not this work dir's export, so no training figures of another drafter are
-    set beside its measurement."""
+def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest | None]:
+    """(drafter folder, stage 05 manifest); the manifest is None when the drafter is not this
+    work dir's export, so no training figures of another drafter are set beside its measurement."""
     if cfg.drafter_dir is None:
         export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
-        drafter_dir = Path(export_m.extra.get("drafter_dir") or wd.export_dir())
-    else:
-        drafter_dir = Path(cfg.drafter_dir)
-        if not wd.manifest("export").is_file():
-            return drafter_dir, None, None
-        export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
-        exported = Path(export_m.extra.get("drafter_dir") or wd.export_dir())
-        if exported.resolve() != drafter_dir.resolve():
-            log.info("%s is not this work dir's export (%s): no training-time figures beside it", drafter_dir,
-                     exported)
-            return drafter_dir, None, None
-    rp = wd.export_report("json")
-    return drafter_dir, export_m, json.loads(rp.read_text()) if rp.is_file() else None
+        return Path(record_of(export_m).drafter_dir), export_m
+    drafter_dir = Path(cfg.drafter_dir)
+    if not wd.manifest("export").is_file():
+        return drafter_dir, None
+    export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
+    exported = Path(record_of(export_m).drafter_dir)
+    if exported.resolve() != drafter_dir.resolve():
+        log.info("%s is not this work dir's export (%s): no training-time figures beside it", drafter_dir, exported)
+        return drafter_dir, None
+    return drafter_dir, export_m
 
 
 def _check_target(cfg: EvaluateConfig, prep: Manifest | None, drafter_cfg: dict, drafter_dir: Path):
@@ -188,7 +183,7 @@ def _check_target(cfg: EvaluateConfig, prep: Manifest | None, drafter_cfg: dict,
                             f"{info.hidden_size} ({cfg.target_model}); pass the drafter's own target.")
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
     fp = tokenizer_fingerprint(tok)
-    if prep is not None and fp != prep.extra.get("tokenizer_fingerprint"):
+    if prep is not None and fp != record_of(prep).tokenizer_fingerprint:
         raise PipelineError(f"the tokenizer of {cfg.target_model} is not the one stage 01 tokenized with "
                             f"({prep.path}); the prompts are token ids, so serve the same target or rerun "
                             f"`python {WorkDir.script('prepare')} --force` with it.")
@@ -209,7 +204,7 @@ def _load_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, max_prompt: int,
     if cfg.prompts is None:
         return held_out_prompts(wd, cfg.num_prompts, max_prompt)
     return file_prompts(cfg.prompts, cfg.prompts_split, tok, cfg.prompt_field, cfg.category_field,
-                        cfg.num_prompts, max_prompt, (prep.extra.get("chat_template_kwargs") if prep else None))
+                        cfg.num_prompts, max_prompt, (record_of(prep).chat_template_kwargs if prep else None))
 
 
 @dataclass
@@ -218,17 +213,20 @@ class _Drafter:
     dir: Path
     config: dict  # its config.json
     export: Manifest | None  # stage 05's manifest, when the drafter is this work dir's export
-    export_report: dict | None
+
+    @property
+    def exported(self) -> ExportRecord | None:
+        return record_of(self.export) if self.export is not None else None
 
 
 def _read_drafter(wd: WorkDir, cfg: EvaluateConfig) -> _Drafter:
 
-    drafter_dir, export_m, export_report = _resolve_drafter(wd, cfg)
+    drafter_dir, export_m = _resolve_drafter(wd, cfg)
     cfg_file = drafter_dir / CONFIG_NAME
     if not cfg_file.is_file():
         raise PipelineError(f"{drafter_dir} has no {CONFIG_NAME}; pass a drafter folder with --drafter-dir or run "
                             f"`python {WorkDir.script('export')}` first.")
-    return _Drafter(drafter_dir, json.loads(cfg_file.read_text()), export_m, export_report)
+    return _Drafter(drafter_dir, json.loads(cfg_file.read_text()), export_m)
 
 
 def _identity(cfg: EvaluateConfig, drafter: _Drafter, prep: Manifest | None, info) -> tuple[dict, dict]:
@@ -247,13 +245,20 @@ def _identity(cfg: EvaluateConfig, drafter: _Drafter, prep: Manifest | None, inf
     return params, inputs
 
 
-def _expectation(wd: WorkDir, cfg: EvaluateConfig, drafter: _Drafter) -> dict[str, Any]:
-    """Stage 04's expected accept length, only for the drafter stage 05 exported here (the
-    training figures describe no other drafter)."""
+def _train_record(wd: WorkDir, drafter: _Drafter) -> TrainRecord | None:
+    """Stage 04's record, only for the drafter stage 05 exported here (the training figures
+    describe no other drafter) and when stage 04 finished here."""
+    if drafter.export is None or not wd.manifest("train").is_file():
+        return None
+    return read_record(wd, "train", needed_by=STAGE_SCRIPT)
+
+
+def _expectation(wd: WorkDir, cfg: EvaluateConfig, drafter: _Drafter, train: TrainRecord | None) -> dict[str, Any]:
+    """Stage 04's expected accept length, only for the drafter stage 05 exported here."""
     K = cfg.num_speculative_tokens
     if drafter.export is None:
         return {"value": None, "k": K, "source": f"{drafter.dir} was not exported from this work dir"}
-    expectation = training_expectation(wd, K, drafter.export_report)
+    expectation = training_expectation(wd, K, drafter.exported.checkpoint_step, train)
     if expectation.get("ttt_steps") and K > expectation["ttt_steps"]:
         log.warning("K = %d speculative tokens, but the drafter was trained with %d train-time-test steps: "
                     "positions past %d were never trained (retrain with --ttt-steps >= %d)",
@@ -295,11 +300,9 @@ def _base_request(cfg: EvaluateConfig, prompts: list[Prompt], max_model_len: int
     """What every engine run is asked; each run adds its drafter, temperatures and timed prompts."""
     cats = [p.category for p in prompts]
     groups = [[i for i, c in enumerate(cats) if c == n] for n in categories(prompts)]
-    return {"target": cfg.target_model, "num_speculative_tokens": cfg.num_speculative_tokens,
-            "max_model_len": max_model_len, "max_num_seqs": cfg.max_num_seqs, "max_new_tokens": cfg.max_new_tokens,
-            "dtype": cfg.dtype, "seed": cfg.seed, "tensor_parallel_size": cfg.tensor_parallel_size,
-            "gpu_memory_utilization": cfg.gpu_memory_utilization, "enforce_eager": cfg.enforce_eager,
-            "trust_remote_code": cfg.trust_remote_code, "warmup_prompts": cfg.warmup_prompts,
+    return {**engine_request(cfg.engine_config(max_model_len=max_model_len)),
+            "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens,
+            "warmup_prompts": cfg.warmup_prompts,
             "timed_passes": cfg.timed_passes, "groups": groups or [list(range(len(prompts)))],
             "prompts": [p.prompt_ids for p in prompts]}
 
@@ -397,7 +400,8 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
         _log_report(results, warn=False)
         return results
 
-    expectation = _expectation(wd, cfg, drafter)
+    train = _train_record(wd, drafter)
+    expectation = _expectation(wd, cfg, drafter, train)
     capture = layer_capture(drafter.config, info)
     _log_capture(capture, drafter.dir)
     prompts, prompt_info, max_model_len = _choose_prompts(cfg, wd, tok, info, prep)
@@ -417,10 +421,11 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     results["settings"]["aux_layers"] = capture
 
     write_json(wd.evaluate_results(), results)
-    write_plot(wd.evaluate_plot(), results, read_train_metrics(wd) if drafter.export is not None else [])
+    write_plot(wd.evaluate_plot(), results, read_train_metrics(wd) if train is not None else [],
+               train.ttt_steps if train is not None else 0)
     write_manifest(wd, "evaluate", params=params, inputs=inputs, counts=_manifest_counts(results, prompt_info, timed),
                    outputs=[wd.evaluate_results(), wd.evaluate_plot()],
-                   extra={"drafter_dir": str(drafter.dir), "target_model": cfg.target_model})
+                   record=EvaluateRecord(drafter_dir=str(drafter.dir), target_model=cfg.target_model))
     _log_report(results)
     log.info("stage 06: results -> %s, plot -> %s", wd.evaluate_results(), wd.evaluate_plot())
     return results
