@@ -1,4 +1,4 @@
-"""Shared fixtures (tiny targets, a prepared work directory, built once per session) and the tiers.
+"""Shared fixtures (tiny targets, the stages run on a few chats, built once per session) and the tiers.
 
 The suite is three folders, each a marker of the same name, cheapest first:
 
@@ -7,6 +7,9 @@ The suite is three folders, each a marker of the same name, cheapest first:
     tests/e2e/     vLLM's CPU engine, kill -9 faults, the real small target, the demo
 
 `pytest tests/unit` (or `-m unit`) is the quick check; CI runs `pytest tests`, all three.
+Helpers the fixtures and tests share (stage builder, chat templates, tiny settings) are in
+tests/fixtures.py, imported as a top-level module: tests/ is on sys.path (pytest puts this
+file's folder there).
 """
 from __future__ import annotations
 
@@ -15,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, for `eagle3`
 
+from eagle3.core import target_head  # noqa: E402
+from eagle3.stages.s02_extract import run as extract_run  # noqa: E402
 from eagle3.tools.tiny import build_tiny_target  # noqa: E402
+from fixtures import DEMO_CHATS, run_stages  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -40,37 +45,44 @@ def tiny_llama(tiny_targets) -> Path:
 
 
 @pytest.fixture(scope="session")
-def prepared_llama(tmp_path_factory, tiny_llama) -> Path:
-    """A work dir where stage 01 ran on the shipped demo chats with the tiny Llama."""
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
+def stage_runs(tmp_path_factory):
+    """`stage_runs(target, upto="vocab", chats=60, **overrides)`: a work dir where stages 01..upto
+    ran on the first `chats` demo chats (fixtures.run_stages: its tiny defaults, per-stage
+    overrides), built once per session for each set of arguments and shared by every test
+    that asks for the same. Read-only: a test that writes works on
+    `copy_stages(work, tmp_path / ...)`."""
+    built: dict[str, Path] = {}
 
-    wd = tmp_path_factory.mktemp("work-llama")
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama),
-                                  data=[str(ROOT / "data" / "demo_chats.jsonl")],
-                                  max_length=512, eval_fraction=0.1, num_workers=1))
-    return wd
+    def run(target: Path, upto: str = "vocab", **kw) -> Path:
+        key = repr((str(target), upto, sorted(kw.items())))
+        if key not in built:
+            built[key] = run_stages(tmp_path_factory.mktemp(f"stages-{upto}"), target, upto=upto, **kw)
+        return built[key]
+
+    return run
 
 
 @pytest.fixture(scope="session")
-def stages_123(tmp_path_factory, tiny_llama) -> Path:
-    """Stages 01-03 on 60 demo chats with the tiny Llama (tests/stage_fixtures.py); read-only:
-    a test that writes works on `copy_stages(stages_123, tmp_path / ...)`."""
-    from stage_fixtures import build_stages_123
+def prepared_llama(tmp_path_factory, tiny_llama) -> Path:
+    """A work dir where stage 01 ran on the shipped demo chats with the tiny Llama. Not from
+    `stage_runs`: tests/stages/test_vocab.py builds stage 03 in it."""
+    return run_stages(tmp_path_factory.mktemp("work-llama"), tiny_llama, upto="prepare", chats=DEMO_CHATS,
+                      prepare=dict(max_length=512, eval_fraction=0.1))
 
-    return build_stages_123(tmp_path_factory.mktemp("stages-123"), tiny_llama)
+
+@pytest.fixture(scope="session")
+def stages_123(stage_runs, tiny_llama) -> Path:
+    """Stages 01-03 on 60 demo chats with the tiny Llama (fixtures.TINY's sizes); read-only."""
+    return stage_runs(tiny_llama)
 
 
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Make any attempt to load a model fail loudly: for checks that must happen before."""
-    from eagle3.stages.s02_extract import run as run_mod
-    from eagle3.core import target_head
-
     def boom(*a, **k):
         raise AssertionError("a model was loaded although the run should not need one")
 
-    monkeypatch.setattr(run_mod, "make_backend", boom)
+    monkeypatch.setattr(extract_run, "make_backend", boom)
     monkeypatch.setattr(target_head.TargetHead, "load", classmethod(boom))
 
 

@@ -135,12 +135,12 @@ def _train_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[
             bad.append(f"{p}: does not load ({type(e).__name__}: {str(e)[:80]})")
     if final:
         mine, theirs = (json.loads(w.manifest(stage).read_text()) for w in (wd, ref))
-        a = torch.load(d / mine["extra"]["best_checkpoint"], weights_only=True)["model"]
-        b = torch.load(ref.stage_dir(stage) / theirs["extra"]["best_checkpoint"], weights_only=True)["model"]
+        a = torch.load(d / mine["record"]["best_checkpoint"], weights_only=True)["model"]
+        b = torch.load(ref.stage_dir(stage) / theirs["record"]["best_checkpoint"], weights_only=True)["model"]
         if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
             bad.append(f"{d}: best checkpoint weights differ from the unbroken run's")
-        if mine["counts"].get("best_step") != theirs["counts"].get("best_step"):
-            bad.append(f"{d}: best step {mine['counts'].get('best_step')} vs {theirs['counts'].get('best_step')}")
+        if mine["record"]["best_step"] != theirs["record"]["best_step"]:
+            bad.append(f"{d}: best step {mine['record']['best_step']} vs {theirs['record']['best_step']}")
     return bad
 
 

@@ -7,6 +7,7 @@ import json
 
 from eagle3.tools.demo import served_lines, summary_text, verdict_lines
 from eagle3.core.manifest import write_manifest
+from eagle3.core.records import EvaluateRecord, GenerateRecord, PrepareRecord, TrainRecord, VocabRecord
 from eagle3.core.workdir import WorkDir
 
 
@@ -68,21 +69,28 @@ def test_summary_of_a_work_dir_where_only_stage_06_ran_and_of_a_full_one(tmp_pat
     wd.evaluate_dir().mkdir(parents=True)
     wd.evaluate_results().write_text(json.dumps(results()))
     write_manifest(wd, "evaluate", params={}, inputs={}, counts={}, outputs=[wd.evaluate_results()],
-                   extra={"drafter_dir": "/d"})
+                   record=EvaluateRecord(drafter_dir="/d", target_model="t"))
     alone = summary_text(wd.root)
     assert "data " not in alone and "training " not in alone and "verdict   trained beats untrained" in alone
-    write_manifest(wd, "generate", params={}, inputs={}, outputs=[], counts={
-        "turns_regenerated": 1268, "conversations": 1012, "new_turns": 1268, "generated_tokens": 120000})
-    write_manifest(wd, "prepare", params={}, inputs={}, outputs=[], counts={
-        "train_samples": 960, "eval_samples": 52, "train_tokens": 200000, "eval_tokens": 10000,
-        "train_assistant_tokens": 110000, "eval_assistant_tokens": 5000})
-    write_manifest(wd, "vocab", params={}, inputs={}, outputs=[], counts={
-        "draft_vocab_size": 4096, "coverage_train": 0.99, "coverage_eval": 0.97})
-    write_manifest(wd, "train", params={}, inputs={}, outputs=[], counts={
-        "steps": 150, "best_expected_accept_length": 1.7, "best_step": 150})
+    write_manifest(wd, "generate", params={}, inputs={}, outputs=[], counts={}, record=GenerateRecord(
+        target_model="t", tokenizer_fingerprint="f", chat_template_kwargs={}, stop_token_ids=[2], complete=True,
+        num_chunks=1, missing_chunks=0, missing_shard_indices=[],
+        turns_regenerated=1268, conversations=1012, new_turns=1268, generated_tokens=120000))
+    write_manifest(wd, "prepare", params={}, inputs={}, outputs=[], counts={}, record=PrepareRecord(
+        target_model="t", tokenizer_fingerprint="f", vocab_size=32000, chat_template_kwargs={}, assistant_suffix=[2],
+        records=1012, bad_records={}, samples={"train": 960, "eval": 52}, tokens={"train": 200000, "eval": 10000},
+        assistant_tokens={"train": 110000, "eval": 5000}))
+    write_manifest(wd, "vocab", params={}, inputs={}, outputs=[], counts={}, record=VocabRecord(
+        tokenizer_fingerprint="f", target_vocab_size=32000, draft_vocab_size=4096, coverage_train=0.99,
+        coverage_eval=0.97))
+    write_manifest(wd, "train", params={}, inputs={}, outputs=[], counts={}, record=TrainRecord(
+        ttt_steps=3, aux_layer_ids=[2, 4, 5], steps=150, best_expected_accept_length=1.7, best_step=150,
+        best_eval=None, best_checkpoint="checkpoints/best.pt"))
     full = summary_text(wd.root, elapsed_s=807, stage_times=[("00", 190.0)])
     assert ("answers   stage 00: the target answered 1268 turns of 1012 conversations itself (1268 of them prompts "
             "without an answer in the data)") in full
     assert "960 train / 52 held-out conversations" in full and "held-out 97.0%" in full
+    assert "training  150 steps; best held-out expected accept length 1.700 (all 3 TTT steps) at step 150" in full
+    assert "drafter /d" in full
     assert "wall time 13m27s" in full and "per stage  00 3m10s" in full and "goal" not in full
 

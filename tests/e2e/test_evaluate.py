@@ -28,6 +28,7 @@ from eagle3.stages.s06_evaluate.figures import (acceptance_figures, histogram_co
                                      timing_problems)
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, timing_subset
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.records import TrainRecord
 from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -296,11 +297,16 @@ def test_training_expectation_reads_the_exported_steps_heldout_eval(tmp_path):
             {"split": "eval", "step": 30, "full_acc_0": 0.7, "full_acc_1": 0.4, "expected_accept_length": 2.1},
             {"split": "eval", "step": 60, "full_acc_0": 0.6, "full_acc_1": 0.3, "expected_accept_length": 1.9}]
     wd.train_metrics().write_text("".join(json.dumps(r) + "\n" for r in rows))
-    e = training_expectation(wd, 3, {"checkpoint": {"step": 30}})
-    # Only 2 TTT steps were trained, so K = 3 can only count 2 positions.
+    train = TrainRecord(ttt_steps=2, aux_layer_ids=[2, 4, 5], steps=60, best_step=30, best_expected_accept_length=2.1,
+                        best_eval=rows[2], best_checkpoint="checkpoints/best.pt")
+    e = training_expectation(wd, 3, 30, train)
+    # Only 2 TTT steps were trained (stage 04's record), so K = 3 can only count 2 positions.
     assert e["value"] == pytest.approx(2.1) and e["k"] == 2 and e["ttt_steps"] == 2
-    assert training_expectation(wd, 1, {"checkpoint": {"step": 60}})["value"] == pytest.approx(1.6)
-    assert training_expectation(WorkDir(tmp_path / "none"), 3, None)["value"] is None
+    assert training_expectation(wd, 1, 60, train)["value"] == pytest.approx(1.6)
+    # A step without a held-out row (a step checkpoint saved between evaluations): stage 04's best.
+    best = training_expectation(wd, 3, 45, train)
+    assert best["value"] == pytest.approx(2.1) and "best held-out eval, step 30" in best["source"]
+    assert training_expectation(WorkDir(tmp_path / "none"), 3, None, None)["value"] is None
 
 
 # -- the untrained baseline ------------------------------------------------------------------
@@ -384,7 +390,7 @@ def test_evaluate_refuses_another_target(tmp_path, prepared_llama, tiny_llama):
     shutil.copytree(prepared_llama, work)
     mpath = WorkDir(work).manifest("prepare")
     m = json.loads(mpath.read_text())
-    m["extra"]["tokenizer_fingerprint"] = "0" * 64
+    m["record"]["tokenizer_fingerprint"] = "0" * 64
     mpath.write_text(json.dumps(m))
     with pytest.raises(PipelineError, match="not the one stage 01 tokenized with"):
         evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), drafter_dir=drafter))
@@ -572,6 +578,7 @@ def test_worker_shuts_the_engine_down_when_a_pass_fails(monkeypatch):
     from types import SimpleNamespace
 
     import eagle3.stages.s06_evaluate.engine as engine
+    from eagle3.engines.config import EngineConfig
 
     calls = []
 
@@ -581,9 +588,9 @@ def test_worker_shuts_the_engine_down_when_a_pass_fails(monkeypatch):
     llm = SimpleNamespace(generate=generate, get_metrics=lambda: [],
                           llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: calls.append(1))))
     monkeypatch.setattr(engine, "_start_engine", lambda *a: llm)
-    req = {"drafter": None, "gpu_memory_utilization": None, "enforce_eager": None, "num_speculative_tokens": K,
-           "seed": 0, "max_new_tokens": 4, "prompts": [[1, 2]], "groups": [[0]], "temperatures": [0.0],
-           "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
+    settings = engine.engine_request(EngineConfig(model="some/target", max_model_len=64))
+    req = {**settings, "drafter": None, "num_speculative_tokens": K, "max_new_tokens": 4, "prompts": [[1, 2]],
+           "groups": [[0]], "temperatures": [0.0], "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
     with pytest.raises(RuntimeError, match="pass failed"):
         engine.serve_and_measure(req)
     assert calls == [1]
@@ -606,8 +613,8 @@ def test_plot_draws_positions_categories_and_training_curves(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
         return int.from_bytes(data[16:20], "big")  # IHDR width
 
-    write_plot(tmp_path / "cats.png", r, curve)
+    write_plot(tmp_path / "cats.png", r, curve, 2)
     no_cats = {**r, "categories": {"field": None, "names": []}}
-    write_plot(tmp_path / "plain.png", no_cats, [])
+    write_plot(tmp_path / "plain.png", no_cats, [], 0)
     assert png_width(tmp_path / "cats.png") == 15 * 110 and png_width(tmp_path / "plain.png") == 10 * 110
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cats.png", "plain.png"]  # no temporary file left

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -33,8 +32,7 @@ from eagle3.core import store
 from eagle3.core.atomic import DiskFullError, atomic_path, save_numpy, save_torch, write_json
 from eagle3.core.errors import PipelineError
 from eagle3.core.workdir import WorkDir
-
-ROOT = Path(__file__).resolve().parents[2]
+from fixtures import copy_stages
 
 
 # -- disk full -------------------------------------------------------------------------------
@@ -99,25 +97,10 @@ def test_atomic_writers_on_a_full_tmpfs(tiny_fs, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory, tiny_llama):
+def base(stage_runs, tiny_llama):
     """Stages 01 and 03 on 60 demo chats, and an unbroken stage 02 store to compare with."""
-    from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.stages.s02_extract.run import extract_hidden_states
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
-    from eagle3.stages.s03_vocab.run import build_vocab_mapping
-    from eagle3.stages.s03_vocab.config import VocabConfig
-
-    root = tmp_path_factory.mktemp("faults")
-    data = root / "chats.jsonl"
-    data.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:60]) + "\n")
-    wd = WorkDir(root / "work")
-    t = str(tiny_llama)
-    prepare_dataset(PrepareConfig(work_dir=wd.root, target_model=t, data=[str(data)], max_length=256,
-                                  eval_fraction=0.2, num_workers=1))
-    build_vocab_mapping(VocabConfig(work_dir=wd.root, target_model=t, draft_vocab_size=64))
-    extract_hidden_states(ExtractConfig(work_dir=wd.root, target_model=t, backend="hf", samples_per_file=8))
-    return wd
+    return WorkDir(stage_runs(tiny_llama, prepare=dict(eval_fraction=0.2), vocab=dict(draft_vocab_size=64),
+                              extract=dict(samples_per_file=8, dtype="bfloat16")))
 
 
 STORE_DTYPES = ["bf16", "fp8"]
@@ -148,10 +131,7 @@ def store_files(wd: WorkDir) -> dict[str, bytes]:
 
 
 def copy_inputs(base: WorkDir, dest: Path, stages=("prepare", "vocab")) -> WorkDir:
-    wd = WorkDir(dest)
-    for s in stages:
-        shutil.copytree(base.stage_dir(s), wd.stage_dir(s))
-    return wd
+    return WorkDir(copy_stages(base.root, dest, stages))
 
 
 @pytest.mark.parametrize("store_dtype", STORE_DTYPES)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +24,10 @@ from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Generation, Turns,
                                           from_raw, regenerate, request_seed)
 from eagle3.core.loss_mask import assistant_suffix
+from eagle3.core.manifest import record_of
 from eagle3.core.workdir import WorkDir
+from fixtures import KIMI_THINKING, ROOT, make_tokenizer
 
-ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
 N_CHATS = 20  # 17 multi-turn among the first 20 demo chats (2 or 3 assistant turns)
 MAX_NEW = 10
@@ -192,7 +194,8 @@ def test_no_conversation_to_answer_stops_before_an_engine_starts(tmp_path, tiny_
     # The same file with its field named: every record answered.
     m = generate_responses(_gen(tmp_path, tiny_llama, data, prompt_field="text"),
                            engine=Scripted(lambda p: Generation([5, 6, 7], "length")))
-    assert m.counts["conversations"] == m.counts["new_turns"] == 5 and m.counts["bad_records"] == {"malformed_json": 1}
+    assert record_of(m).conversations == record_of(m).new_turns == 5
+    assert m.counts["bad_records"] == {"malformed_json": 1}
 
 
 def test_nothing_left_after_generation_is_an_error_and_most_dropped_a_warning(tmp_path, tiny_llama, tok, caplog):
@@ -217,7 +220,7 @@ def test_nothing_left_after_generation_is_an_error_and_most_dropped_a_warning(tm
                           else [eot], "stop")
 
     m = generate_responses(_gen(tmp_path, tiny_llama, data, force=True), engine=Scripted(one))
-    assert m.counts["conversations"] == 1 and m.counts["dropped_conversations"] == {"empty_answer": 3}
+    assert record_of(m).conversations == 1 and m.counts["dropped_conversations"] == {"empty_answer": 3}
     assert any("only 1 of 4 records became conversations" in r.getMessage() and "empty_answer 3" in r.getMessage()
                for r in caplog.records if r.levelname == "WARNING")
 
@@ -264,10 +267,11 @@ class Counting:
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
+    from eagle3.engines.config import EngineConfig
     from eagle3.stages.s00_generate.vllm_runner import VllmEngine
 
-    eng = VllmEngine(str(tiny_llama), dtype="float32", max_model_len=256, max_num_seqs=64,
-                     gpu_memory_utilization=0.3, kv_cache_gib=0.5, enforce_eager=True)
+    eng = VllmEngine(EngineConfig(model=str(tiny_llama), dtype="float32", max_model_len=256, max_num_seqs=64,
+                                  gpu_memory_utilization=0.3, kv_cache_gib=0.5, enforce_eager=True))
     yield eng
     eng.close()
 
@@ -312,7 +316,7 @@ def unbroken(engine, tiny_llama, chats, tmp_path_factory) -> Path:
 
 def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
     m = json.loads(WorkDir(unbroken).manifest("generate").read_text())
-    c = m["counts"]
+    c = {**m["counts"], **m["record"]}  # figures only reported, and those later stages read
     assert c["records"] == N_CHATS + 4 and c["conversations"] == N_CHATS + 1
     assert c["bad_records"] == {"malformed_json": 1, "unknown_role": 1}
     assert c["dropped_conversations"] == {"prompt_too_long": 1}
@@ -325,7 +329,7 @@ def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
     assert [ln["sample_id"].split(":")[1] for ln in lines] == [str(i) for i in range(1, N_CHATS + 5)]
     assert c["generated_tokens"] == sum(len(g["ids"]) for ln in lines for g in ln.get("generated", []))
     assert c["cut_answers"] == sum(g["finish_reason"] == "length" for ln in lines for g in ln.get("generated", []))
-    assert m["extra"]["complete"] and m["extra"]["num_chunks"] == 3
+    assert m["record"]["complete"] and m["record"]["num_chunks"] == 3
 
 
 def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_before(unbroken, engine, tiny_llama):
@@ -337,14 +341,14 @@ def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_befor
     m = prepare_dataset(PrepareConfig(work_dir=unbroken, target_model=str(tiny_llama), data=["generated"],
                                       max_length=512, eval_fraction=0.0, num_workers=1))
     assert m.extra["data_from"] == "00_generate"
-    assert m.counts["bad_records"] == {"malformed_json": 1, "prompt_too_long": 1, "unknown_role": 1}
+    assert record_of(m).bad_records == {"malformed_json": 1, "prompt_too_long": 1, "unknown_role": 1}
     ds = load_split(WorkDir(unbroken).dataset("train"))
     rows = {r["sample_id"]: r for r in ds}
     lines = [ln for ln in lines_of(unbroken) if "generated" in ln]
     assert m.counts["generated_turns"] == sum(len(ln["generated"]) for ln in lines)
     gen_manifest = json.loads(WorkDir(unbroken).manifest("generate").read_text())
     eng = Counting(engine)
-    eng.set_sampling(0.0, 1.0, gen_manifest["extra"]["stop_token_ids"])
+    eng.set_sampling(0.0, 1.0, gen_manifest["record"]["stop_token_ids"])
     multi = 0
     for ln in lines:
         ids, mask = np.asarray(rows[ln["sample_id"]]["input_ids"]), np.asarray(rows[ln["sample_id"]]["loss_mask"])
@@ -382,12 +386,12 @@ def test_prompt_shapes_go_through_stages_00_and_01_every_conversation_answered(e
     for name, data, field in (("saved", folder, None), ("field", jsonl, "opener")):
         wd = tmp_path / f"work-{name}"
         m0 = generate_responses(gen_cfg(wd, tiny_llama, data, prompt_field=field), engine=Counting(engine))
-        c = m0.counts
+        c = {**m0.counts, **asdict(record_of(m0))}
         assert c["records"] == c["conversations"] == c["new_turns"] == c["turns_regenerated"] == len(openers)
         assert c["bad_records"] == c["dropped_conversations"] == {}
         m1 = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=["generated"],
                                            max_length=512, eval_fraction=0.0, num_workers=1))
-        assert m1.counts["train_samples"] == len(openers) and m1.counts["bad_records"] == {}
+        assert record_of(m1).samples["train"] == len(openers) and record_of(m1).bad_records == {}
         generated = {ln["sample_id"]: ln["generated"][0]["ids"] for ln in lines_of(wd)}
         for row in load_split(WorkDir(wd).dataset("train")):
             ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"])
@@ -437,7 +441,7 @@ def test_two_shards_combined_equal_one_run(unbroken, engine, tiny_llama, chats, 
     boxes = [tmp_path / f"box{i}" for i in range(2)]
     for i, wd in enumerate(boxes):
         m = generate_responses(gen_cfg(wd, tiny_llama, chats, num_shards=2, shard_index=i), engine=Counting(engine))
-        assert not m.extra["complete"] and m.extra["missing"]["shard_indices"] == [1 - i]
+        assert not record_of(m).complete and record_of(m).missing_shard_indices == [1 - i]
     with pytest.raises(PipelineError, match="incomplete"):
         prepare_dataset(PrepareConfig(work_dir=boxes[0], target_model=str(tiny_llama), data=["generated"],
                                       num_workers=1))
@@ -446,7 +450,7 @@ def test_two_shards_combined_equal_one_run(unbroken, engine, tiny_llama, chats, 
         shutil.copy(f, d0 / f.name)
     idle = Counting(engine)
     m = generate_responses(gen_cfg(boxes[0], tiny_llama, chats), engine=idle)
-    assert idle.calls == 0 and m.extra["complete"]
+    assert idle.calls == 0 and record_of(m).complete
     assert chunk_bytes(boxes[0]) == chunk_bytes(unbroken)
     assert m.counts == json.loads(WorkDir(unbroken).manifest("generate").read_text())["counts"]
 
@@ -461,17 +465,15 @@ def test_other_settings_are_refused_without_force(unbroken, engine, tiny_llama, 
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thinking, tmp_path):
-    """A Kimi-K2.5 style thinking template (tests/unit/test_loss_mask.py), a scripted target that
+    """A Kimi-K2.5 style thinking template (tests/fixtures.py), a scripted target that
     thinks, then answers: stage 01 reads the switches from stage 00's manifest and masks
     exactly the generated ids, reasoning and </think> included."""
     from transformers import LlamaConfig
 
-    from chat_templates import make_tokenizer
     from eagle3.stages.s00_generate.run import generate_responses
     from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.core.dataset import load_split
     from eagle3.stages.s01_prepare.config import PrepareConfig
-    from test_loss_mask import KIMI_THINKING
 
     tok = make_tokenizer(KIMI_THINKING)
     target = tmp_path / "kimi-style"
@@ -494,12 +496,12 @@ def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thi
     eng = Scripted(answer)
     m0 = generate_responses(GenerateConfig(work_dir=wd, target_model=str(target), data=[str(chats)],
                                            chat_template_kwargs={"thinking": thinking}), engine=eng)
-    assert m0.extra["chat_template_kwargs"] == {"thinking": thinking} and m0.counts["turns_regenerated"] == 6
+    assert record_of(m0).chat_template_kwargs == {"thinking": thinking} and record_of(m0).turns_regenerated == 6
     opener = enc("<|im_assistant|>assistant<|im_middle|>") + enc("<think>" if thinking else "<think></think>")
     assert all(p[-len(opener):] == opener for call in eng.calls for p in call)  # the switch reached the prompt
     m1 = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(target), data=["generated"],
                                        eval_fraction=0.0, num_workers=1))
-    assert m1.extra["chat_template_kwargs"] == {"thinking": thinking}
+    assert record_of(m1).chat_template_kwargs == {"thinking": thinking}
     gens = {json.loads(x)["sample_id"]: json.loads(x)["generated"]
             for x in WorkDir(wd).generate_chunk(0).read_text().splitlines()}
     for row in load_split(WorkDir(wd).dataset("train")):
@@ -522,5 +524,5 @@ def test_data_parallel_engines_write_the_same_chunks(unbroken, tiny_llama, chats
 
     m = generate_responses(gen_cfg(tmp_path, tiny_llama, chats, data_parallel_size=2, max_model_len=256,
                                    kv_cache_gib=0.5, enforce_eager=True, engine_in_process=True))
-    assert m.extra["complete"]
+    assert record_of(m).complete
     assert chunk_bytes(tmp_path) == chunk_bytes(unbroken)

@@ -19,8 +19,8 @@ import pytest
 
 from eagle3.core.config import build_config
 from eagle3.core.workdir import WorkDir
+from fixtures import DEMO_CHATS, ROOT, run_stages
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-llama.yaml"
 # Reduced from the demo (150 target steps, 120 drafter steps, 77 prompts x 64 tokens).
 TARGET_STEPS = 60
@@ -55,27 +55,12 @@ def stage_config(cls, section: str, work: Path, target: Path, **overrides):
 def demo_run(tmp_path_factory):
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
-    from eagle3.stages.s05_export.run import export_drafter
-    from eagle3.stages.s05_export.config import ExportConfig
-    from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.stages.s02_extract.run import extract_hidden_states
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
     from eagle3.tools.tiny import build_tiny_target
-    from eagle3.stages.s04_train.config import TrainConfig
-    from eagle3.stages.s04_train.run import train_drafter
-    from eagle3.stages.s03_vocab.run import build_vocab_mapping
-    from eagle3.stages.s03_vocab.config import VocabConfig
 
     root = tmp_path_factory.mktemp("e2e")
     target = build_tiny_target("llama", root / "target", train_steps=TARGET_STEPS)
-    work = root / "work"
-    prepare_dataset(stage_config(PrepareConfig, "prepare", work, target, num_workers=1,
-                                 data=[str(ROOT / "data" / "demo_chats.jsonl")]))
-    extract_hidden_states(stage_config(ExtractConfig, "extract", work, target))
-    build_vocab_mapping(stage_config(VocabConfig, "vocab", work, target))
-    train_drafter(stage_config(TrainConfig, "train", work, target, max_steps=DRAFTER_STEPS, eval_every=20))
-    export_drafter(stage_config(ExportConfig, "export", work, target))
+    work = run_stages(root / "work", target, upto="export", chats=DEMO_CHATS, config=CONFIG,
+                      prepare=dict(num_workers=1), train=dict(max_steps=DRAFTER_STEPS, eval_every=20))
     ev_cfg = stage_config(EvaluateConfig, "evaluate", work, target, max_new_tokens=NEW_TOKENS, timed_passes=1,
                           prompts=str(write_prompt_file(root / "prompts.jsonl")), category_field="topic",
                           temperature=[0.0, 0.7], timing_prompts=TIMED)

@@ -19,15 +19,14 @@ three engines ~1m35s); the first run on a machine adds the target build (~30 s p
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from eagle3.core.config import build_config
 from eagle3.core.workdir import WorkDir
+from fixtures import ROOT, copy_stages, run_stages
 
-ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
 HELD_OUT = ROOT / "data" / "demo_prompts_heldout.jsonl"
@@ -55,38 +54,21 @@ def subset(src: Path, dst: Path, n: int) -> Path:
 def real_run(tmp_path_factory):
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
-    from eagle3.stages.s05_export.run import export_drafter
-    from eagle3.stages.s05_export.config import ExportConfig
-    from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.stages.s02_extract.run import extract_hidden_states
-    from eagle3.stages.s00_generate.config import GenerateConfig
-    from eagle3.stages.s00_generate.run import generate_responses
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
     from eagle3.tools.targets import cached_target
-    from eagle3.stages.s04_train.config import TrainConfig
-    from eagle3.stages.s04_train.run import train_drafter
-    from eagle3.stages.s03_vocab.run import build_vocab_mapping
-    from eagle3.stages.s03_vocab.config import VocabConfig
 
     target = cached_target("smollm2")
     root = tmp_path_factory.mktemp("real")
     work, work_vllm = root / "work", root / "work-vllm"
     data = subset(PROMPTS, root / "prompts.jsonl", TRAIN_RECORDS)
-    generate_responses(stage_config(GenerateConfig, "generate", work, target, data=[str(data)],
-                                    max_new_tokens=NEW_TOKENS))
-    prepare_dataset(stage_config(PrepareConfig, "prepare", work, target, num_workers=1, eval_fraction=0.1))
+    run_stages(work, target, first="generate", upto="prepare", chats=None, config=CONFIG,
+               generate=dict(data=[str(data)], max_new_tokens=NEW_TOKENS),
+               prepare=dict(num_workers=1, eval_fraction=0.1))
     # The vLLM backend's store, from a copy of the same stage-01 output.
-    work_vllm.mkdir()
-    for stage in ("generate", "prepare"):
-        shutil.copytree(WorkDir(work).stage_dir(stage), WorkDir(work_vllm).stage_dir(stage))
-    extract_hidden_states(stage_config(ExtractConfig, "extract", work_vllm, target, backend="vllm",
-                                       gpu_memory_utilization=0.3, enforce_eager=True))
-    extract_hidden_states(stage_config(ExtractConfig, "extract", work, target, backend="hf"))
-    build_vocab_mapping(stage_config(VocabConfig, "vocab", work, target))
-    train_drafter(stage_config(TrainConfig, "train", work, target, max_steps=DRAFTER_STEPS, eval_every=30,
-                               warmup_steps=10))
-    export_drafter(stage_config(ExportConfig, "export", work, target))
+    copy_stages(work, work_vllm, ("generate", "prepare"))
+    run_stages(work_vllm, target, first="extract", upto="extract", config=CONFIG,
+               extract=dict(backend="vllm", gpu_memory_utilization=0.3, enforce_eager=True))
+    run_stages(work, target, first="extract", upto="export", config=CONFIG, extract=dict(backend="hf"),
+               train=dict(max_steps=DRAFTER_STEPS, eval_every=30, warmup_steps=10))
     ev_cfg = stage_config(EvaluateConfig, "evaluate", work, target, prompts=str(subset(
         HELD_OUT, root / "held_out.jsonl", EVAL_PROMPTS)), max_new_tokens=EVAL_TOKENS, temperature=[0.0],
         timing_prompts=0)
@@ -96,9 +78,9 @@ def real_run(tmp_path_factory):
 def test_stage_00_answers_are_the_targets(real_run):
     _, wd, _, _ = real_run
     m = json.loads(wd.manifest("generate").read_text())
-    assert m["counts"]["conversations"] == TRAIN_RECORDS
-    assert m["counts"]["turns_regenerated"] > TRAIN_RECORDS  # the two-turn chats add turns
-    assert m["counts"]["generated_tokens"] > 0.5 * TRAIN_RECORDS * NEW_TOKENS
+    assert m["record"]["conversations"] == TRAIN_RECORDS
+    assert m["record"]["turns_regenerated"] > TRAIN_RECORDS  # the two-turn chats add turns
+    assert m["record"]["generated_tokens"] > 0.5 * TRAIN_RECORDS * NEW_TOKENS
 
 
 def test_vllm_and_hf_backends_agree_on_the_real_target(real_run):

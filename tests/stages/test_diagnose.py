@@ -287,7 +287,7 @@ def write_store(root: Path, samples: dict[str, tuple[torch.Tensor, torch.Tensor,
     identity = {"aux_layers": LAYERS, "hidden_size": H, "num_layers": 8, "vocab_size": 100,
                 "tokenizer_fingerprint": "tok", "target_model": str(root.name)}
     write_index(sdir, identity, [entry], {"eval": len(ids)}, samples_per_file=len(ids))
-    write_manifest(wd, "extract", params={"aux_layers": LAYERS}, inputs={}, counts={}, outputs=[sdir],
+    write_manifest(wd, "extract", params={"aux_layers": LAYERS}, inputs={}, counts={}, outputs=[sdir], record=None,
                    hash_outputs=False)
     return wd
 

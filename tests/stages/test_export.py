@@ -20,6 +20,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.stages.s05_export.run import REPORT_JSON, REPORT_MD, export_drafter, read_training_checkpoint
 from eagle3.stages.s05_export.config import ExportConfig
 from eagle3.core.manifest import write_manifest
+from eagle3.core.records import ExtractRecord, TrainRecord, VocabRecord
 from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
 from eagle3.core.workdir import WorkDir
 
@@ -112,8 +113,10 @@ FREQ_EVAL_TOKENS = 1000
 
 
 def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None, metrics=None,
-                  best_in_manifest: bool = True) -> WorkDir:
-    """A work dir as stages 01-04 leave it, as far as stage 05 reads it."""
+                  train_layers=None) -> WorkDir:
+    """A work dir as stages 01-04 leave it, as far as stage 05 reads it. `layers`: stage 02's
+    record, `ckpt_layers`: the checkpoint's, `train_layers`: stage 04's record (default: the
+    checkpoint's)."""
     wd = WorkDir(root)
     V = m.config.target_vocab_size
     # Stage 01 token frequencies: the eval split puts 60% of its tokens on draft ids.
@@ -126,7 +129,9 @@ def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None,
         wd.stage_dir("prepare").mkdir(parents=True, exist_ok=True)
         np.save(wd.token_freq(split), freq)
     write_manifest(wd, "extract", params={"aux_layers": None}, inputs={}, counts={}, outputs=[],
-                   extra={"aux_layers": list(layers)})
+                   record=ExtractRecord(target_model="tiny", tokenizer_fingerprint="tok", aux_layer_ids=list(layers),
+                                        hidden_size=256, num_layers=8, vocab_size=V, store_dtype="bf16", complete=True,
+                                        missing_files=0, missing_shard_indices=[]))
     wd.checkpoints().mkdir(parents=True, exist_ok=True)
     # Stage 04's format (eagle3/stages/s04_train/checkpoint.py), the parts stage 05 reads.
     ev = metrics if metrics is not None else {"expected_accept_length": 1.875, "full_acc": [0.5, 0.25, 0.125]}
@@ -135,9 +140,13 @@ def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None,
                 "best": {"expected_accept_length": ev.get("expected_accept_length", -1.0),
                          "step": 123 if ev else None}},
                wd.best_checkpoint())
-    # Stage 04's manifest (provisional: extra["best_checkpoint"], relative to 04_train/).
+    # Stage 04's manifest: its record names the best checkpoint (relative to 04_train/).
     write_manifest(wd, "train", params={}, inputs={}, counts={}, outputs=[wd.best_checkpoint()],
-                   extra={"best_checkpoint": "checkpoints/best.pt"} if best_in_manifest else {})
+                   record=TrainRecord(ttt_steps=3, aux_layer_ids=list(train_layers or ckpt_layers or layers),
+                                      steps=123,
+                                      best_step=123 if ev else None,
+                                      best_expected_accept_length=ev.get("expected_accept_length", -1.0),
+                                      best_eval=ev or None, best_checkpoint="checkpoints/best.pt"))
     return wd
 
 
@@ -159,8 +168,9 @@ def test_export_stage_writes_drafter_report_and_manifest(tmp_path, tiny_llama):
     ids03 = np.sort(np.concatenate([ids[10:], np.setdiff1d(np.arange(960), ids)[:10]]))
     wd.stage_dir("vocab").mkdir(parents=True)
     np.save(wd.d2t("npy"), ids03 - np.arange(256))
-    write_manifest(wd, "vocab", params={}, inputs={}, outputs=[wd.d2t("npy")],
-                   counts={"coverage_train": 0.5, "coverage_eval": 0.25, "draft_vocab_size": 256})
+    write_manifest(wd, "vocab", params={}, inputs={}, outputs=[wd.d2t("npy")], counts={},
+                   record=VocabRecord(tokenizer_fingerprint="tok", target_vocab_size=960, draft_vocab_size=256,
+                                      coverage_train=0.5, coverage_eval=0.25))
     out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama)))
     assert out == wd.export_dir()
     assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, "manifest.json", REPORT_JSON, REPORT_MD,
@@ -196,7 +206,11 @@ def test_export_refuses_inconsistent_inputs(tmp_path):
     m = random_drafter()
     target = fake_target(tmp_path / "target")
     wd = make_work_dir(tmp_path / "w1", m, ckpt_layers=[2, 4, 6])
-    with pytest.raises(PipelineError, match=r"aux layers mismatch: \[2, 4, 6\]"):
+    with pytest.raises(PipelineError, match=r"aux layers mismatch: \[2, 4, 6\] \(.*04_train/manifest.json\)"):
+        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
+    # Stage 04's record agrees with stage 02's, the checkpoint itself does not.
+    wd = make_work_dir(tmp_path / "w1b", m, ckpt_layers=[2, 4, 6], train_layers=LAYERS)
+    with pytest.raises(PipelineError, match=r"aux layers mismatch: \[2, 4, 6\] \(.*best.pt\)"):
         export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
     wd = make_work_dir(tmp_path / "w2", m)
     other = fake_target(tmp_path / "other", vocab_size=1024)
@@ -238,7 +252,7 @@ def test_export_with_embed_tokens_and_custom_out_dir(tmp_path, tiny_llama):
     from safetensors.torch import load_file
 
     m = random_drafter()
-    wd = make_work_dir(tmp_path / "work", m, metrics={}, best_in_manifest=False)  # falls back to best.pt
+    wd = make_work_dir(tmp_path / "work", m, metrics={})  # not evaluated: no expected accept length
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")

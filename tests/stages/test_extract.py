@@ -19,13 +19,13 @@ from eagle3.core.errors import PipelineError
 from eagle3.stages.s02_extract.run import extract_hidden_states
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract import run as run_mod
-from eagle3.core.manifest import read_manifest
+from eagle3.core.manifest import read_manifest, read_record, record_of
 from eagle3.core.store import HiddenStateStore
 from eagle3.core.workdir import WorkDir
-from stage_fixtures import kill_after_entries
+from fixtures import ROOT, copy_stages, kill_after_entries
 
-ROOT = Path(__file__).resolve().parents[2]
 N_CHATS = 40
+PREPARE = dict(max_length=512, eval_fraction=0.2)  # stage 01's settings (test_store_format.py's too)
 AUX = [2, 4, 5]  # the default [2, N//2, N-3] for the 8-layer tiny targets
 
 
@@ -33,30 +33,19 @@ AUX = [2, 4, 5]  # the default [2, N//2, N-3] for the 8-layer tiny targets
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory, tiny_targets):
+def prepared(stage_runs, tiny_targets):
     """kind -> a work dir where stage 01 ran on the first N_CHATS demo chats (built lazily)."""
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
-
-    root = tmp_path_factory.mktemp("extract")
-    chats = root / "chats.jsonl"
-    chats.write_text("".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines(True)[:N_CHATS]))
-
     class Prepared(dict):
         def __missing__(self, kind):
-            wd = root / f"prep-{kind}"
-            prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_targets[kind]), data=[str(chats)],
-                                          max_length=512, eval_fraction=0.2, num_workers=1))
-            self[kind] = wd
-            return wd
+            self[kind] = stage_runs(tiny_targets[kind], upto="prepare", chats=N_CHATS, prepare=PREPARE)
+            return self[kind]
 
     return Prepared()
 
 
 def fresh_wd(prepared_wd: Path, dst: Path) -> Path:
     """A new work dir holding a copy of stage 01's output (and no store)."""
-    shutil.copytree(prepared_wd / "01_dataset", dst / "01_dataset")
-    return dst
+    return copy_stages(prepared_wd, dst, ("prepare",))
 
 
 def cfg_for(wd: Path, target: Path, **kw) -> ExtractConfig:
@@ -139,7 +128,7 @@ def test_vllm_and_hf_backends_store_the_same_states(kind, hf_store, vllm_store, 
     vl = HiddenStateStore.open(WorkDir(wd_vllm), needed_by="test")
     assert hf.aux_layers == vl.aux_layers == AUX
     m = read_manifest(WorkDir(wd_vllm), "extract", needed_by="test")
-    assert m.extra["aux_layers"] == AUX and m.extra["hidden_size"] == 256 and m.extra["dtype"] == "bfloat16"
+    assert record_of(m).aux_layer_ids == AUX and record_of(m).hidden_size == 256 and m.extra["dtype"] == "bfloat16"
     assert m.counts["bytes_per_token"] == 2 * 3 * 256 + 2 * 256 + 9
 
     agree = total = 0
@@ -247,7 +236,7 @@ def test_other_tokenizer_refused_before_loading(prepared, tiny_targets, tmp_path
     wd = fresh_wd(prepared["llama"], tmp_path / "wd")
     with pytest.raises(PipelineError, match="tokenizer fingerprint mismatch") as e:
         extract_hidden_states(cfg_for(wd, other))
-    prep_fp = read_manifest(WorkDir(wd), "prepare", needed_by="test").extra["tokenizer_fingerprint"]
+    prep_fp = read_record(WorkDir(wd), "prepare", needed_by="test").tokenizer_fingerprint
     assert prep_fp in str(e.value)
 
 
@@ -298,7 +287,7 @@ def test_nonfinite_samples_are_counted_not_dropped_silently(prepared, tiny_targe
 
 def test_rerun_of_complete_store_does_nothing(hf_store, tiny_targets, no_model_load):
     m = extract_hidden_states(cfg_for(hf_store["llama"], tiny_targets["llama"]))
-    assert m.extra["complete"]
+    assert record_of(m).complete
 
 
 def test_kill_and_resume_equals_unbroken_run(prepared, hf_store, tiny_targets, tmp_path):
@@ -340,7 +329,7 @@ def test_two_shards_combine_into_one_run(prepared, hf_store, tiny_targets, tmp_p
     for i, wd in enumerate(boxes):
         extract_hidden_states(cfg_for(wd, tiny_targets["llama"], num_shards=2, shard_index=i))
     m0 = read_manifest(WorkDir(boxes[0]), "extract", needed_by="t")
-    assert not m0.extra["complete"] and m0.extra["missing"]["shard_indices"] == [1]
+    assert not record_of(m0).complete and record_of(m0).missing_shard_indices == [1]
     with pytest.raises(PipelineError, match="lacks .* file"):
         HiddenStateStore.open(WorkDir(boxes[0]), needed_by="t")
     partial = HiddenStateStore.open(WorkDir(boxes[0]), needed_by="t", allow_missing=True)
@@ -353,7 +342,7 @@ def test_two_shards_combine_into_one_run(prepared, hf_store, tiny_targets, tmp_p
         shutil.copy2(f, d0 / f.name)
     monkeypatch.setattr(run_mod, "make_backend", lambda *a, **k: pytest.fail("no model should be needed"))
     m = extract_hidden_states(cfg_for(boxes[0], tiny_targets["llama"]))
-    assert m.extra["complete"] and m.counts["files_present"] == m.counts["files_expected"]
+    assert record_of(m).complete and m.counts["files_present"] == m.counts["files_expected"]
     assert store_files(boxes[0]) == store_files(hf_store["llama"])
 
 

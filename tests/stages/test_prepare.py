@@ -6,7 +6,7 @@ import pytest
 
 from eagle3.core.chats import BadRecord, normalize
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest
+from eagle3.core.manifest import read_manifest, record_of
 from eagle3.stages.s01_prepare.run import is_eval, prepare_dataset
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.core.workdir import WorkDir
@@ -61,9 +61,10 @@ def test_bad_records_are_counted_by_reason(tmp_path, tiny_llama):
     wd = tmp_path / "w"
     m = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(data)],
                                       eval_fraction=0.0, num_workers=1))
-    assert m.counts["bad_records"] == {**{r: 1 for r in BAD}, "malformed_json": 1}
-    assert m.counts["train_samples"] == 10 and m.counts["eval_samples"] == 0
-    assert m.counts["records"] == 10 + len(BAD) + 1
+    rec = record_of(m)
+    assert rec.bad_records == {**{r: 1 for r in BAD}, "malformed_json": 1}
+    assert rec.samples == {"train": 10, "eval": 0}
+    assert rec.records == 10 + len(BAD) + 1
 
 
 def test_strict_stops_at_first_bad_record_naming_file_and_line(tmp_path, tiny_llama):
@@ -79,9 +80,10 @@ def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog)
 
     wd = WorkDir(prepared_llama)
     m = read_manifest(wd, "prepare", needed_by="test")
+    r = record_of(m)
     train, evals = datasets.load_from_disk(str(wd.dataset("train"))), datasets.load_from_disk(str(wd.dataset("eval")))
-    assert len(train) == m.counts["train_samples"] and len(evals) == m.counts["eval_samples"]
-    assert m.counts["train_samples"] + m.counts["eval_samples"] == 400 and m.counts["bad_records"] == {}
+    assert len(train) == r.samples["train"] and len(evals) == r.samples["eval"]
+    assert r.samples["train"] + r.samples["eval"] == 400 and r.bad_records == {}
     assert 20 <= len(evals) <= 60  # ~10% of 400, by hash
     assert not set(train["sample_id"]) & set(evals["sample_id"])
     assert all(is_eval(s, 0, 0.1) for s in evals["sample_id"])
@@ -93,8 +95,8 @@ def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog)
         ids, mask = row["input_ids"], row["loss_mask"].astype(bool)
         assert len(ids) == len(mask) == row["num_tokens"] <= 512
         np.add.at(expect, ids[mask], 1)
-    assert np.array_equal(freq, expect) and freq.sum() == m.counts["train_assistant_tokens"]
-    assert freq.shape == (m.extra["vocab_size"],)
+    assert np.array_equal(freq, expect) and freq.sum() == r.assistant_tokens["train"]
+    assert freq.shape == (r.vocab_size,)
 
     # same inputs: nothing to do, manifest untouched
     before = wd.manifest("prepare").read_text()
@@ -112,7 +114,7 @@ def test_truncation_and_changed_params_redo(tmp_path, tiny_llama):
     full = prepare_dataset(PrepareConfig(**cfg, max_length=4096))
     short = prepare_dataset(PrepareConfig(**cfg, max_length=24))  # other params: redone, not skipped
     assert full.counts["truncated"] == 0 and short.counts["truncated"] == 3
-    assert short.counts["train_tokens"] == 3 * 24 < full.counts["train_tokens"]
+    assert record_of(short).tokens["train"] == 3 * 24 < record_of(full).tokens["train"]
 
 
 def test_data_generated_needs_a_complete_stage00_and_cannot_be_mixed(tmp_path, tiny_llama):
@@ -151,6 +153,6 @@ def test_dropping_most_records_warns_with_the_counts(tmp_path, tiny_llama, caplo
     with caplog.at_level("WARNING"):
         m = prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)],
                                           eval_fraction=0.0, num_workers=1))
-    assert m.counts["train_samples"] == 2
+    assert record_of(m).samples["train"] == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "only 2 of 5 records" in line and "no_assistant_turn 3" in line and "00_generate_responses.py" in line

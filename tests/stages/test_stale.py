@@ -25,8 +25,8 @@ from eagle3.core.manifest import (_load, completed, find_stale, manifest_fingerp
                              write_manifest)
 from eagle3.core.stages import STAGE
 from eagle3.core.workdir import WorkDir
+from fixtures import ROOT, TINY_TRAIN
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # The stage graph (README): which manifests each stage reads.
 GRAPH = {
@@ -64,7 +64,7 @@ def fake_stage(wd: WorkDir, stage: str, version: int = 0) -> None:
     """A stage as far as manifests go: read its inputs, write its manifest."""
     for up in GRAPH[stage]:
         read_manifest(wd, up, needed_by=f"fake {stage}")
-    write_manifest(wd, stage, params={"version": version}, inputs={}, counts={}, outputs=[])
+    write_manifest(wd, stage, params={"version": version}, inputs={}, counts={}, outputs=[], record=None)
 
 
 @pytest.fixture
@@ -160,48 +160,25 @@ def test_reads_are_kept_per_work_dir_and_only_upstream_stages_are_recorded(tmp_p
     read_manifest(a, "export", needed_by="a summary")  # a read in another work dir ...
     read_manifest(b, ORDER[0], needed_by="test")
     read_manifest(a, "evaluate", needed_by="a summary")
-    write_manifest(a, "vocab", params={}, inputs={}, counts={}, outputs=[])  # ... and of later stages
+    write_manifest(a, "vocab", params={}, inputs={}, counts={}, outputs=[], record=None)  # ... and of later stages
     assert json.loads(a.manifest("vocab").read_text())["consumed"] == {}
-    write_manifest(b, "extract", params={}, inputs={}, counts={}, outputs=[])
+    write_manifest(b, "extract", params={}, inputs={}, counts={}, outputs=[], record=None)
     assert sorted(json.loads(b.manifest("extract").read_text())["consumed"]) == [ORDER[0]]
     # A stage that finds itself complete ends its run: its reads are not carried into the next one.
     read_manifest(b, ORDER[0], needed_by="test")
     assert completed(b, "extract", {}, {}) is not None
-    write_manifest(b, "vocab", params={}, inputs={}, counts={}, outputs=[])
+    write_manifest(b, "vocab", params={}, inputs={}, counts={}, outputs=[], record=None)
     assert json.loads(b.manifest("vocab").read_text())["consumed"] == {}
 
 
 # -- the real stages ---------------------------------------------------------------------------
-TRAIN_SMALL = dict(max_steps=4, batch_tokens=1024, max_seq_len=256, log_every=2, eval_every=1000,
-                   save_every=1000, ttt_steps=2, warmup_steps=1)
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory, tiny_llama):
-    """Stages 01-05 on 60 demo chats (draft vocab 64)."""
-    from eagle3.stages.s05_export.run import export_drafter
-    from eagle3.stages.s05_export.config import ExportConfig
-    from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.stages.s02_extract.run import extract_hidden_states
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
-    from eagle3.stages.s04_train.config import TrainConfig
-    from eagle3.stages.s04_train.run import train_drafter
-    from eagle3.stages.s03_vocab.run import build_vocab_mapping
-    from eagle3.stages.s03_vocab.config import VocabConfig
-
-    root = tmp_path_factory.mktemp("stale")
-    data = root / "chats.jsonl"
-    data.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:60]) + "\n")
-    wd = WorkDir(root / "work")
-    t = str(tiny_llama)
-    prepare_dataset(PrepareConfig(work_dir=wd.root, target_model=t, data=[str(data)], max_length=256,
-                                  eval_fraction=0.2, num_workers=1))
-    extract_hidden_states(ExtractConfig(work_dir=wd.root, target_model=t, backend="hf", samples_per_file=32))
-    build_vocab_mapping(VocabConfig(work_dir=wd.root, target_model=t, draft_vocab_size=64))
-    train_drafter(TrainConfig(work_dir=wd.root, target_model=t, **TRAIN_SMALL))
-    export_drafter(ExportConfig(work_dir=wd.root, target_model=t))
-    return wd
+def pipeline(stage_runs, tiny_llama):
+    """Stages 01-05 on 60 demo chats (draft vocab 64); read-only: tests copy it."""
+    return WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2),
+                              extract=dict(dtype="bfloat16"), vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))
 
 
 def cli(script: str, wd: WorkDir, target: Path, *flags: str) -> subprocess.CompletedProcess:
@@ -251,7 +228,7 @@ def test_vocab_rebuilt_after_training_stops_export_until_allowed_or_retrained(pi
     assert json.loads((wd.export_dir() / "config.json").read_text())["draft_vocab_size"] == 64  # the old drafter
 
     # Retraining on the new mapping repairs the chain: export runs without the flag.
-    train_drafter(TrainConfig(work_dir=wd.root, target_model=str(tiny_llama), force=True, **TRAIN_SMALL))
+    train_drafter(TrainConfig(work_dir=wd.root, target_model=str(tiny_llama), force=True, **TINY_TRAIN))
     r = cli("05_export_drafter.py", wd, tiny_llama)
     assert r.returncode == 0, r.stderr[-2000:]
     m = json.loads(wd.manifest("export").read_text())

@@ -25,10 +25,10 @@ from safetensors import safe_open
 
 from eagle3.core import store
 from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import record_of
 from eagle3.core.workdir import WorkDir
-from stage_fixtures import kill_after_entries
+from fixtures import ROOT, copy_stages, kill_after_entries
 
-ROOT = Path(__file__).resolve().parents[2]
 H, A = 32, 3
 N_CHATS = 40
 DiskUsage = namedtuple("DiskUsage", "total used free")
@@ -251,22 +251,13 @@ def test_require_free_space_names_both_numbers_and_the_fixes(tmp_path, monkeypat
 
 
 @pytest.fixture(scope="module")
-def prepared(tmp_path_factory, tiny_llama) -> Path:
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
-
-    root = tmp_path_factory.mktemp("store-format")
-    chats = root / "chats.jsonl"
-    chats.write_text("".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines(True)[:N_CHATS]))
-    wd = root / "prep"
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(chats)], max_length=512,
-                                  eval_fraction=0.2, num_workers=1))
-    return wd
+def prepared(stage_runs, tiny_llama) -> Path:
+    """Stage 01 on the first N_CHATS demo chats (the one test_extract.py reads)."""
+    return stage_runs(tiny_llama, upto="prepare", chats=N_CHATS, prepare=dict(max_length=512, eval_fraction=0.2))
 
 
 def fresh_wd(prepared: Path, dst: Path) -> Path:
-    shutil.copytree(prepared / "01_dataset", dst / "01_dataset")
-    return dst
+    return copy_stages(prepared, dst, ("prepare",))
 
 
 def cfg_for(wd: Path, target: Path, **kw):
@@ -305,7 +296,7 @@ def test_fp8_store_holds_the_bf16_stores_states_in_half_the_bytes(stores):
     bf, f8 = stores["bf16"], stores["fp8"]
     m = read_manifest(WorkDir(f8), "extract", needed_by="test")
     assert m.params["store_dtype"] == "fp8"
-    assert (m.extra["store_dtype"], m.extra["dtype"], m.extra["scale"]) == ("fp8", "float8_e4m3fn", store.FP8.scale)
+    assert (record_of(m).store_dtype, m.extra["dtype"], m.extra["scale"]) == ("fp8", "float8_e4m3fn", store.FP8.scale)
     assert m.counts["bytes_per_token"] == 4 * 256 + 13
     ident = json.loads((WorkDir(f8).store() / store.STORE_JSON).read_text())
     assert (ident["dtype"], ident["scale"]) == ("float8_e4m3fn", store.FP8.scale)
@@ -403,7 +394,7 @@ def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path,
         shutil.copy2(f, d0 / f.name)
     monkeypatch.setattr(run_mod, "make_backend", lambda *a, **k: pytest.fail("no model should be needed"))
     m = extract_hidden_states(cfg_for(boxes[0], tiny_llama, store_dtype="fp8"))
-    assert m.extra["complete"] and m.counts["files_present"] == m.counts["files_expected"]
+    assert record_of(m).complete and m.counts["files_present"] == m.counts["files_expected"]
     assert store_files(boxes[0]) == store_files(stores["fp8"])
 
 

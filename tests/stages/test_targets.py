@@ -18,8 +18,8 @@ import torch
 from eagle3.tools import targets
 from eagle3.core.errors import PipelineError
 from eagle3.tools.targets import SOURCE_FILE, TargetSpec
+from fixtures import DEMO_CHATS, ROOT, run_stages
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake_spec(payload: bytes, sha: str | None = None) -> TargetSpec:
@@ -162,28 +162,12 @@ def test_tied_target_through_stages_02_to_05(tied_tiny, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3.core.config import build_config
-    from eagle3.stages.s05_export.run import export_drafter
-    from eagle3.stages.s05_export.config import ExportConfig
-    from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.stages.s02_extract.run import extract_hidden_states
-    from eagle3.stages.s01_prepare.run import prepare_dataset
-    from eagle3.stages.s01_prepare.config import PrepareConfig
     from eagle3.core.store import HiddenStateStore
-    from eagle3.stages.s04_train.config import TrainConfig
-    from eagle3.stages.s04_train.run import train_drafter
-    from eagle3.stages.s03_vocab.run import build_vocab_mapping
-    from eagle3.stages.s03_vocab.config import VocabConfig
     from eagle3.core.workdir import WorkDir
 
     cfg_file = ROOT / "configs" / "tiny-llama.yaml"
-
-    def cfg(cls, section, **kw):
-        return build_config(cls, section, cfg_file, {"work_dir": tmp_path, "target_model": str(tied_tiny), **kw})
-
-    prepare_dataset(cfg(PrepareConfig, "prepare", num_workers=1, max_length=128,
-                        data=[str(ROOT / "data" / "demo_chats.jsonl")]))
-    extract_hidden_states(cfg(ExtractConfig, "extract"))
+    run_stages(tmp_path, tied_tiny, upto="extract", chats=DEMO_CHATS, config=cfg_file,
+               prepare=dict(num_workers=1, max_length=128))
     wd = WorkDir(tmp_path)
     sample = HiddenStateStore.open(wd, needed_by="test").split("train")[0]
     ids = sample.input_ids.long()[None]  # [1, T]
@@ -195,11 +179,11 @@ def test_tied_target_through_stages_02_to_05(tied_tiny, tmp_path):
     # Two computations of the same logits (random tiny weights: small margins flip a few).
     assert (sample.target_argmax[m].long() == ref[m]).float().mean() > 0.85
 
-    build_vocab_mapping(cfg(VocabConfig, "vocab"))
-    train_drafter(cfg(TrainConfig, "train", max_steps=4, eval_every=4, warmup_steps=1))
+    run_stages(tmp_path, tied_tiny, first="vocab", upto="train", config=cfg_file,
+               train=dict(max_steps=4, eval_every=4, warmup_steps=1))
     metrics = [json.loads(l) for l in wd.train_metrics().read_text().splitlines()]
     assert metrics and all(torch.isfinite(torch.tensor(m["loss_0"])) for m in metrics if "loss_0" in m)
-    export_drafter(cfg(ExportConfig, "export"))
+    run_stages(tmp_path, tied_tiny, first="export", upto="export", config=cfg_file)
     exported = load_file(wd.export_dir() / "model.safetensors")
     assert exported["lm_head.weight"].shape[0] == exported["d2t"].shape[0]
     assert "embed_tokens.weight" not in exported

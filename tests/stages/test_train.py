@@ -13,16 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest
+from eagle3.core.manifest import read_manifest, record_of
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.finetune import remap_lm_head
 from eagle3.stages.s04_train.run import train_drafter
 from eagle3.stages.s03_vocab.run import build_vocab_mapping
 from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.core.workdir import WorkDir
-from stage_fixtures import build_stages_123
+from fixtures import ROOT, copy_stages
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=3,
              warmup_steps=2)
 
@@ -40,14 +39,13 @@ def sharp_llama(tmp_path_factory, tiny_llama) -> Path:
 
 
 @pytest.fixture(scope="session")
-def stages_123(tmp_path_factory, sharp_llama) -> Path:
+def stages_123(stage_runs, sharp_llama) -> Path:
     """Stages 01-03 on 120 demo chats (draft vocab 128); copy before training in it."""
-    return build_stages_123(tmp_path_factory.mktemp("train-base"), sharp_llama, chats=120)
+    return stage_runs(sharp_llama, chats=120)
 
 
 def fresh(base: Path, dest: Path, vocab: int | None = None) -> Path:
-    for stage in ("01_dataset", "02_hidden_states", "03_vocab"):
-        shutil.copytree(base / stage, dest / stage)
+    copy_stages(base, dest)
     if vocab is not None:
         build_vocab_mapping(VocabConfig(work_dir=dest, draft_vocab_size=vocab, force=True))
     return dest
@@ -65,7 +63,7 @@ def test_killed_and_resumed_run_equals_unbroken_run(tmp_path, stages_123, sharp_
     assert not WorkDir(a).manifest("train").exists()
     assert json.loads(WorkDir(a).latest_checkpoint().read_text())["step"] == 2  # step 3's work is lost
     m = train_drafter(TrainConfig(work_dir=a, **cfg))  # resumes from step 2
-    assert m.counts["steps"] == 6
+    assert record_of(m).steps == 6
     wa, wb = weights(WorkDir(a).checkpoint(6)), weights(WorkDir(b).checkpoint(6))
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -89,7 +87,7 @@ def test_two_process_gloo_run_equals_one_process_with_grad_accum(tmp_path, stage
                         *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     m = read_manifest(WorkDir(two), "train", needed_by="test")
-    assert m.counts["processes"] == 2 and m.counts["steps"] == 3
+    assert m.counts["processes"] == 2 and record_of(m).steps == 3
     w1, w2 = weights(WorkDir(one).checkpoint(3)), weights(WorkDir(two).checkpoint(3))
     for k in w1:
         assert torch.allclose(w1[k].float(), w2[k].float(), atol=1e-5, rtol=1e-4), k
@@ -184,8 +182,8 @@ def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stag
     # the learning rate only hurt: the loss is far worse, and so is the figure best.pt is chosen by
     assert final["loss_0"] > start["loss_0"] + 5, (start, final)
     assert final["expected_accept_length"] < start["expected_accept_length"], (start, final)
-    assert m.counts["best_step"] == 0 and m.counts["best_is_initial"] is True
-    assert m.counts["best_expected_accept_length"] == start["expected_accept_length"]
+    assert record_of(m).best_step == 0 and m.counts["best_is_initial"] is True
+    assert record_of(m).best_expected_accept_length == start["expected_accept_length"]
     assert (f"no trained step beat the initial drafter (held-out expected accept length "
             f"{start['expected_accept_length']:.3f} at step 0); best.pt holds the initial weights") in caplog.text
     src = load_file(export_dir / "model.safetensors")

@@ -22,6 +22,7 @@ import torch
 
 from eagle3.core.batching import fold_leftover, pack_greedy
 from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import record_of
 from eagle3.core.store import HiddenStateStore
 from eagle3.stages.s04_train import run as train_run
 from eagle3.stages.s04_train.config import TrainConfig
@@ -30,7 +31,7 @@ from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_l
 from eagle3.stages.s03_vocab.run import build_vocab_mapping
 from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.core.workdir import WorkDir
-from stage_fixtures import copy_stages
+from fixtures import copy_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 # On the 60 chats below, seed 8 and rows of 416 tokens pack epoch 1 into fewer rows
@@ -144,7 +145,7 @@ def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stag
     monkeypatch.setattr(train_run.Trainer, "forward", recording_forward)
     with caplog.at_level(logging.INFO):
         m = train_run.train_drafter(TrainConfig(work_dir=a, target_model=str(tiny_llama), **RUN))
-    total = m.counts["steps"]
+    total = record_of(m).steps
     # Every step read a batch whose positions carry loss.
     assert sorted(valid) == list(range(total)), f"steps without a sample: {set(range(total)) - set(valid)}"
     assert all(valid[s] > 0 for s in range(total)), {s: v for s, v in valid.items() if v == 0}
@@ -178,7 +179,7 @@ def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stag
     n0 = len(packings[0])
     assert n0 < 12 and (ckpt["epoch"], ckpt["batch_in_epoch"]) == (1, 12 - n0)  # steps of epoch 1 done
     mb = train_run.train_drafter(TrainConfig(work_dir=b, target_model=str(tiny_llama), **RUN))
-    assert mb.counts["steps"] == total
+    assert record_of(mb).steps == total
     wa = torch.load(WorkDir(a).checkpoint(total), weights_only=True)["model"]
     wb = torch.load(WorkDir(b).checkpoint(total), weights_only=True)["model"]
     for k in wa:  # the same computation replayed from the checkpoint

@@ -21,13 +21,14 @@ import torch
 
 from eagle3.core.atomic import DiskFullError
 from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import record_of
 from eagle3.stages.s04_train import metrics
 from eagle3.stages.s04_train import run as train_run
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.metrics import read_lines_up_to
 from eagle3.core.ttt import TTTOutput
 from eagle3.core.workdir import WorkDir
-from stage_fixtures import copy_stages
+from fixtures import copy_stages
 
 RUN = dict(max_steps=6, batch_tokens=1024, max_seq_len=256, ttt_steps=2, warmup_steps=2, learning_rate=2e-3,
            log_every=1, eval_every=1000, save_every=2)
@@ -102,7 +103,7 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
 
     monkeypatch.setattr(train_run.Trainer, "forward", forward)  # the cause is gone: the same command resumes
     m = train_run.train_drafter(config(wd.root, tiny_llama))
-    assert m.counts["steps"] == 6
+    assert record_of(m).steps == 6
     assert train_steps_logged(wd) == [1, 2, 3, 4, 5, 6]
 
 
@@ -149,7 +150,7 @@ def test_a_full_disk_at_the_metrics_stops_the_stage_and_a_rerun_resumes(tmp_path
 
     monkeypatch.setattr(metrics, "open", builtins.open)  # space freed: the same command resumes from step 2
     m = train_run.train_drafter(config(a.root, tiny_llama))
-    assert m.counts["steps"] == 6
+    assert record_of(m).steps == 6
     assert train_steps_logged(a) == [1, 2, 3, 4, 5, 6]
     wa = torch.load(a.checkpoint(6), weights_only=True)["model"]
     wb = torch.load(b.checkpoint(6), weights_only=True)["model"]

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest
+from eagle3.core.manifest import read_manifest, read_record, record_of
 from eagle3.stages.s03_vocab.run import build_vocab_mapping, mapping_from_ids, select_draft_ids
 from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.core.vocab_map import coverage
 from eagle3.core.workdir import WorkDir
+from fixtures import TEMPLATES, make_tokenizer
 
 
 def test_top_k_with_ties_to_lower_id_sorted():
@@ -46,10 +47,12 @@ def test_stage_writes_mapping_and_both_coverages(prepared_llama, tiny_llama):
     freq = {s: np.load(wd.token_freq(s)) for s in ("train", "eval")}
     expect_ids = select_draft_ids(freq["train"], 128)
     assert torch.equal(d2t + torch.arange(128), torch.from_numpy(expect_ids))
-    assert int(t2d.sum()) == 128 and t2d.shape[0] == read_manifest(wd, "prepare", needed_by="t").extra["vocab_size"]
-    assert m.counts["coverage_train"] == pytest.approx(coverage(freq["train"], t2d.numpy()))
-    assert m.counts["coverage_eval"] == pytest.approx(coverage(freq["eval"], t2d.numpy()))
-    assert m.counts["coverage_eval"] < 1.0  # 128 of 360 seen ids cannot cover everything
+    assert int(t2d.sum()) == 128 and t2d.shape[0] == read_record(wd, "prepare", needed_by="t").vocab_size
+    r = record_of(m)
+    assert r.draft_vocab_size == 128 and r.target_vocab_size == 960
+    assert r.coverage_train == pytest.approx(coverage(freq["train"], t2d.numpy()))
+    assert r.coverage_eval == pytest.approx(coverage(freq["eval"], t2d.numpy()))
+    assert r.coverage_eval < 1.0  # 128 of 360 seen ids cannot cover everything
 
 
 def test_refuses_oversized_draft_vocab(prepared_llama):
@@ -75,12 +78,10 @@ def test_refuses_frequency_file_of_another_size(tmp_path, prepared_llama):
     wd.manifest("prepare").write_text(json.dumps(d))
     with pytest.raises(PipelineError, match=r"token_freq_train\.npy has shape \(2, 480\), the target vocab is 960"):
         build_vocab_mapping(VocabConfig(work_dir=wd.root, draft_vocab_size=64))
-    assert man.extra["vocab_size"] == 960
+    assert record_of(man).vocab_size == 960
 
 
 def test_refuses_stage01_from_another_tokenizer(tmp_path, prepared_llama):
-    from chat_templates import TEMPLATES, make_tokenizer
-
     other = tmp_path / "other-target"
     make_tokenizer(TEMPLATES["chatml"]).save_pretrained(other)
     with pytest.raises(PipelineError, match=r"built with another tokenizer .* rerun `python 01_prepare_dataset.py"):

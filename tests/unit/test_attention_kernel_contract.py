@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from eagle3.core import attention_kernels
 from eagle3.core.errors import PipelineError
-from test_ttt_attention import TOL64, assert_same, batch, loss_and_grads, pair
+from attention_helpers import TOL64, assert_same, batch, loss_and_grads, pair
 
 LSE_BLOCK = 32  # kAlignLSE in mem_eff_attention/kernel_forward.h
 

@@ -1,7 +1,8 @@
 """Bad bytes are bad records: invalid UTF-8, unpaired surrogates, gzip'd and truncated
-files, `datasets` rows of the wrong shape. Each is counted by reason with its line (and
-named by `--strict`), the good records around it are kept. About 15 s (two stage-01 runs
-on the tiny Llama, one `datasets.load_dataset` of a local parquet folder).
+files, `datasets` rows of the wrong shape. Each is counted by reason with its line, the
+good records around it are kept (stage 01 counting them and `--strict` naming them:
+tests/stages/test_prepare_bad_records.py). About 2 s (one `datasets.load_dataset` of a
+local parquet folder).
 """
 import gzip
 import json
@@ -11,23 +12,7 @@ import pytest
 
 from eagle3.core.chats import BadRecord, iter_records, normalize
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s01_prepare.run import prepare_dataset
-from eagle3.stages.s01_prepare.config import PrepareConfig
-
-GOOD = {"messages": [{"role": "user", "content": "What is the capital of France?"},
-                     {"role": "assistant", "content": "The capital of France is Paris."}]}
-GOOD_UNICODE = {"messages": [{"role": "user", "content": "Grüße aus Köln ☕"},
-                             {"role": "assistant", "content": "Danke schön 😊"}]}
-
-
-def good_line(rec=GOOD) -> bytes:
-    return json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n"
-
-
-def bad_utf8_line() -> bytes:
-    # A Latin-1 encoded line, as found in real dumps: 0xe9 alone is not UTF-8.
-    return good_line({"messages": [{"role": "user", "content": "caf\u00e9?"},
-                                   {"role": "assistant", "content": "oui"}]}).replace(b"\xc3\xa9", b"\xe9")
+from fixtures import GOOD, GOOD_UNICODE, bad_utf8_line, good_line
 
 
 def reasons(source) -> tuple[Counter, list]:
@@ -139,27 +124,6 @@ def test_datasets_rows_of_the_wrong_shape_are_counted(tmp_path):
     assert e.value.reason == "malformed_turns"
     with pytest.raises(PipelineError, match="datasets.load_dataset"):
         list(iter_records(str(tmp_path / "no-such-dataset-folder")))
-
-
-def test_stage01_counts_bad_bytes_and_strict_names_file_and_line(tmp_path, tiny_llama):
-    f = tmp_path / "chats.jsonl.gz"
-    body = good_line() * 4 + bad_utf8_line() + good_line(GOOD_UNICODE) * 2
-    f.write_bytes(gzip.compress(body))
-    cut = tmp_path / "cut.jsonl.gz"
-    numbered = b"".join(good_line({"messages": [{"role": "user", "content": f"Is {i * 7919} prime?"},
-                                                {"role": "assistant", "content": f"{i * 7919 % 97} ..."}]})
-                        for i in range(200))
-    packed = gzip.compress(numbered)
-    cut.write_bytes(packed[: len(packed) // 2])
-    m = prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama),
-                                      data=[str(f), str(cut)], eval_fraction=0.0, num_workers=1))
-    assert m.counts["bad_records"] == {"invalid_utf8": 1, "truncated_gzip": 1}
-    n_cut = sum(1 for r in iter_records(str(cut)) if not isinstance(r.record, BadRecord))
-    assert 0 < n_cut < 200 and m.counts["train_samples"] == 6 + n_cut
-    with pytest.raises(PipelineError, match=r"chats\.jsonl\.gz:5: bad record \(invalid_utf8: byte 0xe9"):
-        prepare_dataset(PrepareConfig(work_dir=tmp_path / "w2", target_model=str(tiny_llama), data=[str(f)],
-                                      strict=True, num_workers=1))
-    assert not (tmp_path / "w2" / "01_dataset" / "manifest.json").exists()
 
 
 # -- prompt shapes: what stage 00 answers (record_turns + answer_slots) ---------------------

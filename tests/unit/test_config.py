@@ -126,7 +126,7 @@ def test_help_shows_the_declared_choices_and_ranges():
     text = make_parser(ExtractConfig, None).format_help()
     flat = " ".join(text.split())  # argparse wraps lines
     assert "--backend {vllm,hf}" in flat and "(one of vllm, hf) (default: vllm)" in flat
-    assert "(in (0, 1]) (default: 0.85)" in flat and "(>= 1) (default: 256)" in flat
+    assert "0.85 on GPU) (in (0, 1])" in flat and "(>= 1) (default: 256)" in flat
     assert allowed_text(next(f for f in fields(PrepareConfig) if f.name == "eval_fraction")) == "in [0.0, 1.0)"
 
 

@@ -4,9 +4,9 @@ import logging
 import numpy as np
 import pytest
 
-from chat_templates import TEMPLATES, make_tokenizer
 from eagle3.core.chats import BadRecord
 from eagle3.core.loss_mask import assistant_suffix, build_sample
+from fixtures import KIMI_THINKING, TEMPLATES, make_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 TURNS = [
@@ -115,27 +115,6 @@ def test_template_that_rewrites_earlier_turns_is_reported_not_mis_masked():
 # -- regenerated answers (stage 00): the generated ids spliced into the template ------------------
 
 from eagle3.core.loss_mask import Answer, reencode_differs, spliced_sample  # noqa: E402
-
-# Kimi-K2.5 style thinking: the generation prompt opens <think> (or gives an empty
-# <think></think> with `thinking: false`), the model writes its reasoning, </think>, the
-# answer and <|im_end|>.
-KIMI_THINKING = dict(
-    special=["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>", "<think>",
-             "</think>"],
-    bos=None, eot="<|im_end|>", after_eot="",
-    template=(
-        "{% if messages[0]['role'] != 'system' %}"
-        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-        "{% endif %}{% for message in messages %}"
-        "{% if message['role'] == 'system' %}<|im_system|>system<|im_middle|>"
-        "{% elif message['role'] == 'user' %}<|im_user|>user<|im_middle|>"
-        "{% else %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
-        "{{ message['content'] }}<|im_end|>{% endfor %}"
-        "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
-        "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}"
-        "{% endif %}"),
-)
-
 
 def _answers_as_reencoded(tok, messages, suffix):
     return [Answer(tok.encode(m["content"], add_special_tokens=False) + suffix[:1], True)

@@ -1,0 +1,206 @@
+"""What the tests share: the pipeline run on a few chats, chat templates, tiny settings.
+
+- `run_stages`: stages `first`..`upto` in one work dir on a target, on the first N demo
+  chats (or a chat file), each stage's config from this module's tiny defaults or from a
+  YAML file, with per-stage overrides. tests/conftest.py builds the common runs once per
+  session through it (`stage_runs`, `stages_123`); `copy_stages` gives a test that writes
+  its own copy.
+- Chat templates of four families (and Kimi's thinking variant), written here as text, and
+  tokenizers built around them (`make_tokenizer`).
+- `kill_after_entries`: a stage-02 command killed -9 part way.
+
+Tests in tests/unit, tests/stages and tests/e2e import this as a top-level module
+(tests/conftest.py puts tests/ on sys.path); no test module imports another.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from eagle3.core.config import build_config
+from eagle3.core.stages import STAGE, STAGES
+from eagle3.core.workdir import WorkDir
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO_CHATS = ROOT / "data" / "demo_chats.jsonl"
+
+# -- the pipeline on a few chats -----------------------------------------------------------------
+
+# Stage 04 at a size that trains in seconds on CPU (tests pass other sizes as overrides).
+TINY_TRAIN = dict(max_steps=4, batch_tokens=1024, max_seq_len=256, log_every=2, eval_every=1000, save_every=1000,
+                  ttt_steps=2, warmup_steps=1)
+
+# Each stage's settings when no YAML file is given: the HF backend in float32, 32 samples per
+# store file, a 128-token draft vocabulary.
+TINY = {
+    "prepare": dict(max_length=256, eval_fraction=0.15, num_workers=1),
+    "extract": dict(backend="hf", samples_per_file=32, dtype="float32"),
+    "vocab": dict(draft_vocab_size=128),
+    "train": TINY_TRAIN,
+}
+
+
+def first_chats(path: Path, n: int) -> Path:
+    """The first `n` demo chats, written to `path`."""
+    path.write_text("\n".join(DEMO_CHATS.read_text().splitlines()[:n]) + "\n")
+    return path
+
+
+def run_stages(work: Path, target: Path, *, upto: str = "vocab", first: str = "prepare",
+               chats: int | Path | None = 60, config: Path | None = None, **overrides: dict) -> Path:
+    """Stages `first`..`upto` (registry keys: "prepare" is 01) in `work` on `target`.
+
+    chats: stage 01's `data` when stage 01 runs: an int takes the first N demo chats (written
+    to work/chats.jsonl), a path is the chat file itself, None leaves `data` to the config.
+    config: a YAML file whose sections replace `TINY` (as `--config` does for the scripts).
+    overrides: per stage key, settings over either, e.g. `vocab=dict(draft_vocab_size=64)`.
+    """
+    unknown = set(overrides) - set(STAGE)
+    assert not unknown, f"run_stages: no stage {sorted(unknown)}; stage keys are {list(STAGE)}"
+    keys = [s.key for s in STAGES]
+    work.mkdir(parents=True, exist_ok=True)
+    for key in keys[keys.index(first): keys.index(upto) + 1]:
+        settings = {"work_dir": work, "target_model": str(target), **({} if config else TINY.get(key, {}))}
+        if key == "prepare" and chats is not None:
+            data = first_chats(work / "chats.jsonl", chats) if isinstance(chats, int) else chats
+            settings["data"] = [str(data)]
+        settings.update(overrides.get(key, {}))
+        stage = STAGE[key]
+        stage.entry_function()(build_config(stage.config_type(), key, config, settings))
+    return work
+
+
+def copy_stages(base: Path, dest: Path, stages=("prepare", "extract", "vocab")) -> Path:
+    """A private copy of some of base's stages (by default 01-03) for a test that writes."""
+    for key in stages:
+        shutil.copytree(WorkDir(base).stage_dir(key), WorkDir(dest).stage_dir(key))
+    return dest
+
+
+def kill_after_entries(cmd: list[str], store_dir: Path, entries: int = 2, timeout_s: float = 120) -> None:
+    """Run a stage-02 command and kill -9 it once `entries` store files are complete (their
+    index entries written), so a rerun has some files to keep and some to redo."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(list(store_dir.glob("*-0*.json"))) < entries:
+            assert proc.poll() is None, "the run ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+# -- chat records ------------------------------------------------------------------------------
+# One good conversation (ASCII and non-ASCII), as the JSONL lines of a chat file, and a bad one.
+GOOD = {"messages": [{"role": "user", "content": "What is the capital of France?"},
+                     {"role": "assistant", "content": "The capital of France is Paris."}]}
+GOOD_UNICODE = {"messages": [{"role": "user", "content": "Grüße aus Köln ☕"},
+                             {"role": "assistant", "content": "Danke schön 😊"}]}
+
+
+def good_line(rec=GOOD) -> bytes:
+    return json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n"
+
+
+def bad_utf8_line() -> bytes:
+    # A Latin-1 encoded line, as found in real dumps: 0xe9 alone is not UTF-8.
+    return good_line({"messages": [{"role": "user", "content": "caf\u00e9?"},
+                                   {"role": "assistant", "content": "oui"}]}).replace(b"\xc3\xa9", b"\xe9")
+
+
+# -- chat templates -----------------------------------------------------------------------------
+# Real chat templates, written here as text: each reproduces the shape of a family's own
+# template (special tokens, headers, end-of-turn, what follows it, default system prompts), so
+# the loss-mask tests exercise the cases that break regex-based maskers.
+
+LLAMA3 = dict(
+    special=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+    bos="<|begin_of_text|>", eot="<|eot_id|>", after_eot="",
+    template=(
+        "{{ bos_token }}{% for message in messages %}"
+        "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+        "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"),
+)
+
+# Qwen2.5 style: a default system prompt when none is given, and a newline after <|im_end|>.
+CHATML = dict(
+    special=["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+    bos=None, eot="<|im_end|>", after_eot="\n",
+    template=(
+        "{% if messages[0]['role'] == 'system' %}"
+        "{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+        "{% else %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+        "{% for message in messages %}{% if not (loop.first and message['role'] == 'system') %}"
+        "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
+)
+
+# DeepSeek-V3 style: system text bare after BOS, no newlines, <｜end▁of▁sentence｜> ends assistant turns.
+DEEPSEEK_V3 = dict(
+    special=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+    bos="<｜begin▁of▁sentence｜>", eot="<｜end▁of▁sentence｜>", after_eot="",
+    template=(
+        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+        "{{ message['content'] }}{% endif %}{% endfor %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'user' %}{{ '<｜User｜>' + message['content'] }}"
+        "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"),
+)
+
+# Kimi-K2 style: role names inside the header, <|im_middle|> separator, a default system prompt.
+_KIMI_TURNS = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    "{% endif %}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}<|im_system|>system<|im_middle|>"
+    "{% elif message['role'] == 'user' %}<|im_user|>user<|im_middle|>"
+    "{% else %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+    "{{ message['content'] }}<|im_end|>{% endfor %}")
+KIMI_K2 = dict(
+    special=["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"],
+    bos=None, eot="<|im_end|>", after_eot="",
+    template=_KIMI_TURNS + "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}",
+)
+
+# Kimi-K2.5 style thinking: the generation prompt opens <think> (or gives an empty
+# <think></think> with `thinking: false`), the model writes its reasoning, </think>, the
+# answer and <|im_end|>. Not in TEMPLATES: the loss-mask and stage-00 tests use it by name.
+KIMI_THINKING = dict(
+    KIMI_K2, special=KIMI_K2["special"] + ["<think>", "</think>"],
+    template=(_KIMI_TURNS + "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
+              "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}"
+              "{% endif %}"),
+)
+
+TEMPLATES = {"llama3": LLAMA3, "chatml": CHATML, "deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}
+
+CORPUS = [
+    "The capital of France is Paris.", "What is 2 plus 2? It is 4.", "Hello there, how are you?",
+    "You are a helpful assistant.", "Count from one to five: one, two, three, four, five.",
+    "Tell me a joke about cats.", "Why did the cat sit on the computer? To keep an eye on the mouse.",
+]
+
+
+def make_tokenizer(spec: dict):
+    """A fast byte-level BPE tokenizer with the template's special tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=spec["special"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=spec["bos"], eos_token=spec["eot"],
+                                   chat_template=spec["template"])
