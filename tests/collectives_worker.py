@@ -63,8 +63,8 @@ def cuda_group(rank: int, local_rank: int) -> dict:
     dist.init_process_group = init
     torch.cuda.set_device = lambda device: seen["set_device"].append(str(torch.device("cuda", device)
                                                                          if isinstance(device, int) else device))
-    from eagle3.stages.s04_train.run import init_distributed
     from eagle3.stages.s04_train.metrics import MetricSum
+    from eagle3.stages.s04_train.run import init_distributed
 
     d = init_distributed(torch.device("cuda", local_rank))
     seen.update(world=d.world, rank=d.rank)

@@ -2,7 +2,8 @@
 
 Stage 03 writes `d2t` as offsets: draft position i predicts target id `i + d2t[i]`.
 Training, export, evaluation and the engines' rules all read it back through
-`target_ids`, so the convention has one spelling.
+`target_ids`, so the convention has one spelling. Its files (03_vocab/d2t.*, t2d.*) are
+written by `save_mapping` and read by `load_mapping`, nowhere else.
 """
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from eagle3.core.atomic import save_numpy, save_torch
+from eagle3.core.errors import PipelineError
+from eagle3.core.workdir import WorkDir
 
 
 def coverage(freq: np.ndarray, t2d: np.ndarray) -> float:
@@ -69,3 +74,24 @@ def compare_mappings(a: VocabMapping, b: VocabMapping) -> dict[str, Any]:
         "only_in_a": len(sa - sb),
         "only_in_b": len(sb - sa),
     }
+
+
+def save_mapping(wd: WorkDir, d2t: np.ndarray, t2d: np.ndarray) -> list:
+    """Write stage 03's mapping: .pt for torch readers, .npy for anything else. Returns the files."""
+    import torch
+
+    save_numpy(wd.d2t("npy"), d2t)
+    save_numpy(wd.t2d("npy"), t2d)
+    save_torch(wd.d2t("pt"), torch.from_numpy(np.asarray(d2t)))
+    save_torch(wd.t2d("pt"), torch.from_numpy(np.asarray(t2d)))
+    return [wd.d2t("pt"), wd.d2t("npy"), wd.t2d("pt"), wd.t2d("npy")]
+
+
+def load_mapping(wd: WorkDir):
+    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) as torch tensors, as stage 03 wrote them."""
+    import torch
+
+    for f in (wd.d2t(), wd.t2d()):
+        if not f.is_file():
+            raise PipelineError(f"{f} does not exist; run `python {WorkDir.script('vocab')}` first.")
+    return torch.load(wd.d2t(), weights_only=True), torch.load(wd.t2d(), weights_only=True)

@@ -35,7 +35,7 @@ CPU_KV_CACHE_GIB = 1.0  # a fixed size also skips the CPU build's profiling warm
 # calling process's threads to its cores (vLLM's CPU worker), which a long-lived caller
 # such as a test session must not inherit; a script run is a process of its own.
 IN_PROCESS_HELP = ("run vLLM's engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): on CPU the "
-                   "engine starts ~1 min sooner")
+                   "engine starts sooner (no engine process to spawn and connect)")
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ import torch
 from eagle3.core import store
 from eagle3.core.atomic import free_bytes
 from eagle3.core.config import build_config
+from eagle3.core.dataset import load_token_freq
 from eagle3.core.drafter_io import CONFIG_NAME, normalise_names, read_drafter_dir
 from eagle3.core.engine_rules import (RULES, VERSION_RULES, TargetFacts, VersionRule, captured_layers, check_drafter,
                                       d2t_summary, errors, implied_head_dim, intended_layers, rules_for, sglang_name,
@@ -237,7 +238,7 @@ def compare_vocab(a_path: str, b_path: str, dataset: str | None = None) -> dict[
             f = wd.token_freq(split)
             if not f.is_file():
                 continue
-            freq = np.load(f)
+            freq = load_token_freq(wd, split)
             for m in (a, b):
                 if m.vocab_size is not None and m.vocab_size != len(freq):
                     raise PipelineError(f"{m.source} is for a vocab of {m.vocab_size}, {f} counts {len(freq)} "

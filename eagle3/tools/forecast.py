@@ -36,6 +36,7 @@ from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import record_of, stage_run
 from eagle3.core.store import HiddenStateStore
+from eagle3.core.vocab_map import load_mapping
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import Batching, EpochPlan, nested_share
@@ -562,8 +563,6 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
     """
     import dataclasses
 
-    import torch
-
 
     if law not in LAWS:
         raise PipelineError(f"--law {law!r} is not one of {', '.join(LAWS)}.")
@@ -580,7 +579,7 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
         # The points' D: the loss-carrying positions of each fraction's samples, chosen by
         # the functions stage 04 itself uses (same vocabulary, crop and loss_on).
         store = HiddenStateStore.open(wd, needed_by="diagnose forecast")
-        t2d = torch.load(wd.t2d(), weights_only=True)
+        _, t2d = load_mapping(wd)
         lp = count_loss_positions(store.split("train"), t2d, base.max_seq_len,
                                   assistant_only=base.loss_on == "assistant")
         trainable = lp.trainable()

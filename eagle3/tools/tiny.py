@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="rebuild even if the folder exists")
     p.add_argument("--train-steps", type=int, default=0,
-                   help="train the random model on the shipped chats for this many steps (the demo uses 150, "
-                        "~2 min on 2 cores)")
+                   help="train the random model on the shipped chats for this many steps (the --tiny demo "
+                        "uses 150)")
     a = p.parse_args(argv)
     setup_logging()
     build_tiny_target(a.kind, a.out, a.seed, a.force, a.train_steps)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from eagle3.tools.demo import served_lines, summary_text, verdict_lines
 from eagle3.core.manifest import write_manifest
 from eagle3.core.records import EvaluateRecord, GenerateRecord, PrepareRecord, TrainRecord, VocabRecord
 from eagle3.core.workdir import WorkDir
+from eagle3.tools.demo import served_lines, summary_text, verdict_lines
 
 
 def results(**over) -> dict:

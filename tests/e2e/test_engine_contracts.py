@@ -29,8 +29,7 @@ import torch
 
 import eagle3.stages.s06_evaluate.engine as evaluate_engine
 from eagle3.core.errors import PipelineError
-from eagle3.engines import parallel
-from eagle3.engines import vllm_engine
+from eagle3.engines import parallel, vllm_engine
 from eagle3.engines.config import CPU_KV_CACHE_GIB, CPU_MEMORY_SHARE, GPU_MEMORY_SHARE, EngineConfig
 from eagle3.stages.s00_generate import vllm_runner
 from eagle3.stages.s00_generate.config import GenerateConfig

@@ -18,18 +18,18 @@ import pytest
 import torch
 
 from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, load_drafter_dir,
-                               save_drafter_dir)
+                                    save_drafter_dir)
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s06_evaluate.report import report_lines, summarise
-from eagle3.stages.s06_evaluate.prompts import assistant_turns, held_out_prompts
-from eagle3.stages.s06_evaluate.run import evaluate_drafter, training_expectation, write_untrained_drafter
-from eagle3.stages.s06_evaluate.config import EvaluateConfig
-from eagle3.stages.s06_evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
-                                     timing_problems)
-from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, timing_subset
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.records import TrainRecord
 from eagle3.core.workdir import WorkDir
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
+from eagle3.stages.s06_evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
+                                                timing_problems)
+from eagle3.stages.s06_evaluate.prompts import (Prompt, assistant_turns, categories, file_prompts, held_out_prompts,
+                                                timing_subset)
+from eagle3.stages.s06_evaluate.report import report_lines, summarise
+from eagle3.stages.s06_evaluate.run import evaluate_drafter, training_expectation, write_untrained_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 K = 3
@@ -414,8 +414,8 @@ def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama
 
 
 def test_layer_capture_names_each_engines_layers_and_flags_a_mismatch(tmp_path, tiny_llama, caplog):
-    from eagle3.stages.s06_evaluate.run import _log_capture, capture_lines, layer_capture
     from eagle3.core.target import read_target_info
+    from eagle3.stages.s06_evaluate.run import _log_capture, capture_lines, layer_capture
 
     info = read_target_info(str(tiny_llama))
     cfg = json.loads((write_drafter(tmp_path / "d") / CONFIG_NAME).read_text())

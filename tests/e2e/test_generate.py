@@ -18,15 +18,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures import KIMI_THINKING, ROOT, make_tokenizer
 
 from eagle3.core.chats import RawRecord
-from eagle3.stages.s00_generate.config import GenerateConfig
-from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Generation, Turns,
-                                          from_raw, regenerate, request_seed)
 from eagle3.core.loss_mask import assistant_suffix
 from eagle3.core.manifest import record_of
 from eagle3.core.workdir import WorkDir
-from fixtures import KIMI_THINKING, ROOT, make_tokenizer
+from eagle3.stages.s00_generate.config import GenerateConfig
+from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Generation, Turns,
+                                                     from_raw, regenerate, request_seed)
 
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
 N_CHATS = 20  # 17 multi-turn among the first 20 demo chats (2 or 3 assistant turns)
@@ -132,8 +132,8 @@ def test_empty_answers_and_long_prompts_are_counted_by_reason(tok):
 
 
 def test_prompts_get_one_answer_per_user_turn_each_conditioned_on_the_answers_before(tok):
-    from eagle3.stages.s00_generate.run import chunk_counts
     from eagle3.core.loss_mask import render
+    from eagle3.stages.s00_generate.run import chunk_counts
 
     t = turns_of(tok)
     eot = t.suffix[0]
@@ -333,10 +333,10 @@ def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
 
 
 def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_before(unbroken, engine, tiny_llama):
-    from eagle3.stages.s00_generate.conversation import Request as Req
-    from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.core.dataset import load_split
+    from eagle3.stages.s00_generate.conversation import Request as Req
     from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.stages.s01_prepare.run import prepare_dataset
 
     m = prepare_dataset(PrepareConfig(work_dir=unbroken, target_model=str(tiny_llama), data=["generated"],
                                       max_length=512, eval_fraction=0.0, num_workers=1))
@@ -373,10 +373,10 @@ def test_prompt_shapes_go_through_stages_00_and_01_every_conversation_answered(e
     and each answer is one training sample of stage 01, masked token for token."""
     import datasets
 
-    from eagle3.stages.s00_generate.run import generate_responses
-    from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.core.dataset import load_split
+    from eagle3.stages.s00_generate.run import generate_responses
     from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.stages.s01_prepare.run import prepare_dataset
 
     openers = [f"Hi, how is your day {i}?" for i in range(6)]
     folder = tmp_path / "saved"
@@ -435,8 +435,8 @@ def test_kill_and_resume_equals_the_unbroken_run(unbroken, engine, tiny_llama, c
 def test_two_shards_combined_equal_one_run(unbroken, engine, tiny_llama, chats, tmp_path):
     from eagle3.core.errors import PipelineError
     from eagle3.stages.s00_generate.run import generate_responses
-    from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.stages.s01_prepare.run import prepare_dataset
 
     boxes = [tmp_path / f"box{i}" for i in range(2)]
     for i, wd in enumerate(boxes):
@@ -470,10 +470,10 @@ def test_thinking_is_kept_and_masked_token_by_token_through_stages_00_and_01(thi
     exactly the generated ids, reasoning and </think> included."""
     from transformers import LlamaConfig
 
-    from eagle3.stages.s00_generate.run import generate_responses
-    from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.core.dataset import load_split
+    from eagle3.stages.s00_generate.run import generate_responses
     from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.stages.s01_prepare.run import prepare_dataset
 
     tok = make_tokenizer(KIMI_THINKING)
     target = tmp_path / "kimi-style"

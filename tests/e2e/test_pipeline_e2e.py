@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures import DEMO_CHATS, ROOT, run_stages
 
 from eagle3.core.config import build_config
 from eagle3.core.workdir import WorkDir
-from fixtures import DEMO_CHATS, ROOT, run_stages
 
 CONFIG = ROOT / "configs" / "tiny-llama.yaml"
 # Reduced from the demo (150 target steps, 120 drafter steps, 77 prompts x 64 tokens).
@@ -53,8 +53,8 @@ def stage_config(cls, section: str, work: Path, target: Path, **overrides):
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    from eagle3.stages.s06_evaluate.run import evaluate_drafter
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
     from eagle3.tools.tiny import build_tiny_target
 
     root = tmp_path_factory.mktemp("e2e")

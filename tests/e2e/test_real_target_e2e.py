@@ -22,10 +22,10 @@ import json
 from pathlib import Path
 
 import pytest
+from fixtures import ROOT, copy_stages, run_stages
 
 from eagle3.core.config import build_config
 from eagle3.core.workdir import WorkDir
-from fixtures import ROOT, copy_stages, run_stages
 
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
@@ -52,8 +52,8 @@ def subset(src: Path, dst: Path, n: int) -> Path:
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory):
-    from eagle3.stages.s06_evaluate.run import evaluate_drafter
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
     from eagle3.tools.targets import cached_target
 
     target = cached_target("smollm2")

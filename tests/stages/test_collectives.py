@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-
 from collectives_worker import K, rank_metrics
+
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s04_train import checkpoint
 from eagle3.stages.s04_train.distributed import all_gather_object, all_reduce_sum, backend_for

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s02_extract.run import extract_hidden_states
-from eagle3.stages.s02_extract.config import ExtractConfig
-from eagle3.stages.s01_prepare.run import prepare_dataset
-from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.core.workdir import WorkDir
+from eagle3.stages.s01_prepare.config import PrepareConfig
+from eagle3.stages.s01_prepare.run import prepare_dataset
+from eagle3.stages.s02_extract.config import ExtractConfig
+from eagle3.stages.s02_extract.run import extract_hidden_states
 
 ROOT = Path(__file__).resolve().parents[2]
 N_CHATS = 8

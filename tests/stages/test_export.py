@@ -14,15 +14,17 @@ import numpy as np
 import pytest
 import torch
 
+from eagle3.core.checkpoint_file import read_training_checkpoint
 from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
-                               hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
+                                    hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s05_export.run import REPORT_JSON, REPORT_MD, export_drafter, read_training_checkpoint
-from eagle3.stages.s05_export.config import ExportConfig
 from eagle3.core.manifest import write_manifest
-from eagle3.core.records import ExtractRecord, TrainRecord, VocabRecord
 from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.core.records import ExtractRecord, TrainRecord, VocabRecord
+from eagle3.core.vocab_map import save_mapping
 from eagle3.core.workdir import WorkDir
+from eagle3.stages.s05_export.config import ExportConfig
+from eagle3.stages.s05_export.run import REPORT_JSON, REPORT_MD, export_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = [2, 4, 5]  # default [2, N//2, N-3] of the 8-layer tiny Llama
@@ -167,8 +169,10 @@ def test_export_stage_writes_drafter_report_and_manifest(tmp_path, tiny_llama):
     ids = (torch.arange(256) + m.d2t).numpy()
     ids03 = np.sort(np.concatenate([ids[10:], np.setdiff1d(np.arange(960), ids)[:10]]))
     wd.stage_dir("vocab").mkdir(parents=True)
-    np.save(wd.d2t("npy"), ids03 - np.arange(256))
-    write_manifest(wd, "vocab", params={}, inputs={}, outputs=[wd.d2t("npy")], counts={},
+    t2d = np.zeros(960, dtype=bool)
+    t2d[ids03] = True
+    files = save_mapping(wd, ids03 - np.arange(256), t2d)
+    write_manifest(wd, "vocab", params={}, inputs={}, outputs=files, counts={},
                    record=VocabRecord(tokenizer_fingerprint="tok", target_vocab_size=960, draft_vocab_size=256,
                                       coverage_train=0.5, coverage_eval=0.25))
     out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama)))

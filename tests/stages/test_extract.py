@@ -13,16 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import ROOT, copy_stages, kill_after_entries
 
 from eagle3.core import store
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s02_extract.run import extract_hidden_states
-from eagle3.stages.s02_extract.config import ExtractConfig
-from eagle3.stages.s02_extract import run as run_mod
 from eagle3.core.manifest import read_manifest, read_record, record_of
 from eagle3.core.store import HiddenStateStore
 from eagle3.core.workdir import WorkDir
-from fixtures import ROOT, copy_stages, kill_after_entries
+from eagle3.stages.s02_extract import run as run_mod
+from eagle3.stages.s02_extract.config import ExtractConfig
+from eagle3.stages.s02_extract.run import extract_hidden_states
 
 N_CHATS = 40
 PREPARE = dict(max_length=512, eval_fraction=0.2)  # stage 01's settings (test_store_format.py's too)
@@ -366,10 +366,10 @@ def test_a_retrained_target_does_not_reuse_the_store(tmp_path, tiny_llama):
 
     from safetensors.torch import load_file, save_file
 
-    from eagle3.stages.s02_extract.run import extract_hidden_states
-    from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.stages.s01_prepare.config import PrepareConfig
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     target = tmp_path / "target"
     shutil.copytree(tiny_llama, target)

@@ -7,9 +7,9 @@ import pytest
 from eagle3.core.chats import BadRecord, normalize
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import read_manifest, record_of
-from eagle3.stages.s01_prepare.run import is_eval, prepare_dataset
-from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.core.workdir import WorkDir
+from eagle3.stages.s01_prepare.config import PrepareConfig
+from eagle3.stages.s01_prepare.run import is_eval, prepare_dataset
 
 GOOD_OPENAI = {"messages": [{"role": "system", "content": "Be brief."},
                             {"role": "user", "content": "What is the capital of France?"},

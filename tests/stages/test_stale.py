@@ -19,14 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from fixtures import ROOT, TINY_TRAIN
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (_load, completed, find_stale, manifest_fingerprint, read_manifest, stage_run,
-                             write_manifest)
+                                  write_manifest)
 from eagle3.core.stages import STAGE
 from eagle3.core.workdir import WorkDir
-from fixtures import ROOT, TINY_TRAIN
-
 
 # The stage graph (README): which manifests each stage reads.
 GRAPH = {
@@ -236,8 +235,8 @@ def test_vocab_rebuilt_after_training_stops_export_until_allowed_or_retrained(pi
 
 
 def test_dataset_rebuilt_names_every_stage_to_rerun(pipeline, tiny_llama, tmp_path):
-    from eagle3.stages.s05_export.run import export_drafter
     from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s05_export.run import export_drafter
 
     wd = WorkDir(tmp_path / "work")
     shutil.copytree(pipeline.root, wd.root)

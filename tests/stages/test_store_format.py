@@ -21,13 +21,13 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from fixtures import ROOT, copy_stages, kill_after_entries
 from safetensors import safe_open
 
 from eagle3.core import store
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import record_of
 from eagle3.core.workdir import WorkDir
-from fixtures import ROOT, copy_stages, kill_after_entries
 
 H, A = 32, 3
 N_CHATS = 40
@@ -290,8 +290,8 @@ def stores(prepared, tiny_llama, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fp8_store_holds_the_bf16_stores_states_in_half_the_bytes(stores):
-    from eagle3.tools.check_stores import compare_stores
     from eagle3.core.manifest import read_manifest
+    from eagle3.tools.check_stores import compare_stores
 
     bf, f8 = stores["bf16"], stores["fp8"]
     m = read_manifest(WorkDir(f8), "extract", needed_by="test")
@@ -337,8 +337,8 @@ def test_rerun_with_the_other_encoding_is_refused_until_force(stores, tiny_llama
 
 def test_stage02_refuses_a_too_small_disk_before_the_engine_loads(stores, prepared, tiny_llama, tmp_path,
                                                                    monkeypatch, no_model_load):
-    from eagle3.stages.s02_extract.run import extract_hidden_states
     from eagle3.stages.s02_extract import run as run_mod
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     wd = fresh_wd(prepared, tmp_path / "wd")
     lengths = {s: run_mod.split_lengths(WorkDir(wd), s) for s in ("train", "eval")}
@@ -383,8 +383,8 @@ def test_fp8_kill_and_resume_equals_unbroken_run(prepared, stores, tiny_llama, t
 
 
 def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path, monkeypatch):
-    from eagle3.stages.s02_extract.run import extract_hidden_states
     from eagle3.stages.s02_extract import run as run_mod
+    from eagle3.stages.s02_extract.run import extract_hidden_states
 
     boxes = [fresh_wd(prepared, tmp_path / f"box{i}") for i in range(2)]
     for i, wd in enumerate(boxes):
@@ -399,8 +399,8 @@ def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path,
 
 
 def test_diagnose_store_size_matches_the_stores_written(stores, prepared, tiny_llama, tmp_path, monkeypatch, capsys):
-    from eagle3.tools import diagnose
     from eagle3.core.manifest import read_manifest
+    from eagle3.tools import diagnose
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"work_dir": str(prepared), "target_model": str(tiny_llama),

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from eagle3.tools import targets
-from eagle3.core.errors import PipelineError
-from eagle3.tools.targets import SOURCE_FILE, TargetSpec
 from fixtures import DEMO_CHATS, ROOT, run_stages
 
+from eagle3.core.errors import PipelineError
+from eagle3.tools import targets
+from eagle3.tools.targets import SOURCE_FILE, TargetSpec
 
 
 def fake_spec(payload: bytes, sha: str | None = None) -> TargetSpec:
@@ -146,8 +145,8 @@ def tied_tiny(tiny_llama, tmp_path_factory) -> Path:
 def test_tied_target_has_no_lm_head_tensor_and_head_reads_the_embedding(tied_tiny):
     from safetensors import safe_open
 
-    from eagle3.core.target_head import load_lm_head
     from eagle3.core.target import read_target_info
+    from eagle3.core.target_head import load_lm_head
 
     with safe_open(tied_tiny / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in set(f.keys())

@@ -10,17 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures import ROOT, copy_stages
 from safetensors.torch import load_file, save_file
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import read_manifest, record_of
+from eagle3.core.workdir import WorkDir
+from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.stages.s03_vocab.run import build_vocab_mapping
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.finetune import remap_lm_head
 from eagle3.stages.s04_train.run import train_drafter
-from eagle3.stages.s03_vocab.run import build_vocab_mapping
-from eagle3.stages.s03_vocab.config import VocabConfig
-from eagle3.core.workdir import WorkDir
-from fixtures import ROOT, copy_stages
 
 SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=3,
              warmup_steps=2)
@@ -96,8 +96,8 @@ def test_two_process_gloo_run_equals_one_process_with_grad_accum(tmp_path, stage
 @pytest.fixture(scope="session")
 def trained_export(tmp_path_factory, stages_123, sharp_llama):
     """A drafter trained on mapping A (128 tokens) and exported as SGLang/vLLM expect."""
-    from eagle3.stages.s05_export.run import export_drafter
     from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s05_export.run import export_drafter
 
     wd = fresh(stages_123, tmp_path_factory.mktemp("ft") / "w1")
     m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), max_steps=40, learning_rate=3e-3,
@@ -167,8 +167,8 @@ def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stag
                                                                    caplog):
     """With --init-from, step 0 is a candidate for best.pt: a learning rate that only
     hurts a converged drafter leaves best.pt (and stage 05's export) its input."""
-    from eagle3.stages.s05_export.run import export_drafter
     from eagle3.stages.s05_export.config import ExportConfig
+    from eagle3.stages.s05_export.run import export_drafter
 
     _, export_dir, _ = trained_export
     wd = fresh(stages_123, tmp_path / "w7")

@@ -19,19 +19,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures import copy_stages
 
 from eagle3.core.batching import fold_leftover, pack_greedy
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import record_of
 from eagle3.core.store import HiddenStateStore
+from eagle3.core.workdir import WorkDir
+from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.stages.s03_vocab.run import build_vocab_mapping
 from eagle3.stages.s04_train import run as train_run
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import Batching, EpochPlan, epoch_batches
 from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_loss_positions
-from eagle3.stages.s03_vocab.run import build_vocab_mapping
-from eagle3.stages.s03_vocab.config import VocabConfig
-from eagle3.core.workdir import WorkDir
-from fixtures import copy_stages
 
 ROOT = Path(__file__).resolve().parents[2]
 # On the 60 chats below, seed 8 and rows of 416 tokens pack epoch 1 into fewer rows

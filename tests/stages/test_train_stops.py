@@ -18,17 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import copy_stages
 
 from eagle3.core.atomic import DiskFullError
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import record_of
+from eagle3.core.ttt import TTTOutput
+from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train import metrics
 from eagle3.stages.s04_train import run as train_run
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.metrics import read_lines_up_to
-from eagle3.core.ttt import TTTOutput
-from eagle3.core.workdir import WorkDir
-from fixtures import copy_stages
 
 RUN = dict(max_steps=6, batch_tokens=1024, max_seq_len=256, ttt_steps=2, warmup_steps=2, learning_rate=2e-3,
            log_every=1, eval_every=1000, save_every=2)

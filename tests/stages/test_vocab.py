@@ -2,14 +2,14 @@
 import numpy as np
 import pytest
 import torch
+from fixtures import TEMPLATES, make_tokenizer
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import read_manifest, read_record, record_of
-from eagle3.stages.s03_vocab.run import build_vocab_mapping, mapping_from_ids, select_draft_ids
-from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.core.vocab_map import coverage
 from eagle3.core.workdir import WorkDir
-from fixtures import TEMPLATES, make_tokenizer
+from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.stages.s03_vocab.run import build_vocab_mapping, mapping_from_ids, select_draft_ids
 
 
 def test_top_k_with_ties_to_lower_id_sorted():

@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_helpers import TOL64, assert_same, batch, loss_and_grads, pair
 
 from eagle3.core import attention_kernels
 from eagle3.core.errors import PipelineError
-from attention_helpers import TOL64, assert_same, batch, loss_and_grads, pair
 
 LSE_BLOCK = 32  # kAlignLSE in mem_eff_attention/kernel_forward.h
 

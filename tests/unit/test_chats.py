@@ -9,10 +9,10 @@ import json
 from collections import Counter
 
 import pytest
+from fixtures import GOOD, GOOD_UNICODE, bad_utf8_line, good_line
 
 from eagle3.core.chats import BadRecord, iter_records, normalize
 from eagle3.core.errors import PipelineError
-from fixtures import GOOD, GOOD_UNICODE, bad_utf8_line, good_line
 
 
 def reasons(source) -> tuple[Counter, list]:

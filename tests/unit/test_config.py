@@ -9,11 +9,11 @@ import pytest
 from eagle3.core.cli import make_parser, parse_config
 from eagle3.core.config import allowed_text, build_config, check_yaml_keys, identity_params, load_yaml, stage_configs
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s06_evaluate.config import EvaluateConfig
-from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s01_prepare.config import PrepareConfig
-from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -132,8 +132,8 @@ def test_help_shows_the_declared_choices_and_ranges():
 
 def test_one_dtype_spelling_whatever_the_yaml_says(tmp_path):
     from eagle3.core.config import DTYPES, ShardedStageConfig, StageConfig
-    from eagle3.stages.s05_export.config import ExportConfig
     from eagle3.stages.s00_generate.config import GenerateConfig
+    from eagle3.stages.s05_export.config import ExportConfig
 
     y = tmp_path / "c.yaml"
     y.write_text("work_dir: w\ntarget_model: t\nexport:\n  dtype: bf16\nextract:\n  dtype: fp16\n"

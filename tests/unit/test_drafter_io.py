@@ -10,8 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
-                               hf_config_from_drafter_config, load_drafter_dir, read_drafter_dir,
-                               save_drafter_dir)
+                                    hf_config_from_drafter_config, load_drafter_dir, read_drafter_dir, save_drafter_dir)
 from eagle3.core.engine_rules import WEIGHT_NAMES
 from eagle3.core.errors import PipelineError
 from eagle3.core.model import DrafterConfig, Eagle3Drafter

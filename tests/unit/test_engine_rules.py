@@ -6,7 +6,6 @@ import torch
 from eagle3.core import engine_rules as er
 from eagle3.core.target import default_aux_layers
 
-
 # -- the translation (docs/CONVENTIONS.md §7) ------------------------------------------
 
 def test_translation_for_kimi_k25_default_layers():

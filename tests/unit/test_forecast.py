@@ -7,7 +7,7 @@ import pytest
 
 from eagle3.core.errors import PipelineError
 from eagle3.tools.forecast import (LAWS, Point, build_report, fit_law, format_report, fraction_budget, parse_fractions,
-                             per_position_acceptance, t_quantile_two_sided)
+                                   per_position_acceptance, t_quantile_two_sided)
 
 K = 3
 TOKENS = [4_000, 8_000, 16_000, 32_000, 64_000, 128_000]

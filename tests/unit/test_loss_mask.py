@@ -3,10 +3,10 @@ import logging
 
 import numpy as np
 import pytest
+from fixtures import KIMI_THINKING, TEMPLATES, make_tokenizer
 
 from eagle3.core.chats import BadRecord
 from eagle3.core.loss_mask import assistant_suffix, build_sample
-from fixtures import KIMI_THINKING, TEMPLATES, make_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 TURNS = [
@@ -115,6 +115,7 @@ def test_template_that_rewrites_earlier_turns_is_reported_not_mis_masked():
 # -- regenerated answers (stage 00): the generated ids spliced into the template ------------------
 
 from eagle3.core.loss_mask import Answer, reencode_differs, spliced_sample  # noqa: E402
+
 
 def _answers_as_reencoded(tok, messages, suffix):
     return [Answer(tok.encode(m["content"], add_special_tokens=False) + suffix[:1], True)

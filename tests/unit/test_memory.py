@@ -13,7 +13,7 @@ import torch
 from eagle3.core.cpu import bf16_fused_attention_ok
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.stages.s04_train.memory import (bf16_copy_bytes, measure_saved_bytes, measure_training_forward, param_count,
-                                 predict_peak, saved_bytes_per_token)
+                                            predict_peak, saved_bytes_per_token)
 
 CFG = dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16, intermediate_size=160,
            target_hidden_size=96, draft_vocab_size=300, target_vocab_size=700, max_position_embeddings=4096)

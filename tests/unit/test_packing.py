@@ -12,8 +12,8 @@ import torch
 
 from eagle3.core.batching import group_by_padded_tokens, pack_greedy, padding_share
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.stages.s04_train.data import Batching, collate_packed, epoch_batches
 from eagle3.core.ttt import TTTConfig, target_draft_distribution, ttt_loss
+from eagle3.stages.s04_train.data import Batching, collate_packed, epoch_batches
 
 V_T, V_D, H = 40, 16, 32
 LENS = (9, 6, 11)
@@ -142,8 +142,8 @@ def kimi_info(**text):
 
 
 def test_mla_targets_default_to_head_dim_128_unless_the_user_sets_the_shape():
-    from eagle3.stages.s04_train.config import TrainConfig
     from eagle3.core.drafter_io import drafter_config_for_target
+    from eagle3.stages.s04_train.config import TrainConfig
 
     base = dict(work_dir="w", target_model="x")
     d = drafter_config_for_target(kimi_info(), TrainConfig(**base), 32000)

@@ -6,7 +6,7 @@ import torch
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.target import (default_aux_layers, load_tokenizer, read_target_info, tokenizer_fingerprint,
-                           validate_aux_layers)
+                                validate_aux_layers)
 
 
 def test_default_aux_layers_reference_case():
@@ -47,8 +47,9 @@ def test_reference_case_config_shape(tmp_path):
 
 
 def test_tiny_targets_are_deterministic_and_load(tmp_path, tiny_llama):
-    from eagle3.tools.tiny import build_tiny_target
     from transformers import AutoModelForCausalLM
+
+    from eagle3.tools.tiny import build_tiny_target
 
     again = build_tiny_target("llama", tmp_path / "again")
     assert (again / "model.safetensors").read_bytes() == (tiny_llama / "model.safetensors").read_bytes()

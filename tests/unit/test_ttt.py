@@ -8,8 +8,7 @@ import torch
 import eagle3.core.ttt as ttt_module
 from eagle3.core.errors import PipelineError
 from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
-from eagle3.core.ttt import (TTTConfig, TTTModel, chunked_argmax, soft_cross_entropy, target_draft_distribution,
-                        ttt_loss)
+from eagle3.core.ttt import TTTConfig, TTTModel, chunked_argmax, soft_cross_entropy, target_draft_distribution, ttt_loss
 
 V_T, V_D, H = 50, 20, 32
 

@@ -37,11 +37,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eagle3.core.atomic import atomic_path, save_numpy
 from eagle3.core.chats import (BadRecord, RawRecord, check_local_files, iter_records, likely_fix, normalize,
                                reasons_text, sample_id)
 from eagle3.core.config import identity_params
-from eagle3.core.dataset import split_features
+from eagle3.core.dataset import save_split, save_token_freq
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import quiet_tokenizers
 from eagle3.core.loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
@@ -197,20 +196,6 @@ def _input_fingerprints(cfg: PrepareConfig, tok, gen: Manifest | None = None) ->
     return inputs
 
 
-def _save_split(path: Path, samples: list[PreparedSample]) -> None:
-    import datasets
-
-    features = split_features()
-    ds = datasets.Dataset.from_dict({
-        "sample_id": [s.sample_id for s in samples],
-        "input_ids": [s.input_ids for s in samples],
-        "loss_mask": [s.loss_mask for s in samples],
-        "num_tokens": [len(s.input_ids) for s in samples],
-    }, features=features)
-    with atomic_path(path) as tmp:
-        ds.save_to_disk(str(tmp))
-
-
 def token_frequencies(samples: list[PreparedSample], vocab_size: int) -> np.ndarray:
     """int64 [vocab_size]: how often each id appears as an assistant (loss) token."""
     freq = np.zeros(vocab_size, dtype=np.int64)
@@ -302,9 +287,9 @@ def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]],
         sizes["samples"][name] = len(samples)
         sizes["tokens"][name] = int(sum(len(s.input_ids) for s in samples))
         sizes["assistant_tokens"][name] = int(freq.sum())
-        _save_split(wd.dataset(name), samples)
-        save_numpy(wd.token_freq(name), freq)
-        outputs += [wd.dataset(name), wd.token_freq(name)]
+        save_split(wd.dataset(name), [s.sample_id for s in samples], [s.input_ids for s in samples],
+                   [s.loss_mask for s in samples])
+        outputs += [wd.dataset(name), save_token_freq(wd, name, freq)]
     return outputs, sizes
 
 

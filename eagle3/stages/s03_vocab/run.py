@@ -14,13 +14,13 @@ import logging
 
 import numpy as np
 
-from eagle3.core.atomic import save_numpy, save_torch
 from eagle3.core.config import identity_params
+from eagle3.core.dataset import load_token_freq
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import already_complete, manifest_fingerprint, read_manifest, record_of, write_manifest
 from eagle3.core.records import PrepareRecord, VocabRecord
 from eagle3.core.target import load_tokenizer, tokenizer_fingerprint
-from eagle3.core.vocab_map import coverage, d2t_from_ids
+from eagle3.core.vocab_map import coverage, d2t_from_ids, save_mapping
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s03_vocab.config import VocabConfig
 
@@ -72,7 +72,7 @@ def build_vocab_mapping(cfg: VocabConfig):
 
     freqs = {}
     for split in ("train", "eval"):
-        freq = np.load(wd.token_freq(split))
+        freq = load_token_freq(wd, split)
         if freq.shape != (vocab_size,):
             raise PipelineError(
                 f"{wd.token_freq(split)} has shape {freq.shape}, the target vocab is {vocab_size} "
@@ -91,12 +91,7 @@ def build_vocab_mapping(cfg: VocabConfig):
     distinct = int((freqs["train"] > 0).sum())
     cov = {split: coverage(f, t2d) for split, f in freqs.items()}
 
-    import torch
-
-    save_numpy(wd.d2t("npy"), d2t)
-    save_numpy(wd.t2d("npy"), t2d)
-    save_torch(wd.d2t("pt"), torch.from_numpy(d2t))
-    save_torch(wd.t2d("pt"), torch.from_numpy(t2d))
+    outputs = save_mapping(wd, d2t, t2d)
     record = VocabRecord(tokenizer_fingerprint=pr.tokenizer_fingerprint, target_vocab_size=vocab_size,
                          draft_vocab_size=cfg.draft_vocab_size, coverage_train=cov["train"], coverage_eval=cov["eval"])
     counts = {
@@ -104,7 +99,7 @@ def build_vocab_mapping(cfg: VocabConfig):
         "train_assistant_tokens": int(freqs["train"].sum()), "eval_assistant_tokens": int(freqs["eval"].sum()),
     }
     m = write_manifest(wd, "vocab", params=params, inputs=inputs, counts=counts,
-                       outputs=[wd.d2t("pt"), wd.d2t("npy"), wd.t2d("pt"), wd.t2d("npy")], record=record)
+                       outputs=outputs, record=record)
     log.info("stage 03: draft vocab %d of %d target ids (%d distinct assistant ids seen, %d padded); "
              "coverage of assistant tokens: train %.2f%% (%d tokens, the data that chose the vocab), "
              "held-out %.2f%% (%d tokens)", cfg.draft_vocab_size, vocab_size, distinct, counts["padded_ids"],

@@ -38,13 +38,13 @@ from eagle3.core.drafter_io import drafter_config_for_target
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
                                   sha256_file, sha256_json, write_manifest)
-from eagle3.core.records import TrainRecord
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.records import TrainRecord
 from eagle3.core.store import HiddenStateStore
 from eagle3.core.target import TargetInfo, read_target_info
 from eagle3.core.target_head import load_embedding, load_lm_head
 from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution
-from eagle3.core.vocab_map import target_ids
+from eagle3.core.vocab_map import load_mapping, target_ids
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of_all_ranks, save_checkpoint,
                                                 set_rng_state)
@@ -136,8 +136,7 @@ def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
     if store.vocab_size != info.vocab_size:
         raise PipelineError(f"the store was extracted from a target with vocab {store.vocab_size}, "
                             f"{cfg.target_model} has {info.vocab_size}; pass the same --target-model as stage 02.")
-    d2t = torch.load(wd.d2t(), weights_only=True)
-    t2d = torch.load(wd.t2d(), weights_only=True)
+    d2t, t2d = load_mapping(wd)
     if t2d.shape[0] != info.vocab_size:
         raise PipelineError(f"{wd.t2d()} covers {t2d.shape[0]} target ids, {cfg.target_model} has "
                             f"{info.vocab_size}; rerun stage 03 for this target.")

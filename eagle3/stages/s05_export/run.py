@@ -13,7 +13,7 @@ writes (docs/CONVENTIONS.md §6 and §7)
 
 Run: `python 05_export_drafter.py --config configs/tiny-llama.yaml`.
 
-The only code that knows stage 04's checkpoint format is `read_training_checkpoint`;
+Stage 04's checkpoint is read through eagle3/core/checkpoint_file.py `read_training_checkpoint`;
 the rest works on (drafter config dict, state dict, metadata).
 """
 from __future__ import annotations
@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from eagle3.core.atomic import atomic_path, write_json
+from eagle3.core.checkpoint_file import read_training_checkpoint
 from eagle3.core.config import identity_params
+from eagle3.core.dataset import load_token_freq
 from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
 from eagle3.core.engine_rules import (D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for,
                                       translation_problems)
@@ -38,7 +40,7 @@ from eagle3.core.model import DrafterConfig
 from eagle3.core.records import ExportRecord, TrainRecord
 from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
 from eagle3.core.target_head import load_embedding
-from eagle3.core.vocab_map import coverage, target_ids
+from eagle3.core.vocab_map import coverage, load_mapping, target_ids
 from eagle3.core.workdir import MANIFEST_NAME, WorkDir
 from eagle3.stages.s05_export.config import ExportConfig
 
@@ -47,41 +49,6 @@ log = logging.getLogger(__name__)
 # The report's file names, for readers that look for them in another folder (WorkDir spells them).
 REPORT_JSON, REPORT_MD = WorkDir(Path()).export_report("json").name, WorkDir(Path()).export_report("md").name
 STAGE_SCRIPT = WorkDir.script("export")
-
-
-# --------------------------------------------------------------------------- stage 04's checkpoint
-# Stage 04's format (eagle3/stages/s04_train/checkpoint.py): a torch.save'd dict read with
-# weights_only=True, holding "model" (convention 6 state dict) and "drafter_config"
-# (DrafterConfig.to_dict()); read here as metadata: "step", "aux_layers", "eval" (held-out
-# metrics at that step, when evaluated) and "best" ({"expected_accept_length", "step"}).
-_NOT_METADATA = ("model", "drafter_config", "optimizer", "scheduler", "rng", "rng_state", "scaler",
-                 "data_state", "sampler")
-
-
-def read_training_checkpoint(path: Path | str) -> tuple[dict, dict[str, torch.Tensor], dict]:
-    """(DrafterConfig dict, state dict under convention 6 names, metadata) of a stage 04 checkpoint."""
-    path = Path(path)
-    if not path.is_file():
-        raise PipelineError(f"checkpoint {path} does not exist; pass --checkpoint with a file from "
-                            f"WORK/04_train/checkpoints/ or run `python {WorkDir.script('train')}` first.")
-    try:
-        # mmap: only the tensors used here are read, not the optimizer state beside them.
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # noqa: BLE001 - unpickling raises many types
-        raise PipelineError(f"cannot read checkpoint {path} with torch.load(weights_only=True) "
-                            f"({type(e).__name__}: {e}); is it a stage 04 checkpoint?") from e
-    if not isinstance(ckpt, dict) or "model" not in ckpt or "drafter_config" not in ckpt:
-        keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise PipelineError(f"{path} is not a stage 04 checkpoint: expected a dict with 'model' and "
-                            f"'drafter_config', got {keys}.")
-    state = {}
-    for k, v in ckpt["model"].items():
-        for prefix in ("module.", "_orig_mod."):  # DDP / torch.compile wrappers
-            if k.startswith(prefix):
-                k = k[len(prefix):]
-        state[k] = v
-    meta = {k: v for k, v in ckpt.items() if k not in _NOT_METADATA}
-    return dict(ckpt["drafter_config"]), state, meta
 
 
 def resolve_checkpoint(wd: WorkDir, checkpoint: Path | None) -> tuple[Path, Manifest | None]:
@@ -147,7 +114,7 @@ def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> di
         f = wd.token_freq(split)
         if not f.is_file():
             continue
-        freq = np.load(f)
+        freq = load_token_freq(wd, split)
         if freq.shape != (vocab_size,):
             out[split] = {"note": f"{f} has shape {freq.shape}, not ({vocab_size},): another target?"}
             continue
@@ -163,9 +130,8 @@ def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> di
                                        "draft_vocab_size": r03.draft_vocab_size}
         except PipelineError as e:
             out["stage03_manifest"] = {"note": str(e)}
-    if wd.d2t("npy").is_file():
-        s03 = np.load(wd.d2t("npy"))
-        ids03 = target_ids(s03)
+    if wd.d2t().is_file():
+        ids03 = target_ids(load_mapping(wd)[0]).numpy()
         out["vs_stage03"] = {
             "positions_differing": int((ids03 != ids).sum()) if len(ids03) == len(ids) else None,
             "tokens_shared": int(len(np.intersect1d(ids03, ids))),

@@ -74,8 +74,8 @@ from eagle3.core.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_l
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
                                   record_of, sha256_file, sha256_json, write_manifest)
-from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
 from eagle3.core.vocab_map import target_ids
 from eagle3.core.workdir import WorkDir
