@@ -132,7 +132,7 @@ def plan_figures(trainer) -> dict:
 
 def our_figures(wd: WorkDir, plan: dict) -> dict:
     """Stage 04's held-out curve and seconds per step (from metrics.jsonl), stage 05's exported step."""
-    from eagle3.stages.s06_evaluate.run import read_train_metrics
+    from eagle3.core.train_outputs import read_train_metrics
 
     rows = read_train_metrics(wd)
     evals = {r["step"]: r for r in rows if r["split"] == "eval" and r["step"] > 0}

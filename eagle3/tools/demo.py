@@ -22,6 +22,7 @@ from pathlib import Path
 from eagle3.core.config import load_yaml
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import read_record
+from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.workdir import WorkDir
 
 CURVE_ROWS = 8  # held-out evaluations shown in the training table (evenly spaced)
@@ -111,8 +112,7 @@ def pipeline_lines(wd: WorkDir, K: int, need: str) -> list[str]:
         lines.append(f"vocab     draft vocab {vocab.draft_vocab_size} ids; coverage of assistant tokens: train "
                      f"{_pct(vocab.coverage_train)}, held-out {_pct(vocab.coverage_eval)}")
     if train:
-        metrics = [json.loads(line) for line in wd.train_metrics().read_text().splitlines() if line.strip()] \
-            if wd.train_metrics().is_file() else []
+        metrics = read_train_metrics(wd)
         lines += [f"training  {train.steps} steps; best held-out expected accept length "
                   f"{_num(train.best_expected_accept_length, '.3f')} (all {train.ttt_steps} TTT steps) "
                   f"at step {train.best_step}", *training_table(metrics, K, train.ttt_steps)]

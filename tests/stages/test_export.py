@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.core.checkpoint_file import read_training_checkpoint
+from eagle3.core.train_outputs import read_training_checkpoint
 from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
                                     hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
 from eagle3.core.errors import PipelineError

@@ -14,7 +14,7 @@ One file per checkpoint, a dict saved with `torch.save` and read with
     eval             the held-out metrics at this step (when evaluated)
     best             the best held-out expected accept length so far and its step
 
-Later stages read a checkpoint through eagle3/core/checkpoint_file.py, the one reader of
+Later stages read a checkpoint through eagle3/core/train_outputs.py, the one reader of
 this format outside stage 04. File names come from WorkDir: one per saved step, the best one, and a JSON pointer
 to the latest (what a resume reads).
 """

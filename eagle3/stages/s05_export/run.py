@@ -13,7 +13,7 @@ writes (docs/CONVENTIONS.md §6 and §7)
 
 Run: `python 05_export_drafter.py --config configs/tiny-llama.yaml`.
 
-Stage 04's checkpoint is read through eagle3/core/checkpoint_file.py `read_training_checkpoint`;
+Stage 04's checkpoint is read through eagle3/core/train_outputs.py `read_training_checkpoint`;
 the rest works on (drafter config dict, state dict, metadata).
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from eagle3.core.atomic import atomic_path, write_json
-from eagle3.core.checkpoint_file import read_training_checkpoint
 from eagle3.core.config import identity_params
 from eagle3.core.dataset import load_token_freq
 from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
@@ -40,6 +39,7 @@ from eagle3.core.model import DrafterConfig
 from eagle3.core.records import ExportRecord, TrainRecord
 from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
 from eagle3.core.target_head import load_embedding
+from eagle3.core.train_outputs import read_training_checkpoint
 from eagle3.core.vocab_map import coverage, load_mapping, target_ids
 from eagle3.core.workdir import MANIFEST_NAME, WorkDir
 from eagle3.stages.s05_export.config import ExportConfig

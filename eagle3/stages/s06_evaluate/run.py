@@ -77,6 +77,7 @@ from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerpri
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.vocab_map import target_ids
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
@@ -141,14 +142,6 @@ def training_expectation(wd: WorkDir, K: int, step: int | None, train: TrainReco
     full = [float(row[f"full_acc_{k}"]) for k in range(min(K, trained_k))]
     return {"value": 1.0 + sum(full), "k": len(full), "full_acc": full, "source": source,
             "ttt_steps": trained_k, "all_steps": float(row.get("expected_accept_length", float("nan")))}
-
-
-def read_train_metrics(wd: WorkDir) -> list[dict]:
-    path = wd.train_metrics()
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 
 def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest | None]:

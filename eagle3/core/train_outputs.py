@@ -1,4 +1,5 @@
-"""Stage 04's checkpoint file, as the stages after it read it: the drafter and its metadata.
+"""Stage 04's outputs as the stages and tools after it read them: a checkpoint's drafter and
+metadata (`read_training_checkpoint`) and the metrics log (`read_train_metrics`).
 
 A checkpoint is a dict saved with `torch.save` (eagle3/stages/s04_train/checkpoint.py
 writes it and lists every key) and read with `torch.load(weights_only=True)`. Outside
@@ -8,6 +9,7 @@ metrics at that step when evaluated, "best") are read, through `read_training_ch
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -44,3 +46,13 @@ def read_training_checkpoint(path: Path | str) -> tuple[dict, dict[str, torch.Te
         state[k] = v
     meta = {k: v for k, v in ckpt.items() if k not in _NOT_METADATA}
     return dict(ckpt["drafter_config"]), state, meta
+
+
+def read_train_metrics(wd: WorkDir) -> list[dict]:
+    """04_train/metrics.jsonl's rows in order (eagle3/stages/s04_train/metrics.py writes them:
+    one per log window, "split" "train", and one per held-out evaluation, "split" "eval");
+    empty before stage 04 logged anything."""
+    path = wd.train_metrics()
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
