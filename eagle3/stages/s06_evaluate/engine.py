@@ -45,8 +45,8 @@ WARMUP_TOKENS = 8  # a warmup request only needs to reach the decode path
 ENGINE_KEYS = ("dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed", "gpu_memory_utilization",
                "kv_cache_gib", "enforce_eager", "engine_in_process", "trust_remote_code")
 
-# --------------------------------------------------------------------------- engine-side readings
 
+# --------------------------------------------------------------------------- engine-side readings
 
 def _metric_totals(llm) -> dict[str, Any]:
     """Spec-decode counters of the engine, summed over label sets (one per engine)."""
@@ -72,8 +72,8 @@ def _timestamps(output) -> list[float | None]:
     m = output.metrics  # engine-core timestamps (monotonic), set because log stats are on
     return [getattr(m, "first_token_ts", None), getattr(m, "last_token_ts", None)] if m is not None else [None, None]
 
-# --------------------------------------------------------------------------- the CPU build's sampled verification
 
+# --------------------------------------------------------------------------- the CPU build's sampled verification
 
 def _expand_per_token(x, cu_num_tokens, num_tokens: int, replace_from: int = 0, replace_to: int = 0):
     """[batch] -> [num_tokens]: request i's value repeated for each of its tokens (`cu_num_tokens`
@@ -117,8 +117,8 @@ def _fix_cpu_sampled_verification() -> bool:
                 "version so sampled speculative decoding verifies with the right temperature")
     return True
 
-# --------------------------------------------------------------------------- one engine run (worker side)
 
+# --------------------------------------------------------------------------- one engine run (worker side)
 
 def _per_request_metrics_supported() -> bool:
     """Per-request acceptance histograms (vLLM >= 0.32): per-category figures and the
@@ -268,8 +268,8 @@ def serve_main(argv: list[str]) -> int:
     write_json(out_path, result)
     return 0
 
-# --------------------------------------------------------------------------- one engine run (parent side)
 
+# --------------------------------------------------------------------------- one engine run (parent side)
 
 def _engine_env() -> dict[str, str]:
     """The worker's environment (its engine core runs in process or not as its request's
