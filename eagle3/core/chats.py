@@ -360,7 +360,7 @@ def likely_fix(reasons: dict, fixes: dict | None = None) -> str:
     for reason, _ in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
         if reason in table:
             return table[reason]
-    return "check the records' shape (README, stage 00 and stage 01 inputs)"
+    return "check the records' shape (docs/STAGES.md, stages 00 and 01)"
 
 
 def chat_turn(turn, role_key: str = "role", text_key: str = "content") -> dict[str, str]:

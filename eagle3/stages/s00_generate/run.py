@@ -209,7 +209,6 @@ def run_chunk(p: Plan, k: int, engine: Engine, cfg: GenerateConfig,
 
 
 def make_engine(cfg: GenerateConfig, p: Plan) -> Engine:
-
     return VllmEngine(cfg.engine_config())
 
 
