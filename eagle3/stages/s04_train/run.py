@@ -49,6 +49,7 @@ from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of_all_ranks, save_checkpoint,
                                                 set_rng_state)
 from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s04_train.cuda_alloc import configure_cuda_allocator
 from eagle3.stages.s04_train.data import Batching, EpochPlan, load_batch, nested_share, noisy_aux
 from eagle3.stages.s04_train.distributed import Dist, barrier, close_distributed, init_distributed, wrap_ddp
 from eagle3.stages.s04_train.evaluation import evaluate_held_out
@@ -531,6 +532,7 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
     """Stage 04's entry point: the manifest, or None on a rank other than 0 or on --stop-after."""
     wd = WorkDir(cfg.work_dir)
     device = pick_device(cfg.device)
+    configure_cuda_allocator(device)  # before init_distributed: torch reads it when CUDA initialises
     d = init_distributed(device)
     try:
         src = read_inputs(cfg, wd)
