@@ -16,6 +16,10 @@ Scenarios:
     foreign      a group created before stage 04 that serves CUDA only ("cuda:gloo"): the
                  seam must refuse a host tensor by name on a machine without a GPU.
     rng          every rank's RNG state gathered for rank 0 to write, then restored per rank.
+    uneven       a drafter wrapped as stage 04 wraps it (`wrap_ddp`); rank 0 runs two
+                 held-out forwards, rank 1 none, then both sum their counts, as a held-out
+                 evaluation whose batches do not divide evenly does. The group's timeout is
+                 60 s, so a forward that is a collective fails here instead of hanging.
 """
 from __future__ import annotations
 
@@ -108,11 +112,50 @@ def rng(rank: int, local_rank: int) -> dict:
             "expected": expected.tolist(), "resumed": resumed.tolist()}
 
 
+def uneven(rank: int, local_rank: int) -> dict:
+    import warnings
+    from datetime import timedelta
+
+    from eagle3.core.model import DrafterConfig, Eagle3Drafter
+    from eagle3.core.ttt import TTTConfig, TTTModel
+    from eagle3.stages.s04_train.distributed import all_reduce_sum, wrap_ddp
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    c = DrafterConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                      target_hidden_size=32, draft_vocab_size=16, target_vocab_size=64, max_position_embeddings=128)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(c)
+    t2d = torch.zeros(c.target_vocab_size, dtype=torch.bool)
+    t2d[::4] = True  # draft token i is target token 4 i
+    drafter.set_vocab_mapping(torch.arange(c.draft_vocab_size) * 3, t2d)  # offsets: i + 3 i = 4 i
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = wrap_ddp(TTTModel(drafter, TTTConfig(num_steps=2)), torch.device("cpu"))
+    g = torch.Generator().manual_seed(rank)
+    T = 12
+    ids = torch.randint(c.draft_vocab_size, (1, T), generator=g) * 4  # [1, T] target ids in the draft vocab
+    aux = torch.randn(1, T, 3 * c.target_hidden_size, generator=g)
+    embed = torch.randn(c.target_vocab_size, c.hidden_size, generator=g)
+    probs = torch.softmax(torch.randn(1, T, c.draft_vocab_size, generator=g), -1)
+    forwards = 2 if rank == 0 else 0
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(forwards):
+                model(aux, ids, embed, probs, torch.roll(ids, -1, 1), torch.ones(1, T), None, None, None)
+        total = all_reduce_sum(torch.tensor([float(forwards)], dtype=torch.float64))
+        error = None
+    except RuntimeError as e:  # gloo's timeout: a rank waited in a collective the other never entered
+        total, error = torch.tensor([-1.0]), str(e).splitlines()[0]
+    return {"total": float(total[0]), "error": error,
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     try:
-        result = {"cuda_group": cuda_group, "foreign": foreign, "rng": rng}[scenario](rank, local_rank)
+        result = {"cuda_group": cuda_group, "foreign": foreign, "rng": rng, "uneven": uneven}[scenario](rank, local_rank)
     except Exception:  # noqa: BLE001 - the test shows what any rank met
         result = {"crash": traceback.format_exc()}
     (out / f"rank{rank}.json").write_text(json.dumps(result))

@@ -18,7 +18,8 @@ from collectives_worker import K, rank_metrics
 
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s04_train import checkpoint
-from eagle3.stages.s04_train.distributed import all_gather_object, all_reduce_sum, backend_for
+from eagle3.stages.s04_train import distributed
+from eagle3.stages.s04_train.distributed import all_gather_object, all_reduce_sum, backend_for, ddp_buffer_sync_off
 from eagle3.stages.s04_train.metrics import MetricSum
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +89,30 @@ def test_each_rank_restores_its_own_rng_state(tmp_path):
     for rank, seen in enumerate(two_ranks("rng", tmp_path / "out")):
         assert seen["entries"] == 2 and seen["entries_differ"]
         assert seen["resumed"] == seen["expected"], rank  # the same generator replayed: bitwise
+
+
+def test_ranks_with_unequal_forward_counts_finish(tmp_path):
+    """A forward of the DDP-wrapped drafter is no collective (its d2t/t2d buffers are not
+    broadcast): rank 0 runs two, rank 1 none, and both reach the sum. With DDP's default
+    the first forward's broadcast meets the other rank's sum: gloo's 60 s timeout."""
+    for rank, seen in enumerate(two_ranks("uneven", tmp_path / "out")):
+        assert seen["error"] is None, (rank, seen["error"])
+        assert seen["total"] == 2.0
+        assert not [w for w in seen["warnings"] if "broadcast_buffers" in w], seen["warnings"]
+
+
+def test_the_ddp_keyword_follows_torchs_signature(monkeypatch):
+    """torch 2.13 renamed DDP's switch (broadcast_buffers deprecated, forward_sync_buffers);
+    a GPU box's older torch knows only broadcast_buffers."""
+    assert ddp_buffer_sync_off() == {"forward_sync_buffers": False}  # the torch installed here
+
+    class TorchBefore213:
+        def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                     init_sync=True, process_group=None, bucket_cap_mb=None, find_unused_parameters=False):
+            pass
+
+    monkeypatch.setattr(distributed, "DistributedDataParallel", TorchBefore213)
+    assert ddp_buffer_sync_off() == {"broadcast_buffers": False}
 
 
 def test_one_process_collectives_are_the_identity():

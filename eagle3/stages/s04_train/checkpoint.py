@@ -84,8 +84,28 @@ def save_checkpoint(wd: WorkDir, ckpt: dict, *, keep: int, is_best: bool) -> Pat
 
 
 def load_checkpoint(path: Path) -> dict:
+    """A checkpoint memory-mapped: its tensors are pages of the file, read when touched.
+
+    Every rank of a torchrun resume loads the same file at once. Read whole, each process
+    holds its own copy of everything in it: for Kimi-K2.5's drafter (~0.96B parameters)
+    fp32 weights and two AdamW moments are ~11.6 GB, ~93 GB of host memory on 8 ranks,
+    before a single tensor reaches a GPU. Mapped, the ranks share the page cache's one
+    copy of the file, and a GPU rank's copies go to the device.
+
+    What torch 2.13 requires and does (torch/serialization.py, `load`): `mmap=True` needs
+    a path (not a buffer) and the zipfile format, which `torch.save` writes by default
+    (a file saved with `_use_new_zipfile_serialization=False` is refused: "mmap can only
+    be used with files saved with ..."); each storage is a slice of one
+    `UntypedStorage.from_file` of the whole file, mapped MAP_PRIVATE
+    (`get_default_mmap_options`). So writes to the loaded tensors never reach the file:
+    a CPU run's optimizer keeps its moments as loaded (`Optimizer.load_state_dict` returns
+    a tensor already of the parameter's dtype and device as it is) and updates them in
+    place, on private copies of the pages it writes. The mapping holds the file's inode,
+    so the file being replaced (atomic writes) or deleted (`keep_checkpoints`) later
+    changes nothing the run reads.
+    """
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # noqa: BLE001 - unpickling raises many types
         raise PipelineError(f"cannot read checkpoint {path} ({type(e).__name__}: {e}); delete it or pass --force "
                             f"to train from scratch.") from e

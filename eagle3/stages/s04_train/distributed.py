@@ -20,6 +20,9 @@ serves CPU tensors), so the rules live here, in one place a CPU test can hold th
   device (`torch.cuda.set_device`) and binds the group to it (`device_id=`): torch's
   `barrier` runs on the bound device, NCCL forms its communicator there at once, and
   without either every rank's barrier would run on the current device, GPU 0.
+- `wrap_ddp` puts the model under DistributedDataParallel with the forward's buffer
+  broadcast off, so DDP's only collectives are the gradient all-reduces of backward
+  (and its one-off sync at construction).
 - `all_reduce_sum`, `all_gather_object` and `barrier` are the only collectives stage 04
   calls besides DDP's own. `all_reduce_sum` reduces a tensor where it lives when the
   group serves that device type (a host tensor stays on the host, as torch's own object
@@ -29,12 +32,14 @@ serves CPU tensors), so the rules live here, in one place a CPU test can hold th
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from eagle3.core.errors import PipelineError
 
@@ -89,6 +94,35 @@ def init_distributed(device: torch.device) -> Dist:
     log.info("process group: rank %d of %d, backend %s, device %s", dist.get_rank(), dist.get_world_size(),
              dist.get_backend_config(), device)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank)
+
+
+def ddp_buffer_sync_off() -> dict:
+    """DistributedDataParallel's keyword that stops the per-forward buffer broadcast.
+
+    torch 2.13 renamed it (torch/nn/parallel/distributed.py: `broadcast_buffers` is
+    deprecated with a FutureWarning, `forward_sync_buffers` replaces it and, unlike the
+    old flag, still syncs the buffers once at construction); older torch, such as a GPU
+    box's 2.11, knows only `broadcast_buffers`, which skips the construction sync too.
+    Either is fine here: every rank installs the same mapping from stage 03's files."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
+def wrap_ddp(module: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """`module` under DistributedDataParallel on this rank's device, without the buffer broadcast.
+
+    DDP's default broadcasts every buffer from rank 0 at the start of each forward
+    (`_pre_forward` -> `_sync_buffers` while `will_sync_module_buffers()`), which makes
+    every forward a collective. The drafter's only buffers are its vocabulary mapping,
+    d2t [V_d] and t2d [V_t] (eagle3/core/model.py): installed before this wrap, identical
+    on every rank and never changed by training, so the broadcast moves ~0.4 MB per
+    forward at K2.5's sizes for nothing, and it would hang a held-out evaluation in which one rank runs
+    a forward fewer than another (eagle3/stages/s04_train/evaluation.py). `device_ids`:
+    exactly this GPU for a CUDA module, None for a CPU one (`DistributedDataParallel.__init__`).
+    """
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(module, device_ids=device_ids, **ddp_buffer_sync_off())
 
 
 def close_distributed(d: Dist) -> None:

@@ -49,9 +49,10 @@ from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of_all_ranks, save_checkpoint,
                                                 set_rng_state)
 from eagle3.stages.s04_train.config import TrainConfig
-from eagle3.stages.s04_train.data import (Batching, EpochPlan, epoch_batches, load_batch, nested_share, noisy_aux,
-                                          rank_batches)
-from eagle3.stages.s04_train.distributed import Dist, barrier, close_distributed, init_distributed
+from eagle3.stages.s04_train.cuda_alloc import configure_cuda_allocator
+from eagle3.stages.s04_train.data import Batching, EpochPlan, load_batch, nested_share, noisy_aux
+from eagle3.stages.s04_train.distributed import Dist, barrier, close_distributed, init_distributed, wrap_ddp
+from eagle3.stages.s04_train.evaluation import evaluate_held_out
 from eagle3.stages.s04_train.finetune import InitReport, load_initial_drafter
 from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_loss_positions
 from eagle3.stages.s04_train.memory import GIB, predict_peak
@@ -223,9 +224,7 @@ class Trainer:
                              checkpoint_steps=cfg.checkpoint_steps)
         self.model = TTTModel(self.drafter, self.ttt)  # one forward = the whole K-step unroll (what DDP wraps)
         if d.world > 1:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.model = DDP(self.model, device_ids=[device.index] if device.type == "cuda" else None)
+            self.model = wrap_ddp(self.model, device)  # no buffer broadcast: a forward is never a collective
         if d.main:
             log_memory_prediction(cfg, self.dcfg, device, d)
 
@@ -346,23 +345,11 @@ class Trainer:
         return float(gnorm)
 
     # -- held-out metrics ------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self) -> dict:
-        split = self.store.split("eval")
-        if len(split) == 0:
-            split = self.store.split("train")
-            log.warning("the held-out split is empty; evaluating on train batches (rerun stage 01 with a "
-                        "larger --eval-fraction for an honest figure)")
-        batches = rank_batches(epoch_batches(split.lengths(), self.batching, None), self.d.rank, self.d.world)
-        if self.cfg.eval_batches:
-            batches = batches[: self.cfg.eval_batches]
-        self.model.eval()
-        acc = MetricSum(self.ttt.num_steps)
-        for idx in batches:
-            acc.add(self.forward(self.load(split, idx)).metrics)
-        acc.all_reduce(self.d.world)
-        self.model.train()
-        return acc.result()
+        """Held-out metrics over every held-out batch, summed over the ranks: the same figures
+        whatever the number of processes (eagle3/stages/s04_train/evaluation.py)."""
+        return evaluate_held_out(self.model, self.forward, self.load, self.store, self.batching,
+                                 self.cfg.eval_batches, self.d, self.ttt.num_steps)
 
     def evaluate_and_track(self) -> bool:
         """Evaluate, log, and keep the best; True when this step is the best so far."""
@@ -545,6 +532,7 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
     """Stage 04's entry point: the manifest, or None on a rank other than 0 or on --stop-after."""
     wd = WorkDir(cfg.work_dir)
     device = pick_device(cfg.device)
+    configure_cuda_allocator(device)  # before init_distributed: torch reads it when CUDA initialises
     d = init_distributed(device)
     try:
         src = read_inputs(cfg, wd)
