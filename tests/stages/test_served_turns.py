@@ -19,12 +19,14 @@ import numpy as np
 import pytest
 
 from eagle3.core.dataset import load_split
+from eagle3.core.errors import PipelineError
 from eagle3.core.loss_mask import assistant_suffix, build_samples
 from eagle3.core.manifest import record_of
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.conversation import Generation
 from eagle3.stages.s00_generate.run import generate_responses
+from eagle3.stages.s01_prepare import run as prepare_run
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s01_prepare.run import is_eval, prepare_dataset
 
@@ -164,6 +166,15 @@ def test_later_turns_are_generated_and_trained_after_the_served_history(rule, tm
             assert row["input_ids"][a:b] == g_turn["ids"] and b == len(row["input_ids"])
     # Stage 01's summary names the samples and the history it adds.
     assert any(f"{N_CHATS} later turns in a sample of their own" in r.getMessage() for r in caplog.records)
+    # Stage 01 checks each line's samples: a line an older stage 00 wrote (no `samples`) whose
+    # second turn it generated after the spliced history is refused, and so is a mismatch.
+    prepare_run._init_worker(str(target), False, 512, {})
+    old = {k: v for k, v in lines[0].items() if k != "samples"}
+    with pytest.raises(PipelineError, match="older stage 00"):
+        prepare_run._generated_samples(old, "chunk-00000.jsonl:1")
+    off = dict(lines[0], samples=[dict(x, prompt_tokens=x["prompt_tokens"] + 1) for x in lines[0]["samples"]])
+    with pytest.raises(PipelineError, match="recorded the samples"):
+        prepare_run._generated_samples(off, "chunk-00000.jsonl:1")
 
 
 def test_a_template_that_keeps_history_gives_one_sample_per_conversation_bitwise_as_the_plain_rendering(tmp_path):
@@ -175,7 +186,8 @@ def test_a_template_that_keeps_history_gives_one_sample_per_conversation_bitwise
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     eng = Scripted(lambda p: Generation(tok.encode(f"Answer {len(p)}.", add_special_tokens=False) + [eot], "stop"))
     chats = tmp_path / "demo.jsonl"
-    chats.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:12]) + "\n")
+    chats.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:12]
+                                + [json.dumps({"prompt": "A single question?"})]) + "\n")
     wd = tmp_path / "wd"
     m0 = generate_responses(GenerateConfig(work_dir=wd, target_model=str(target), data=[str(chats)]), engine=eng)
     assert m0.counts["turns_in_own_sample"] == 0 and m0.counts["samples"] == record_of(m0).conversations
@@ -185,12 +197,18 @@ def test_a_template_that_keeps_history_gives_one_sample_per_conversation_bitwise
     suffix = assistant_suffix(tok)
     lines = [json.loads(x) for x in WorkDir(wd).generate_chunk(0).read_text().splitlines()]
     assert len(rows) == len(lines) and any(len(ln["generated"]) > 1 for ln in lines)
+    assert len(lines[-1]["generated"]) == 1  # the single prompt
     for ln in lines:
         (plain,), fuzzy = build_samples(tok, ln["messages"], suffix)
         assert fuzzy == 0 and plain.first_turn == 0
         assert rows[ln["sample_id"]]["input_ids"] == plain.ids
         assert rows[ln["sample_id"]]["loss_mask"] == plain.mask
         assert [s["first_turn"] for s in ln["samples"]] == [0]
+    # a line an older stage 00 wrote (no `samples`) is read as before: its history was served as generated
+    prepare_run._init_worker(str(target), False, 2048, {})
+    multi = next(ln for ln in lines if len(ln["generated"]) > 1)
+    _, (only,), _, _ = prepare_run._generated_samples({k: v for k, v in multi.items() if k != "samples"}, "x:1")
+    assert only.ids == rows[multi["sample_id"]]["input_ids"]
 
 
 def test_turns_a_conversation_never_reached_are_a_warning_with_their_share_and_reason(tmp_path, caplog):
