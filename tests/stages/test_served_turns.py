@@ -20,7 +20,7 @@ import pytest
 
 from eagle3.core.dataset import load_split
 from eagle3.core.errors import PipelineError
-from eagle3.core.loss_mask import assistant_suffix, build_samples
+from eagle3.core.loss_mask import assistant_suffix
 from eagle3.core.manifest import record_of
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s00_generate.config import GenerateConfig
@@ -181,6 +181,8 @@ def test_a_template_that_keeps_history_gives_one_sample_per_conversation_bitwise
     """The tiny Llama's own template keeps history as generated: every conversation is one
     sample, equal token for token to the plain rendering of its answers (what stage 01 built
     before per-turn samples existed), and the chunk lines say so."""
+    from eagle3.core.loss_mask import build_samples  # the reference (imported here: new with this test)
+
     target = tmp_path / "llama"
     tok = make_target(target)
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
