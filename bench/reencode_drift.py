@@ -5,7 +5,7 @@
 
 Reads stage 00's chunks (00_generate/) and, for every regenerated assistant turn,
 compares the ids the target generated with what rendering the decoded text would
-give (the stage-01 path for plain chats, `build_sample`), with the target's own chat
+give (the stage-01 path for plain chats, `build_samples`), with the target's own chat
 template or with a Kimi-K2 style one (tests/fixtures.py; its header tokens
 added as special tokens: only tokenization runs here, no model; the stop token each
 finished answer ended on stands for that template's end-of-turn token). Splits the

@@ -5,8 +5,10 @@
   YAML file, with per-stage overrides. tests/conftest.py builds the common runs once per
   session through it (`stage_runs`, `stages_123`); `copy_stages` gives a test that writes
   its own copy.
-- Chat templates of four families (and Kimi's thinking variant), written here as text, and
-  tokenizers built around them (`make_tokenizer`).
+- Chat templates of four families and two reasoning ones (Qwen3's and DeepSeek-R1's history
+  rules), written here as text, and tokenizers built around them (`make_tokenizer`); Kimi-K2.5's
+  template and special-token ids come from eagle3/tools/kimi_k25_tokenizer.py
+  (`kimi_k25_tokenizer`, `save_kimi_k25_target`).
 - `kill_after_entries`: a stage-02 command killed -9 part way.
 
 Tests in tests/unit, tests/stages and tests/e2e import this as a top-level module
@@ -14,6 +16,7 @@ Tests in tests/unit, tests/stages and tests/e2e import this as a top-level modul
 """
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import signal
@@ -172,15 +175,72 @@ KIMI_K2 = dict(
     template=_KIMI_TURNS + "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}",
 )
 
-# Kimi-K2.5 style thinking: the generation prompt opens <think> (or gives an empty
-# <think></think> with `thinking: false`), the model writes its reasoning, </think>, the
-# answer and <|im_end|>. Not in TEMPLATES: the loss-mask and stage-00 tests use it by name.
-KIMI_THINKING = dict(
-    KIMI_K2, special=KIMI_K2["special"] + ["<think>", "</think>"],
-    template=(_KIMI_TURNS + "{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>"
-              "{% if thinking is defined and thinking is false %}<think></think>{% else %}<think>{% endif %}"
-              "{% endif %}"),
+# Qwen3's reasoning rules (its chat_template.jinja, docs/KIMI_K25.md "Chat template and turns"):
+# an assistant turn after the last user turn shows `<think>\n` + reasoning + `\n</think>\n\n`
+# + answer (the final message always does), every earlier one only its answer; the reasoning
+# comes from `reasoning_content` or the text before `</think>`. The generation prompt is the
+# bare header; the model opens `<think>` itself (`enable_thinking=False` prefills an empty pair).
+# (No tool handling: the pipeline's chats have none.)
+QWEN3_THINKING = dict(
+    CHATML, special=CHATML["special"] + ["<think>", "</think>"],
+    template=(
+        "{%- set ns = namespace(last_query=messages|length - 1) -%}"
+        "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
+        "{%- endif -%}{%- endfor -%}"
+        "{%- for m in messages -%}"
+        "{%- if m['role'] == 'assistant' -%}"
+        "{%- set content = m['content'] -%}{%- set reasoning = '' -%}"
+        "{%- if m.get('reasoning_content') is string -%}{%- set reasoning = m['reasoning_content'] -%}"
+        "{%- elif '</think>' in content -%}"
+        "{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}"
+        "{%- set content = content.split('</think>')[-1].lstrip('\n') -%}{%- endif -%}"
+        "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+        "{{ '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}"
+        "{%- else -%}{{ '<|im_start|>assistant\n' + content }}{%- endif -%}{{ '<|im_end|>\n' }}"
+        "{%- else -%}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}"
+        "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\n\n</think>\n\n' }}"
+        "{%- endif -%}{%- endif -%}"),
 )
+
+# DeepSeek-R1's reasoning rules (its chat_template.jinja): every assistant turn, the final one
+# too, shows only the text after `</think>`; the generation prompt opens `<think>\n`. (The
+# DeepSeek-V3 shape above, with those two rules; no tool handling.)
+DEEPSEEK_R1 = dict(
+    DEEPSEEK_V3, special=DEEPSEEK_V3["special"] + ["<think>", "</think>"],
+    template=DEEPSEEK_V3["template"].replace(
+        "{{ '<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>' }}",
+        "{{ '<｜Assistant｜>' + message['content'].split('</think>')[-1] + '<｜end▁of▁sentence｜>' }}").replace(
+        "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}",
+        "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\n' }}{% endif %}"),
+)
+assert DEEPSEEK_R1["template"].count("</think>") == 1 and "<think>\n" in DEEPSEEK_R1["template"]
+
+
+@functools.lru_cache(maxsize=1)
+def kimi_k25_tokenizer():
+    """The Kimi-K2.5 stand-in (eagle3/tools/kimi_k25_tokenizer.py), built once per session
+    (a few seconds); read-only."""
+    from eagle3.tools.kimi_k25_tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+def save_kimi_k25_target(path: Path) -> Path:
+    """A folder stages 00 and 01 load as a Kimi-K2.5 target: the stand-in tokenizer, a small
+    config with the real vocabulary size and eos, and generation_config.json's end of turn
+    (no weights: the tests script the target)."""
+    from transformers import GenerationConfig, LlamaConfig
+
+    from eagle3.tools.kimi_k25_tokenizer import END_OF_TURN_ID, EOS_ID, VOCAB_SIZE
+
+    kimi_k25_tokenizer().save_pretrained(path)
+    LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=1, num_key_value_heads=1, head_dim=64, eos_token_id=EOS_ID).save_pretrained(path)
+    GenerationConfig(eos_token_id=END_OF_TURN_ID).save_pretrained(path)
+    return path
+
 
 TEMPLATES = {"llama3": LLAMA3, "chatml": CHATML, "deepseek_v3": DEEPSEEK_V3, "kimi_k2": KIMI_K2}
 

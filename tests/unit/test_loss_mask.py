@@ -1,12 +1,22 @@
-"""The assistant-only loss mask, token by token, on four families' chat templates."""
+"""The assistant-only loss mask, token by token, on four families' chat templates, and each
+turn's context on the reasoning templates that rewrite history (Kimi-K2.5's, Qwen3's,
+DeepSeek-R1's): a turn after a rewritten history is a sample of its own, in the served
+rendering."""
 import logging
 
 import numpy as np
 import pytest
-from fixtures import KIMI_THINKING, TEMPLATES, make_tokenizer
+from fixtures import DEEPSEEK_R1, QWEN3_THINKING, TEMPLATES, kimi_k25_tokenizer, make_tokenizer
 
 from eagle3.core.chats import BadRecord
-from eagle3.core.loss_mask import assistant_suffix, build_sample
+from eagle3.core.loss_mask import assistant_suffix, build_samples
+
+
+def build_sample(tok, messages, suffix, template_kwargs=None):
+    """The one sample of a conversation whose template keeps history as rendered."""
+    (sample,), fuzzy = build_samples(tok, messages, suffix, template_kwargs)
+    ids, mask = sample.arrays()
+    return ids, mask, fuzzy
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant."}
 TURNS = [
@@ -98,23 +108,41 @@ def test_works_without_offsets_mapping_and_quiets_tokenizer_logging(caplog):
     assert not [r for r in caplog.records if r.name.startswith("transformers_modules")]
 
 
-def test_template_that_rewrites_earlier_turns_is_reported_not_mis_masked():
+def test_a_template_that_rewrites_earlier_turns_gives_the_later_turn_a_sample_of_its_own():
     spec = dict(TEMPLATES["chatml"])
-    # Like reasoning templates that drop earlier turns' thoughts: a turn renders
-    # differently once it is no longer the last one.
+    # Like reasoning templates that drop earlier turns' thoughts: an assistant turn renders
+    # differently once it is no longer the last message.
     spec["template"] = spec["template"].replace(
         "message['content'] + '<|im_end|>\n'",
-        "(message['content'] if loop.last else message['content'][:3]) + '<|im_end|>\n'")
+        "(message['content'] if loop.last or message['role'] != 'assistant' else message['content'][:3])"
+        " + '<|im_end|>\n'")
     assert spec["template"] != TEMPLATES["chatml"]["template"]
     tok = make_tokenizer(spec)
+    samples, fuzzy = build_samples(tok, TURNS, assistant_suffix(tok))
+    assert fuzzy == 0 and [s.first_turn for s in samples] == [0, 1]
+    first, second = (s.arrays() for s in samples)
+    # each turn in the rendering the template gives it: turn 2 after the shortened turn 1
+    assert first[0].tolist() == tok.encode(tok.apply_chat_template(TURNS[:2], tokenize=False), add_special_tokens=False)
+    assert second[0].tolist() == tok.encode(tok.apply_chat_template(TURNS, tokenize=False), add_special_tokens=False)
+    assert tok.decode(first[0][first[1] == 1].tolist()) == TURNS[1]["content"] + "<|im_end|>"
+    assert tok.decode(second[0][second[1] == 1].tolist()) == TURNS[3]["content"] + "<|im_end|>"
+    assert "It <|im_end|>" in tok.decode(second[0].tolist())
+    assert samples[1].prompt_tokens == int(np.flatnonzero(second[1])[0])
+
+
+def test_a_turn_rendered_unlike_its_own_prompt_is_reported_not_mis_masked():
+    spec = dict(TEMPLATES["chatml"])
+    spec["template"] = spec["template"].replace("'<|im_start|>assistant\n'", "'<|im_start|>assistant\nSure: '")
+    tok = make_tokenizer(spec)
     with pytest.raises(BadRecord) as e:
-        build_sample(tok, TURNS, assistant_suffix(tok))
+        build_samples(tok, TURNS, assistant_suffix(tok))
     assert e.value.reason == "template_not_prefix_stable"
 
 
 # -- regenerated answers (stage 00): the generated ids spliced into the template ------------------
 
-from eagle3.core.loss_mask import Answer, reencode_differs, spliced_sample  # noqa: E402
+from eagle3.core.loss_mask import (Answer, reencode_differs, served_answer, spliced_samples,  # noqa: E402
+                                   turn_prompt)
 
 
 def _answers_as_reencoded(tok, messages, suffix):
@@ -129,14 +157,15 @@ def test_spliced_equals_plain_rendering_when_ids_are_the_reencoded_text(name):
     messages = [SYSTEM] + TURNS
     ids, mask, _ = build_sample(tok, messages, suffix)
     answers = _answers_as_reencoded(tok, messages, suffix)
-    s_ids, s_mask = spliced_sample(tok, messages, answers, suffix)
+    (sample,) = spliced_samples(tok, messages, answers, suffix)
+    s_ids, s_mask = sample.arrays()
     assert s_ids.tolist() == ids.tolist()
     assert s_mask.tolist() == mask.tolist()
     assert reencode_differs(tok, messages, answers, suffix) == [False, False]
     # the prompt of turn 1 is exactly the sequence up to that turn's first masked token
-    prompt, pmask = spliced_sample(tok, messages, answers, suffix, upto=1)
     second = spans(mask)[1][0]
-    assert prompt.tolist() == ids[:second].tolist() and pmask.tolist() == mask[:second].tolist()
+    assert turn_prompt(tok, messages, answers, suffix, turn=1) == ids[:second].tolist()
+    assert sample.first_turn == 0 and sample.prompt_tokens == spans(mask)[0][0]
 
 
 @pytest.mark.parametrize("name", sorted(TEMPLATES))
@@ -148,7 +177,8 @@ def test_spliced_keeps_generated_ids_that_reencoding_would_change(name):
     odd = [i for ch in "It is 4." for i in tok.encode(ch, add_special_tokens=False)] + suffix[:1]
     assert odd[:-1] != tok.encode("It is 4.", add_special_tokens=False)
     answers = [Answer(odd, True), _answers_as_reencoded(tok, messages, suffix)[1]]
-    ids, mask = spliced_sample(tok, messages, answers, suffix)
+    (sample,) = spliced_samples(tok, messages, answers, suffix)
+    ids, mask = sample.arrays()
     (a0, b0), (a1, b1) = spans(mask)
     assert ids[a0:b0].tolist() == odd  # the generated ids, untouched, end-of-turn included
     assert ids[a1:b1].tolist() == answers[1].ids
@@ -165,40 +195,97 @@ def test_cut_answer_is_masked_and_closed_by_the_template_outside_the_mask():
     suffix = assistant_suffix(tok)  # <|im_end|> \n
     messages = [dict(m) for m in TURNS[:2]]
     cut = tok.encode("It is", add_special_tokens=False)  # stopped by max_new_tokens: no end-of-turn
-    ids, mask = spliced_sample(tok, messages, [Answer(cut, False)], suffix)
+    messages[1]["content"] = "It is"
+    (sample,) = spliced_samples(tok, messages, [Answer(cut, False)], suffix)
+    ids, mask = sample.arrays()
     (a, b), = spans(mask)
     assert ids[a:b].tolist() == cut
     assert ids[b:].tolist() == suffix and not mask[b:].any()
 
 
+def test_served_answer_splits_the_reasoning_as_a_reasoning_parser_does():
+    assert served_answer("Two plus two.</think>It is 4.") == {
+        "role": "assistant", "content": "It is 4.", "reasoning_content": "Two plus two."}
+    assert served_answer("<think>\nplan\n</think>\n\nHi") == {
+        "role": "assistant", "content": "\n\nHi", "reasoning_content": "\nplan\n"}
+    assert served_answer("No reasoning here.") == {"role": "assistant", "content": "No reasoning here."}
+
+
+def _thinking_turns(tok, reasonings, answers, end, close):
+    """Two turns as a thinking target generates them: reasoning, the close marker, the answer,
+    end of turn. Returns the messages (decoded text, markup kept, as stage 00 stores it)
+    and the Answers."""
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    gens = [enc(r) + [close] + enc(a) + [end] for r, a in zip(reasonings, answers)]
+    messages = [dict(m) for m in TURNS]
+    for k, g in enumerate(gens):
+        messages[2 * k + 1]["content"] = tok.decode(g[:-1], skip_special_tokens=False)
+    return messages, [Answer(g, True) for g in gens]
+
+
 @pytest.mark.parametrize("thinking", [True, False])
-def test_thinking_template_mask_covers_the_reasoning_answer_and_end_of_turn(thinking):
-    tok = make_tokenizer(KIMI_THINKING)
+def test_kimi_k25_turns_after_dropped_reasoning_are_samples_of_their_own(thinking):
+    """Kimi-K2.5's rules (eagle3/tools/kimi_k25_tokenizer.py): an earlier turn is served as
+    `<think></think>` + its answer. Thinking, turn 2 is trained after that history, token
+    by token, in a sample of its own; instant (`thinking=false`), the history is served as
+    generated and the conversation stays one sample."""
+    tok = kimi_k25_tokenizer()
     kw = {"thinking": thinking}
     suffix = assistant_suffix(tok, kw)
     end, close = tok.convert_tokens_to_ids(["<|im_end|>", "</think>"])
-    assert suffix == [end]
+    assert suffix == [end] == [163586] and close == 163607
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    gens = []
-    for reasoning, answer in (("Two plus two.", "It is 4."), ("A cat joke.", "Why did the cat sit?")):
-        gens.append((enc(reasoning) + [close] if thinking else []) + enc(answer) + [end])
-    messages = [dict(m) for m in TURNS]
-    for k, g in enumerate(gens):  # what stage 00 stores: the decoded text, markup kept
-        messages[2 * k + 1]["content"] = tok.decode(g[:-1], skip_special_tokens=False)
-    ids, mask = spliced_sample(tok, messages, [Answer(g, True) for g in gens], suffix, kw)
-    # token by token: the mask is 1 exactly on the generated ids, reasoning included
-    opener = enc("<|im_assistant|>assistant<|im_middle|>") + (enc("<think>") if thinking else enc("<think></think>"))
-    expected, pos = np.zeros(len(ids), dtype=np.int8), 0
-    for g in gens:
-        start = next(i for i in range(pos, len(ids)) if ids[i - len(opener):i].tolist() == opener)
-        assert ids[start:start + len(g)].tolist() == g
-        expected[start:start + len(g)] = 1
-        pos = start + len(g)
-    assert mask.tolist() == expected.tolist()
-    assert ids[-1] == end and mask[-1] == 1
     if thinking:
-        assert (ids[mask == 1] == close).sum() == 2  # both turns' </think> are learned
-        # plain rendering cannot place a turn whose prompt opened <think>: stage 01's text path
-        # would reject these conversations, the spliced path keeps them
-        with pytest.raises(BadRecord):
-            build_sample(tok, messages, suffix, kw)
+        messages, answers = _thinking_turns(tok, ["Two plus two.", "A cat joke."],
+                                            ["It is 4.", "Why did the cat sit?"], end, close)
+    else:
+        messages = [dict(m) for m in TURNS]
+        answers = [Answer(enc(m["content"]) + [end], True) for m in messages if m["role"] == "assistant"]
+    samples = spliced_samples(tok, messages, answers, suffix, kw)
+    assert [s.first_turn for s in samples] == ([0, 1] if thinking else [0])
+    opener = enc("<|im_assistant|>assistant<|im_middle|>") + enc("<think>" if thinking else "<think></think>")
+    user = lambda m: enc(f"<|im_user|>user<|im_middle|>{m['content']}<|im_end|>")  # noqa: E731
+    first = samples[0].arrays()
+    p0 = len(user(messages[0])) + len(opener)
+    if not thinking:  # one sample: the whole conversation, each answer after the one before, as generated
+        want = user(messages[0]) + opener + answers[0].ids + user(messages[2]) + opener + answers[1].ids
+        assert first[0].tolist() == want
+        assert spans(first[1]) == [(p0, p0 + len(answers[0].ids)), (len(want) - len(answers[1].ids), len(want))]
+        return
+    # turn 1: its prompt, then exactly the generated ids (reasoning and </think> included), masked
+    assert first[0].tolist() == user(messages[0]) + opener + answers[0].ids
+    assert spans(first[1]) == [(p0, len(first[0]))]
+    # turn 2: the served history (turn 1 without its reasoning), then its generated ids
+    second = samples[1].arrays()
+    history = user(messages[0]) + enc("<|im_assistant|>assistant<|im_middle|><think></think>It is 4.<|im_end|>")
+    prompt = history + user(messages[2]) + opener
+    assert second[0].tolist() == prompt + answers[1].ids
+    assert spans(second[1]) == [(len(prompt), len(second[0]))] and samples[1].prompt_tokens == len(prompt)
+    assert turn_prompt(tok, messages, answers, suffix, kw, turn=1) == prompt
+    assert (second[0][second[1] == 1] == close).sum() == 1  # turn 2's own </think> is learned
+    assert "Two plus two." not in tok.decode(second[0].tolist())
+
+
+@pytest.mark.parametrize("spec, kw", [(QWEN3_THINKING, {}), (DEEPSEEK_R1, {})], ids=["qwen3", "deepseek_r1"])
+def test_qwen3_and_deepseek_r1_history_rewrites_give_served_samples(spec, kw):
+    """Qwen3 keeps reasoning only after the last user turn (its rendering of turn 1 changes once
+    turn 2 follows); DeepSeek-R1 never renders reasoning (turn 1 renders unlike it was
+    generated). Both: turn 2 in a sample of its own, after the history without reasoning."""
+    tok = make_tokenizer(spec)
+    suffix = assistant_suffix(tok, kw)
+    end, close = tok.convert_tokens_to_ids([spec["eot"], "</think>"])
+    lead = "<think>\n" if spec is QWEN3_THINKING else ""  # R1's generation prompt opens <think> itself
+    messages, answers = _thinking_turns(tok, [lead + "Two plus two.\n", lead + "A cat joke.\n"],
+                                        ["\n\nIt is 4.", "\n\nWhy did the cat sit?"], end, close)
+    samples = spliced_samples(tok, messages, answers, suffix, kw)
+    assert [s.first_turn for s in samples] == [0, 1]
+    first, second = (s.arrays() for s in samples)
+    head0 = tok.encode(tok.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False)
+    assert first[0].tolist()[:len(head0)] == head0 and first[0][first[1] == 1].tolist() == answers[0].ids
+    served = [messages[0], served_answer(messages[1]["content"]), messages[2]]
+    prompt = tok.encode(tok.apply_chat_template(served, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)
+    assert second[0].tolist() == prompt + answers[1].ids + suffix[1:]
+    assert spans(second[1])[0] == (len(prompt), len(prompt) + len(answers[1].ids))
+    assert "Two plus two." not in tok.decode(prompt) and "It is 4." in tok.decode(prompt)

@@ -6,11 +6,16 @@ vllm_runner.py; tests may pass their own), so the turn logic is testable alone.
 Which turns are generated (eagle3/core/chats.py, `answer_slots`): every assistant turn of a
 chat is regenerated, a trailing user turn gets a new answer after it, and a record of
 user turns only (a prompt, a `turns` list, ...) gets one new answer after each user turn.
-A conversation's assistant turns are generated in order. The prompt of turn j is
-`spliced_sample(..., upto=j)` (eagle3/core/loss_mask.py): the target's chat template
-rendered around the *generated* ids of turns 0..j-1, which is exactly the token
-sequence stage 01 builds from the output, so the target was conditioned on what the
-drafter will train on. User and system turns stay as they were.
+A conversation's assistant turns are generated in order, each in the context a server
+gives it (eagle3/core/loss_mask.py, `Splicer`): the target's chat template rendered over
+the served history, each earlier answer as a server returns it (`served_answer`: its
+reasoning split off). While the template renders the earlier turns as they were
+generated, the prompt of turn j is the generated ids of turns 0..j-1 spliced into the
+template, which is exactly the token sequence stage 01 builds from the output; when it
+rewrites one (a thinking template dropping the reasoning of history turns), turn j's
+prompt is the tokenized served history and turn j becomes a training sample of its
+own. Either way the target is conditioned on what the drafter will train on. User and
+system turns stay as they were.
 
 Per round, every unfinished conversation of a chunk contributes its next turn's
 prompt, and all of them go to the engine in one call (vLLM batches them). Each
@@ -20,8 +25,9 @@ not depend on batching, order, shards or resume.
 What ends a conversation early, counted by reason and never dropped silently:
     prompt_too_long   the turn's prompt leaves no room in the context
     empty_answer      the target's answer is empty (only its stop token, or whitespace)
-The conversation is kept up to the turn before (dropped when that is its first turn).
-Answers cut by max_new_tokens are kept (counted as `cut_answers`).
+The conversation is kept up to the turn before (dropped when that is its first turn);
+the turns it never reached are counted by reason too (`turns_not_generated`). Answers
+cut by max_new_tokens are kept (counted as `cut_answers`).
 """
 from __future__ import annotations
 
@@ -88,14 +94,14 @@ class Conversation:
     answers: list[Answer] = field(default_factory=list)
     finish_reasons: list[str] = field(default_factory=list)
     stopped: str | None = None  # why regeneration ended before the last turn
-    splicer: Splicer | None = field(default=None, repr=False)  # the ids so far (built turn by turn)
+    splicer: Splicer | None = field(default=None, repr=False)  # the samples so far (built turn by turn)
 
     @property
     def done(self) -> bool:
         return self.stopped is not None or len(self.answers) == len(self.turns)
 
     def prompt_ids(self, t: Turns) -> list[int]:
-        """The next turn's prompt: `spliced_sample(..., upto=j)`, built on the turns before."""
+        """The next turn's prompt (`turn_prompt(..., turn=j)`), built on the turns before."""
         if self.splicer is None:
             self.splicer = Splicer(t.tok, t.suffix, t.template_kwargs)
         assert self.splicer.turns == len(self.answers), "one prompt per turn, then its answer"
@@ -114,15 +120,23 @@ class Conversation:
         self.finish_reasons.append(gen.finish_reason)
 
     def record(self) -> dict:
-        """The output line: the regenerated conversation, or why nothing is left of it."""
+        """The output line: the regenerated conversation, or why nothing is left of it.
+
+        `samples`: the conversation's training samples (eagle3/core/loss_mask.py), each by the
+        turn its context leads to first and that context's length in tokens (the prompt the
+        target answered it after); stage 01 rebuilds them and checks both. `turns_planned`:
+        the assistant turns the record asked for, generated or not."""
         n = len(self.answers)
         if n == 0:
-            return {"sample_id": self.sample_id, "source": self.where, "dropped": self.stopped}
+            return {"sample_id": self.sample_id, "source": self.where, "dropped": self.stopped,
+                    "turns_planned": len(self.turns)}
         end = self.turns[n - 1] + 1  # up to the last regenerated turn; later turns were not answered
         return {
             "sample_id": self.sample_id, "source": self.where, "messages": self.messages[:end],
             "generated": [{"ids": a.ids, "finish_reason": r} for a, r in zip(self.answers, self.finish_reasons)],
-            "stopped": self.stopped, "assistant_turns_in_source": self.source_turns,
+            "samples": [{"first_turn": s.first_turn, "prompt_tokens": s.prompt_tokens}
+                        for s in self.splicer.answered()],
+            "stopped": self.stopped, "assistant_turns_in_source": self.source_turns, "turns_planned": len(self.turns),
         }
 
 
@@ -152,11 +166,7 @@ def regenerate(convs: list[Conversation], engine: Engine, t: Turns, *, max_new_t
         for c in convs:
             if c.done:
                 continue
-            try:
-                prompt = c.prompt_ids(t)
-            except BadRecord as e:
-                c.stopped = e.reason
-                continue
+            prompt = c.prompt_ids(t)
             room = engine.max_model_len - len(prompt)
             if room < 1:
                 c.stopped = PROMPT_TOO_LONG

@@ -9,20 +9,27 @@ eagle3/core/chats.py: OpenAI `messages`, ShareGPT `conversations`, a `prompt` / 
     00_generate/generate.json                 the run's identity (params, inputs); resumes must match it
     00_generate/chunks/chunk-NNNNN.jsonl      one line per input record, in input order:
         {"sample_id", "source", "messages", "generated": [{"ids", "finish_reason"}, ...],
-         "stopped", "assistant_turns_in_source"}   an answered conversation, or
-        {"sample_id", "source", "dropped": reason} / {"sample_id", "source", "bad": reason, "detail"}
+         "samples": [{"first_turn", "prompt_tokens"}, ...], "stopped", "assistant_turns_in_source",
+         "turns_planned"}   an answered conversation, or
+        {"sample_id", "source", "dropped": reason, "turns_planned"} / {"sample_id", "source", "bad": reason, "detail"}
     00_generate/chunks/chunk-NNNNN.json       the chunk's identity, counts and checksum, written after
                                               the JSONL: its presence marks the chunk complete
     00_generate/manifest.json
 
 Each message list holds the answers' decoded text (thinking markup included) for
 reading; stage 01 takes the `generated` ids as they are (eagle3/core/loss_mask.py,
-`spliced_sample`). Run: `python 00_generate_responses.py --config configs/tiny-llama.yaml`.
+`spliced_samples`). `samples` lists the conversation's training samples: one, unless the
+chat template rewrites earlier turns in later prompts (a thinking template dropping their
+reasoning), when each such later turn was generated after the served history and is a
+sample of its own (eagle3/stages/s00_generate/conversation.py). Run:
+`python 00_generate_responses.py --config configs/tiny-llama.yaml`.
 
 No silent empty result: when no record can become a conversation the stage stops before
 starting an engine, and when none is left after generation (every prompt too long, every
 answer empty) it stops without a manifest; both say so in one line with the counts by
-reason and the likely fix. Dropping more than half of the records is a warning.
+reason and the likely fix. Dropping more than half of the records is a warning, and so
+is any assistant turn of the input left ungenerated (a conversation ended early): the
+share of input turns not generated, by reason, and the fix.
 
 Work plan (as stage 02's, eagle3/stages/s02_extract/run.py): the input records are cut into chunks
 of `chunk_size`; box `shard_index` of `num_shards` takes every `num_shards`-th chunk,
@@ -63,7 +70,9 @@ from eagle3.stages.s00_generate.vllm_runner import VllmEngine
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # of the chunk files; bump when a line's fields change meaning
+# Of the chunk files; bump when a line's fields change meaning. 2: later turns in the served
+# context (a line's `samples`), `turns_planned`.
+FORMAT = 2
 # Figures later stages and tools read: the manifest's record holds them, not its counts.
 RECORDED_COUNTS = ("conversations", "turns_regenerated", "new_turns", "generated_tokens")
 
@@ -73,8 +82,6 @@ FIXES = {
                      "target's) or shorten the prompts",
     EMPTY_ANSWER: "the target answered with nothing but its stop token: check the chat template, "
                   "--chat-template-kwargs and --max-new-tokens",
-    "template_not_prefix_stable": "the chat template rewrites earlier turns, so answers after the first cannot "
-                                  "be placed token-exact: give single-turn records",
 }
 
 
@@ -100,9 +107,12 @@ class Plan:
 
 def stop_ids(tok, suffix: list[int]) -> set[int]:
     """Ids that end an answer: the template's end-of-turn token (when it is a special token,
-    e.g. <|eot_id|>, <|im_end|>) and the tokenizer's eos."""
+    e.g. <|eot_id|>, <|im_end|>) and the tokenizer's eos. Kimi's `<|im_end|>` is an added
+    special token but not one of the named ones (`all_special_ids` holds bos, eos, unk, pad
+    and the listed extras), so added tokens marked special count too."""
     ids = set()
-    if suffix and suffix[0] in set(tok.all_special_ids):
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    if suffix and suffix[0] in special:
         ids.add(suffix[0])
     if tok.eos_token_id is not None:
         ids.add(int(tok.eos_token_id))
@@ -172,23 +182,32 @@ def chunk_complete(p: Plan, k: int) -> dict | None:
 
 def chunk_counts(lines: list[dict]) -> dict:
     c: Counter = Counter()
-    bad, dropped, stopped, finish = Counter(), Counter(), Counter(), Counter()
+    bad, dropped, stopped, finish, not_generated = Counter(), Counter(), Counter(), Counter(), Counter()
     for ln in lines:
         c["records"] += 1
         if "bad" in ln:
             bad[ln["bad"]] += 1
-        elif "dropped" in ln:
+            continue
+        c["input_turns"] += ln["turns_planned"]
+        if "dropped" in ln:
             dropped[ln["dropped"]] += 1
-        else:
-            c["conversations"] += 1
-            c["turns_regenerated"] += len(ln["generated"])
-            c["new_turns"] += max(0, len(ln["generated"]) - ln["assistant_turns_in_source"])
-            c["generated_tokens"] += sum(len(g["ids"]) for g in ln["generated"])
-            finish.update(g["finish_reason"] for g in ln["generated"])
-            if ln["stopped"]:
-                stopped[ln["stopped"]] += 1
+            not_generated[ln["dropped"]] += ln["turns_planned"]
+            continue
+        c["conversations"] += 1
+        c["turns_regenerated"] += len(ln["generated"])
+        c["new_turns"] += max(0, len(ln["generated"]) - ln["assistant_turns_in_source"])
+        c["generated_tokens"] += sum(len(g["ids"]) for g in ln["generated"])
+        finish.update(g["finish_reason"] for g in ln["generated"])
+        # the later turns the template's rewritten history made samples of their own
+        c["samples"] += len(ln["samples"])
+        c["turns_in_own_sample"] += len(ln["samples"]) - 1
+        c["served_history_tokens"] += sum(s["prompt_tokens"] for s in ln["samples"] if s["first_turn"] > 0)
+        if ln["stopped"]:
+            stopped[ln["stopped"]] += 1
+            not_generated[ln["stopped"]] += ln["turns_planned"] - len(ln["generated"])
     return {**c, "cut_answers": finish.get("length", 0), "bad_records": dict(bad),
-            "dropped_conversations": dict(dropped), "stopped_early": dict(stopped)}
+            "dropped_conversations": dict(dropped), "stopped_early": dict(stopped),
+            "turns_not_generated": dict(not_generated)}
 
 
 def run_chunk(p: Plan, k: int, engine: Engine, cfg: GenerateConfig,
@@ -309,15 +328,16 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
             metas[k] = meta
     counts: Counter = Counter()
     reasons: dict[str, Counter] = {"bad_records": Counter(), "dropped_conversations": Counter(),
-                                   "stopped_early": Counter()}
+                                   "stopped_early": Counter(), "turns_not_generated": Counter()}
     for meta in metas.values():
         for key, v in meta["counts"].items():
             if key in reasons:
                 reasons[key].update(v)
             else:
                 counts[key] += v
-    out_counts = {**{k: counts.get(k, 0) for k in ("records", "conversations", "turns_regenerated", "new_turns",
-                                                    "generated_tokens", "cut_answers")},
+    out_counts = {**{k: counts.get(k, 0) for k in ("records", "conversations", "input_turns", "turns_regenerated",
+                                                    "new_turns", "generated_tokens", "cut_answers", "samples",
+                                                    "turns_in_own_sample", "served_history_tokens")},
                   **{k: dict(sorted(v.items())) for k, v in reasons.items()},
                   "chunks_expected": p.num_chunks, "chunks_present": len(metas)}
     t = p.turns
@@ -344,13 +364,20 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
     reported = {k: v for k, v in out_counts.items() if k not in RECORDED_COUNTS}  # one home each
     m = write_manifest(p.wd, "generate", params=p.params, inputs=p.inputs, counts=reported, outputs=outputs,
                        record=record, extra=extra, hash_outputs=False)  # each chunk's meta holds its sha256
-    log.info("stage 00: %d/%d chunks; %d records -> %d conversations, %d turns generated (%d of them new answers "
-             "to prompts; %d tokens, %d cut at max_new_tokens); bad records %s, dropped %s, stopped early %s -> %s",
+    log.info("stage 00: %d/%d chunks; %d records -> %d conversations, %d of %d assistant turns generated (%d of "
+             "them new answers to prompts; %d tokens, %d cut at max_new_tokens); %s; bad records %s, dropped %s, "
+             "stopped early %s -> %s",
              len(metas), p.num_chunks, out_counts["records"], out_counts["conversations"],
-             out_counts["turns_regenerated"], out_counts["new_turns"], out_counts["generated_tokens"],
-             out_counts["cut_answers"], out_counts["bad_records"] or "none",
-             out_counts["dropped_conversations"] or "none", out_counts["stopped_early"] or "none",
-             p.wd.stage_dir("generate"))
+             out_counts["turns_regenerated"], out_counts["input_turns"], out_counts["new_turns"],
+             out_counts["generated_tokens"], out_counts["cut_answers"], _samples_text(out_counts),
+             out_counts["bad_records"] or "none", out_counts["dropped_conversations"] or "none",
+             out_counts["stopped_early"] or "none", p.wd.stage_dir("generate"))
+    lost = sum(out_counts["turns_not_generated"].values())
+    if lost:
+        log.warning("stage 00: %d of %d input assistant turns (%.1f%%) were not generated (their conversations "
+                    "ended early or were dropped): %s; %s", lost, out_counts["input_turns"],
+                    100.0 * lost / out_counts["input_turns"], reasons_text(out_counts["turns_not_generated"]),
+                    likely_fix(out_counts["turns_not_generated"], FIXES))
     if problem:
         log.warning("%s", problem)
     if missing:
@@ -358,6 +385,15 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
                     "their chunks into %s, then rerun this command once to complete the manifest", len(missing),
                     missing[0], cfg.num_shards, shard_indices, p.wd.generate_chunks())
     return m
+
+
+def _samples_text(c: dict) -> str:
+    """The summary's words on the samples the conversations make (eagle3/core/loss_mask.py)."""
+    if not c["turns_in_own_sample"]:
+        return f"{c['samples']} samples, one per conversation (the chat template keeps history as generated)"
+    return (f"{c['samples']} samples: {c['turns_in_own_sample']} later turns start a sample of their own, after the "
+            f"history the chat template serves them (it rewrites earlier turns; {c['served_history_tokens']} tokens "
+            f"of served history prefilled again)")
 
 
 def generate_responses(cfg: GenerateConfig, engine: Engine | None = None) -> Manifest:

@@ -13,10 +13,20 @@ Run: `python 01_prepare_dataset.py --config configs/tiny-llama.yaml`.
 
 `--data generated` reads stage 00's regenerated chats (WORK/00_generate/) instead:
 each regenerated assistant turn is the exact token ids the target generated, spliced
-into the rendered template (`spliced_sample`), never its decoded text re-tokenized;
+into the rendered template (`spliced_samples`), never its decoded text re-tokenized;
 the chat template switches stage 00 used (`chat_template_kwargs`) are used here too.
 The manifest counts how many of those turns re-tokenizing the decoded text would
 have changed (`generated_turns_reencode_differs`).
+
+Every turn is trained in the context the chat template gives it (eagle3/core/loss_mask.py):
+a conversation is one sample while the template renders its earlier turns as they
+were; a later turn whose history the template rewrites (a thinking template dropping
+the reasoning of earlier turns) is a sample of its own, `<sample id>#turn<k>` (k counts
+from 1), whose context is the served history (for stage 00's chats: exactly the prompt
+the target answered it after, checked against the chunk line). The held-out split
+keeps all samples of a conversation on one side. The manifest counts those samples
+and the history tokens they repeat (`samples_in_served_context`,
+`served_history_tokens`).
 
 Records that give no sample are counted by reason. No training sample at all stops the
 stage with one line (the input, the counts by reason, the likely fix: prompts without
@@ -43,7 +53,7 @@ from eagle3.core.config import identity_params
 from eagle3.core.dataset import save_split, save_token_freq
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import quiet_tokenizers
-from eagle3.core.loss_mask import Answer, assistant_suffix, build_sample, reencode_differs, spliced_sample
+from eagle3.core.loss_mask import Answer, Sample, assistant_suffix, build_samples, reencode_differs, spliced_samples
 from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
                                   record_of, sha256_file, write_manifest)
 from eagle3.core.records import GenerateRecord, PrepareRecord
@@ -61,8 +71,9 @@ FIXES = {
                    "file of prompts goes through `python 00_generate_responses.py --data FILE` first (its "
                    "--prompt-field names the prompt's field), then this stage with --data generated",
     "no_assistant_tokens_within_max_length": "the assistant turns start past --max-length: raise --max-length",
-    "template_not_prefix_stable": "the chat template rewrites earlier turns, so stage 00's answers after the "
-                                  "first cannot be placed token-exact: give stage 00 single-turn records",
+    "template_not_prefix_stable": "the chat template renders an assistant turn differently from the prompt it "
+                                  "is answered after, so its span cannot be located: check the template, or let the "
+                                  "target answer the chats (`python 00_generate_responses.py`, then --data generated)",
     "prompt_too_long": "stage 00 could not answer these (see its summary line): raise its --max-model-len",
     "empty_answer": "stage 00's target answered with nothing (see its summary line): check its chat template "
                     "and --chat-template-kwargs",
@@ -79,6 +90,16 @@ class PreparedSample:
     fuzzy_ends: int
     generated_turns: int = 0  # regenerated assistant turns (stage 00), their ids taken as generated
     reencode_differs: int = 0  # of those, turns whose decoded text re-tokenizes to other ids
+    conversation_id: str = ""  # the record's sample id: the held-out split is by conversation
+    first_turn: int = 0  # > 0: a later turn in a sample of its own, after the history the template serves it
+    prompt_tokens: int = 0  # the tokens before that turn's answer
+    samples_past_max_length: int = 0  # the record's samples dropped: no assistant token within max_length
+
+
+def turn_sample_id(sid: str, first_turn: int) -> str:
+    """A sample's id: the conversation's for its first sample, `<id>#turn<k>` (k from 1) for a
+    later turn in a sample of its own."""
+    return sid if first_turn == 0 else f"{sid}#turn{first_turn + 1}"
 
 
 def is_eval(sid: str, seed: int, fraction: float) -> bool:
@@ -100,36 +121,62 @@ def _init_worker(target_model: str, trust_remote_code: bool, max_length: int,
               kw=template_kwargs)
 
 
-def _generated_sample(rec: dict) -> tuple[str, np.ndarray, np.ndarray, int, int]:
-    """A stage-00 line: (sample id, ids, mask, regenerated turns, turns that re-tokenize differently)."""
+def _generated_samples(rec: dict, where: str) -> tuple[str, list[Sample], int, int]:
+    """A stage-00 line: (sample id, its samples, regenerated turns, turns that re-tokenize differently)."""
     if "bad" in rec or "dropped" in rec:
         raise BadRecord(rec.get("bad") or rec["dropped"], rec.get("detail", "counted by stage 00"))
     answers = [Answer(g["ids"], g["finish_reason"] != "length") for g in rec["generated"]]
-    ids, mask = spliced_sample(_W["tok"], rec["messages"], answers, _W["suffix"], _W["kw"])
+    samples = spliced_samples(_W["tok"], rec["messages"], answers, _W["suffix"], _W["kw"])
+    got = [{"first_turn": x.first_turn, "prompt_tokens": x.prompt_tokens} for x in samples]
+    if "samples" not in rec:
+        if len(samples) > 1:  # an older stage 00 generated the later turns after the spliced history
+            raise PipelineError(
+                f"{where}: written by an older stage 00 that generated turns after history this chat template "
+                f"rewrites ({len(samples)} served contexts, one recorded); rerun `python "
+                f"{WorkDir.script('generate')} --force` to generate them in the served context.")
+    elif rec["samples"] != got:
+        raise PipelineError(
+            f"{where}: stage 00 recorded the samples {rec['samples']} but this tokenizer and chat template give "
+            f"{got}; the target's chat template changed since stage 00 ran: rerun `python "
+            f"{WorkDir.script('generate')} --force`.")
     try:
         differs = sum(reencode_differs(_W["tok"], rec["messages"], answers, _W["suffix"], _W["kw"]))
     except BadRecord:  # the decoded text cannot even be placed by plain rendering
         differs = len(answers)
-    return rec["sample_id"], ids, mask, len(answers), differs
+    return rec["sample_id"], samples, len(answers), differs
 
 
-def _process(raw: RawRecord) -> PreparedSample | BadRecord:
+def _process(raw: RawRecord) -> list[PreparedSample] | BadRecord:
+    """A record's samples, each truncated to max_length; a sample with no assistant token left
+    is dropped (counted), a record with none is a bad record."""
     try:
         gen_turns = differs = fuzzy = 0
         trimmed = False
         if isinstance(raw.record, dict) and "sample_id" in raw.record and (
                 "generated" in raw.record or "bad" in raw.record or "dropped" in raw.record):
-            sid, ids, mask, gen_turns, differs = _generated_sample(raw.record)
+            sid, samples, gen_turns, differs = _generated_samples(raw.record, raw.where)
         else:
             sid = sample_id(raw)
             messages, trimmed = normalize(raw.record)
-            ids, mask, fuzzy = build_sample(_W["tok"], messages, _W["suffix"])
-        truncated = len(ids) > _W["max_length"]
-        ids, mask = ids[: _W["max_length"]], mask[: _W["max_length"]]
-        if not mask.any():
+            samples, fuzzy = build_samples(_W["tok"], messages, _W["suffix"])
+        out = []
+        for x in samples:
+            ids, mask = x.arrays()
+            truncated = len(ids) > _W["max_length"]
+            ids, mask = ids[: _W["max_length"]], mask[: _W["max_length"]]
+            if mask.any():
+                out.append(PreparedSample(turn_sample_id(sid, x.first_turn), ids, mask, truncated, False, 0,
+                                          conversation_id=sid, first_turn=x.first_turn,
+                                          prompt_tokens=x.prompt_tokens))
+        if not out:
             raise BadRecord("no_assistant_tokens_within_max_length",
                             f"first assistant token is past max_length={_W['max_length']}")
-        return PreparedSample(sid, ids, mask, truncated, trimmed, fuzzy, gen_turns, differs)
+        # the record's own counts go with its first sample
+        first = out[0]
+        first.trimmed_user_turn, first.fuzzy_ends = trimmed, fuzzy
+        first.generated_turns, first.reencode_differs = gen_turns, differs
+        first.samples_past_max_length = len(samples) - len(out)
+        return out
     except BadRecord as e:
         return e
 
@@ -221,11 +268,16 @@ class Tally:
     """What tokenizing the records counted (the manifest's counts)."""
 
     bad: Counter = field(default_factory=Counter)  # reason -> records skipped
-    truncated: int = 0
+    usable: int = 0  # records that gave at least one sample
+    truncated: int = 0  # samples cut at max_length
     trimmed: int = 0  # trailing user turns trimmed
     fuzzy: int = 0  # assistant turns without the template's suffix
     generated_turns: int = 0
     reencode_differs: int = 0
+    served_samples: int = 0  # later turns in a sample of their own (the template rewrote their history)
+    served_history_tokens: int = 0  # the context tokens of those samples: history the rewrite repeats
+    past_max_length: int = 0  # samples dropped: no assistant token within max_length
+    tokens: int = 0
 
     def add(self, s: PreparedSample) -> None:
         self.truncated += s.truncated
@@ -233,11 +285,16 @@ class Tally:
         self.fuzzy += s.fuzzy_ends
         self.generated_turns += s.generated_turns
         self.reencode_differs += s.reencode_differs
+        self.past_max_length += s.samples_past_max_length
+        self.tokens += len(s.input_ids)
+        if s.first_turn > 0:
+            self.served_samples += 1
+            self.served_history_tokens += s.prompt_tokens
 
 
 def tokenize_and_split(cfg: PrepareConfig, records: list[RawRecord], vocab_size: int,
                        template_kwargs: dict | None) -> tuple[dict[str, list[PreparedSample]], Tally]:
-    """Tokenize every record and assign it to train or eval by its conversation's hash."""
+    """Tokenize every record and assign its samples to train or eval by its conversation's hash."""
     tally = Tally()
     split: dict[str, list[PreparedSample]] = {s: [] for s in SPLITS}
     for raw, out in zip(records, _tokenize_all(cfg, records, template_kwargs)):
@@ -248,10 +305,12 @@ def tokenize_and_split(cfg: PrepareConfig, records: list[RawRecord], vocab_size:
                     f"and skip such records.")
             tally.bad[out.reason] += 1
             continue
-        if int(out.input_ids.max()) >= vocab_size:
-            raise PipelineError(f"{raw.where}: token id {int(out.input_ids.max())} >= vocab_size {vocab_size}.")
-        tally.add(out)
-        split["eval" if is_eval(out.sample_id, cfg.seed, cfg.eval_fraction) else "train"].append(out)
+        tally.usable += 1
+        for x in out:
+            if int(x.input_ids.max()) >= vocab_size:
+                raise PipelineError(f"{raw.where}: token id {int(x.input_ids.max())} >= vocab_size {vocab_size}.")
+            tally.add(x)
+            split["eval" if is_eval(x.conversation_id, cfg.seed, cfg.eval_fraction) else "train"].append(x)
     refuse_or_warn_dropped(cfg, len(records), split, tally)
     return split, tally
 
@@ -261,19 +320,18 @@ def refuse_or_warn_dropped(cfg: PrepareConfig, n: int, split: dict[str, list[Pre
     line naming the input, the counts by reason and the likely fix."""
     source = f"stage 00's output ({WorkDir(cfg.work_dir).generate_chunks()})" if cfg.data == [GENERATED] \
         else ", ".join(cfg.data)
-    usable = len(split["train"]) + len(split["eval"])
-    counts = f"{n} records, {usable} usable, bad records: {reasons_text(t.bad)}"
+    counts = f"{n} records, {t.usable} usable, bad records: {reasons_text(t.bad)}"
     if not split["train"]:
         if not n:
             fix = "the input holds no record: check --data"
-        elif usable:
+        elif t.usable:
             fix = (f"every usable sample fell in the held-out split (--eval-fraction {cfg.eval_fraction}): lower "
                    f"--eval-fraction or add records")
         else:
             fix = likely_fix(t.bad, FIXES)
         raise PipelineError(f"stage 01: no training sample from {source}: {counts}; {fix}.")
-    if usable * 2 < n:
-        log.warning("stage 01: only %d of %d records from %s are usable (%s); %s", usable, n, source, counts,
+    if t.usable * 2 < n:
+        log.warning("stage 01: only %d of %d records from %s are usable (%s); %s", t.usable, n, source, counts,
                     likely_fix(t.bad, FIXES))
 
 
@@ -316,7 +374,9 @@ def prepare_dataset(cfg: PrepareConfig):
         chat_template_kwargs=template_kwargs or {}, assistant_suffix=assistant_suffix(tok, template_kwargs),
         records=len(records), bad_records=dict(sorted(t.bad.items())), **sizes)
     counts: dict = {"truncated": t.truncated, "trailing_user_turns_trimmed": t.trimmed,
-                    "assistant_turns_without_template_suffix": t.fuzzy}
+                    "assistant_turns_without_template_suffix": t.fuzzy,
+                    "samples_in_served_context": t.served_samples, "served_history_tokens": t.served_history_tokens,
+                    "samples_past_max_length": t.past_max_length}
     if gen is not None:
         counts.update(generated_turns=t.generated_turns, generated_turns_reencode_differs=t.reencode_differs)
     m = write_manifest(wd, "prepare", params=params, inputs=inputs, counts=counts, outputs=outputs, record=record,
@@ -332,6 +392,13 @@ def _log_summary(wd: WorkDir, r: PrepareRecord, t: Tally, *, generated: bool) ->
              "bad records skipped: %s -> %s", r.samples["train"], r.samples["eval"], r.tokens["train"],
              r.tokens["eval"], r.assistant_tokens["train"], r.assistant_tokens["eval"], t.truncated, bad_txt,
              wd.stage_dir("prepare"))
+    if t.served_samples:
+        log.info("stage 01: %d later turns in a sample of their own: the chat template rewrites the history before "
+                 "them (e.g. drops earlier reasoning), so each is trained after the history it is served; that "
+                 "history adds %d context tokens (%.1f%% of all tokens)%s", t.served_samples, t.served_history_tokens,
+                 100.0 * t.served_history_tokens / max(t.tokens, 1),
+                 f"; {t.past_max_length} such samples start past --max-length and are dropped"
+                 if t.past_max_length else "")
     if generated:
         log.info("stage 01: %d regenerated assistant turns taken as the target's own ids; re-tokenizing their "
                  "decoded text would have changed %d of them (%.1f%%)", t.generated_turns, t.reencode_differs,
