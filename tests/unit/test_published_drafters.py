@@ -70,13 +70,13 @@ def specforge_style(tmp_path):
     return m, _write(tmp_path / "specforge", hf, t)
 
 
-def kll_k25_style(tmp_path):
+def kll_k25_style(tmp_path, yarn: bool = True):
     """Nested [2, 4, 5] only (the K2.5 fine-tunes' [2, 30, 58]), yarn rope."""
-    m = _drafter(seed=2, rope_scaling=dict(YARN), rope_theta=50000.0)
+    m = _drafter(seed=2, rope_scaling=dict(YARN) if yarn else None, rope_theta=50000.0)
     hf = hf_config_from_drafter_config(m.config, LAYERS, max_position_embeddings=4096)
     del hf["eagle_aux_hidden_state_layer_ids"]
     hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(LAYERS)  # as-is, not minus one
-    return m, _write(tmp_path / "kll", hf, dict(m.state_dict()))
+    return m, _write(tmp_path / ("kll" if yarn else "kll-plain"), hf, dict(m.state_dict()))
 
 
 @pytest.fixture
@@ -131,6 +131,16 @@ def test_inspect_a_k25_drafter_on_a_kimi_target(tmp_path, kimi_target, capsys):
     capture = [f for f in r["findings"] if f["topic"] == er.CAPTURE_TOPIC]
     assert [f["level"] for f in capture] == ["warning"] and ">= 0.5.13" in capture[0]["message"]
     assert not any(f["level"] == "error" and f["topic"] in ("layers", er.CAPTURE_TOPIC) for f in r["findings"])
+
+
+def test_inspect_and_stage06_read_a_k25_drafters_nested_ids_as_they_are(tmp_path, kimi_target, capsys):
+    """The layer reading alone (plain rope): trained on [2, 4, 5], not [3, 5, 6]."""
+    _, pub = kll_k25_style(tmp_path, yarn=False)
+    diagnose.main(["inspect", str(pub), "--json", "--target-config", str(kimi_target)])
+    r = json.loads(capsys.readouterr().out)
+    assert r["layers"]["trained"] == LAYERS
+    cap = layer_capture(json.loads((pub / CONFIG_NAME).read_text()), read_target_info(kimi_target))
+    assert cap["trained"] == LAYERS
 
 
 def test_inspect_a_specforge_drafter_on_a_kimi_target(tmp_path, kimi_target, capsys):

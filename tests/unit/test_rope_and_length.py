@@ -13,11 +13,9 @@ import torch
 from eagle3.core.config import build_config
 from eagle3.core.drafter_io import drafter_config_for_target, hf_config_from_drafter_config
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig, rope_attention_factor, rope_cos_sin, rope_inv_freq
-from eagle3.core.positions import position_reach, reach_line
+from eagle3.core.model import DrafterConfig, rope_cos_sin, rope_inv_freq
 from eagle3.core.target import read_target_info
 from eagle3.stages.s04_train.config import TrainConfig
-from eagle3.stages.s04_train.run import warmup_plan
 
 # Kimi-K2.5's text_config rope (config.json of moonshotai/Kimi-K2.5)
 K25_YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
@@ -41,6 +39,8 @@ def test_yarn_is_what_vllm_computes_for_the_drafter(scaling):
     for the same config.json entry (what its Llama EAGLE-3 layer builds)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    from eagle3.core.model import rope_attention_factor
 
     c = _cfg(scaling)
     params = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn", "rope_theta": c.rope_theta}
@@ -123,6 +123,7 @@ def test_the_k25_recipe_holds_a_thinking_turn_within_a_gpu():
     sys.path.insert(0, str(root / "bench"))
     from bench_memory import GIB, KIMI
     from eagle3.stages.s04_train.memory import predict_peak
+    from eagle3.stages.s04_train.run import warmup_plan
 
     peak = predict_peak(DrafterConfig(**KIMI), ttt_steps=tr["ttt_steps"], batch_tokens=tr["batch_tokens"],
                         row_len=tr["max_seq_len"], checkpoint_steps=bool(tr.get("checkpoint_steps")), ddp=True)
@@ -136,6 +137,8 @@ def test_the_k25_recipe_holds_a_thinking_turn_within_a_gpu():
 
 
 def test_warmup_share_and_the_warning_past_a_third():
+    from eagle3.stages.s04_train.run import warmup_plan
+
     assert warmup_plan(500, None, 760)[0] == 500
     w, msg = warmup_plan(500, None, 760)
     assert "500 of the 760 planned steps (66%, more than a third)" in msg and "warmup_ratio" in msg
@@ -147,6 +150,8 @@ def test_warmup_share_and_the_warning_past_a_third():
 
 
 def test_reach_of_the_k25_recipe():
+    from eagle3.core.positions import position_reach, reach_line
+
     r = position_reach(max_seq_len=16384, ttt_steps=4, served_context=262144, rope_scaling=K25_YARN,
                        rope_theta=50000.0)
     assert r["longest_trained_position"] == 16386  # row position 16383 + draft step 3
