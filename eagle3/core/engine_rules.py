@@ -83,8 +83,8 @@ RULES: dict[str, str] = {
           "ids as-is; else [2, N//2, N-3]",
     VLLM_V2: "vLLM V2 runner (GPU default since 0.32): top-level ids as-is; else [2, N//2, N-3] (nested "
              "eagle_config ids are never read)",
-    SGLANG: "SGLang (Llama-family targets; DeepSeek/Kimi targets before PR #25454, releases before 0.5.13): "
-            "nested eagle_config ids + 1; else [2, N//2, N-3]",
+    SGLANG: "SGLang: nested eagle_config ids + 1; else [2, N//2, N-3] (Llama-family targets; DeepSeek/Kimi "
+            "targets before PR #25454, releases before 0.5.13)",
     SGLANG_DEEPSEEK: "SGLang DeepSeek/Kimi targets since PR #25454 (2026-05-16; 0.5.13 and later): nested ids + 1 "
                      "only when the first is 1, else as-is; else [2, N//2, N-3]",
 }
