@@ -1,7 +1,7 @@
 """Which train-time-test length serves best at K = 3, at equal wall-clock.
 
     python bench/bench_ttt_budget.py --work-dir W [--config configs/tiny-llama.yaml]
-                                     [--ttt 2,3,4,5,7] [--reference 3] [--calib-steps 12]
+                                     [--ttt 2,3,4,5,7] [--reference 3] [--calib-steps 12] [--equal-steps]
 
 W is a work dir where stages 01-03 ran under --config (the `--tiny` demo's by default).
 A longer unroll costs more per optimizer step, so comparing lengths at equal steps
@@ -16,8 +16,13 @@ favours the long ones unfairly: this bench gives every length the same training 
    and `--ttt-steps K`, stage 05, stage 06 greedy at the config's K): served acceptance
    with its 95% interval, the paired difference to the reference length, and the verdict.
 
-Prints the calibration table and the levers' table. A length whose stage 06 results
-exist is not rerun, so an interrupted bench resumes (the calibration is redone).
+Prints the calibration table and the levers' table (its `04 s` column: each stage 04's
+wall time, which shows how equal the budgets came out: on a shared machine the
+calibration's few steps can be off by a factor 2-3). `--equal-steps` skips the
+calibration and gives every length the config's steps: a longer unroll then gets more
+compute than the reference, so a longer length served below it there is below it at
+equal time too. A length whose stage 06 results exist is not rerun, so an interrupted
+bench resumes (the calibration is redone).
 """
 from __future__ import annotations
 
@@ -62,6 +67,9 @@ def main() -> None:
     ap.add_argument("--ttt", default="2,3,4,5,7", help="the train-time-test lengths to compare")
     ap.add_argument("--reference", type=int, default=3, help="the length that trains the config's max_steps")
     ap.add_argument("--calib-steps", type=int, default=12)
+    ap.add_argument("--equal-steps", action="store_true",
+                    help="no calibration: every length trains the config's max_steps (a longer unroll then gets "
+                         "more compute than the reference)")
     ap.add_argument("--out", type=Path, help="where the work dirs go (default: W-ttt)")
     a = ap.parse_args()
     import yaml
@@ -76,12 +84,16 @@ def main() -> None:
     served_k = int(cfg["evaluate"]["num_speculative_tokens"])
 
     t0 = time.perf_counter()
-    rate = {K: calibrate(K, base, out, a.config.resolve(), a.calib_steps) for K in lengths}
-    steps = {K: max(1, round(ref_steps * rate[K] / rate[a.reference])) for K in lengths}
-    calib = [f"{'ttt':>4}{'train tokens/s':>16}{'steps in the budget':>21}"]
-    calib += [f"{K:>4}{rate[K]:>16.0f}{steps[K]:>21d}" for K in lengths]
-    print(f"== calibration ({time.perf_counter() - t0:.0f} s): the budget is {ref_steps} steps at ttt "
-          f"{a.reference}\n" + "\n".join(calib), flush=True)
+    if a.equal_steps:
+        steps = {K: ref_steps for K in lengths}
+        calib = [f"equal steps: every length trains {ref_steps} steps"]
+    else:
+        rate = {K: calibrate(K, base, out, a.config.resolve(), a.calib_steps) for K in lengths}
+        steps = {K: max(1, round(ref_steps * rate[K] / rate[a.reference])) for K in lengths}
+        calib = [f"{'ttt':>4}{'train tokens/s':>16}{'steps in the budget':>21}"]
+        calib += [f"{K:>4}{rate[K]:>16.0f}{steps[K]:>21d}" for K in lengths]
+    print(f"== budget ({time.perf_counter() - t0:.0f} s): {ref_steps} steps at ttt {a.reference}\n"
+          + "\n".join(calib), flush=True)
 
     rows = []
     names = []
