@@ -100,7 +100,10 @@ def hf_config_from_drafter_config(drafter_config: Mapping[str, Any] | Any, aux_l
         "torch_dtype": _dtype_text(dtype),
     }
     if d.get("rope_scaling"):
-        cfg["rope_scaling"] = dict(d["rope_scaling"])
+        rs = dict(d["rope_scaling"])
+        # "rope_type" is the key vLLM's get_rope and transformers 5 read; Kimi's config says "type"
+        rs.setdefault("rope_type", rs.get("type"))
+        cfg["rope_scaling"] = rs
     if target_hidden != hidden:
         cfg["target_hidden_size"] = target_hidden
     cfg.update(aux_layer_config(layers))

@@ -79,7 +79,7 @@ def test_a_yarn_targets_drafter_trains_and_exports_its_yarn(tmp_path, kimi_targe
     assert dc.rope_scaling["original_max_position_embeddings"] == 4096 and dc.rope_theta == 50000.0
     hf = hf_config_from_drafter_config(dc, [2, 4, 5], max_position_embeddings=info.max_position_embeddings)
     rs = hf["rope_scaling"]
-    assert rs.get("rope_type", rs.get("type")) == "yarn" and rs["factor"] == 64.0
+    assert rs["rope_type"] == "yarn" and rs["factor"] == 64.0  # the key vLLM's get_rope reads
     assert rs["original_max_position_embeddings"] == 4096 and hf["rope_theta"] == 50000.0
     assert hf["max_position_embeddings"] == 262144
     # the plain rope would rotate position 20000 differently: the drafter and the engines agree on yarn
