@@ -163,6 +163,10 @@ VERSION_RULES: tuple[VersionRule, ...] = (
 )
 
 
+def _minimum(package: str) -> str:
+    return next(r.minimum for r in VERSION_RULES if r.package == package)
+
+
 # --------------------------------------------------------------------------- layer ids
 
 def aux_layer_config(layers: Iterable[int]) -> dict[str, Any]:
@@ -676,11 +680,12 @@ class _Check:
                 level = "warning" if rule == SGLANG_DEEPSEEK else "error"
             else:
                 level = "warning" if old_sglang else "error"
+            label = "SGLang before PR #25454 (releases before 0.5.13)" if old_sglang else RULES[rule].split(":")[0]
             self.add(level, VLLM if rule in (VLLM, VLLM_V2) else SGLANG, CAPTURE_TOPIC,
-                     f"{RULES[rule].split(':')[0]} captures {got}, but the drafter was trained on {ref} ({where})"
+                     f"{label} captures {got}, but the drafter was trained on {ref} ({where})"
                      + ("" if target else "; pass --target-config to know whether this rule applies")
-                     + (f"; serve with SGLang >= {SGLANG_DEEPSEEK_RULE_FROM} (the supported minimum is higher)"
-                        if old_sglang else ""))
+                     + (f"; serve with SGLang >= {SGLANG_DEEPSEEK_RULE_FROM} (the supported minimum, "
+                        f"{_minimum('sglang')}, is later)" if old_sglang else ""))
         if layers is None:
             self.add("warning", "both", "layers", "config.json names no aux layers; both engines use "
                      "[2, N//2, N-3] of the target, which must be what the drafter was trained on")
