@@ -94,9 +94,10 @@ def kimi_target(tmp_path):
 
 def _init(path, m, *, family, mode="keep", our_ids=None):
     ids = our_ids if our_ids is not None else (m.d2t + torch.arange(m.config.draft_vocab_size)).numpy()
+    kw = {"target_family": family} if family is not None else {}  # None: the default, family unknown
     return load_initial_drafter(path, aux_layers=LAYERS, num_target_layers=8, target_hidden=64, target_vocab=100,
                                 our_ids=ids, mode=mode, target_rows=lambda x: torch.zeros(len(x), 64),
-                                expected_from="test store", target_family=family)
+                                expected_from="test store", **kw)
 
 
 # -- point 5: the layers each published drafter was trained on ------------------------------
@@ -201,7 +202,7 @@ def test_init_from_a_full_vocabulary_drafter_with_as_many_kv_heads(tmp_path, cap
     pub = _write(tmp_path / "full", hf, t)
     ours = np.arange(3, 100, 6, dtype=np.int64)[:16]  # stage 03's 16 tokens
     with caplog.at_level(logging.INFO, logger="eagle3.stages.s04_train.finetune"):
-        cfg, state, report = _init(pub, m, family="deepseek", mode="remap", our_ids=ours)
+        cfg, state, report = _init(pub, m, family=None, mode="remap", our_ids=ours)
     rep = report.to_json()
     assert rep["full_vocabulary"] is True and rep["num_key_value_heads"] == 4 == rep["num_attention_heads"]
     assert report.rows_copied == 16 and report.rows_new == 0  # every token of ours has its trained row
@@ -211,7 +212,7 @@ def test_init_from_a_full_vocabulary_drafter_with_as_many_kv_heads(tmp_path, cap
     d = Eagle3Drafter(DrafterConfig.from_dict(cfg))
     d.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
     # keep: the whole vocabulary is trained, under an identity mapping
-    _, kept, rep_keep = _init(pub, m, family="deepseek", mode="keep", our_ids=ours)
+    _, kept, rep_keep = _init(pub, m, family=None, mode="keep", our_ids=ours)
     assert rep_keep.to_json()["full_vocabulary"] is True and torch.equal(kept["d2t"], torch.zeros(100).long())
 
 
@@ -225,7 +226,7 @@ def test_init_from_refuses_an_mla_drafter_in_one_line(tmp_path):
     t["midlayer.self_attn.kv_b_proj.weight"] = torch.randn(64, 16)
     pub = _write(tmp_path / "mla", hf, t)
     with pytest.raises(PipelineError) as e:
-        _init(pub, m, family="deepseek")
+        _init(pub, m, family=None)
     msg = str(e.value)
     assert "\n" not in msg and "MLA-attention drafter" in msg and "kv_lora_rank = 16" in msg
     assert "from scratch" in msg
