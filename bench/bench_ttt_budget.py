@@ -107,7 +107,8 @@ def main() -> None:
     for name in ["baseline"] + [n for n in names if n != ref_name]:
         r, m04, secs = run_lever(name, base, out, a.config.resolve(), None, None, [])
         rows.append((name if name != "baseline" else f"ttt-{a.reference} (ref)", r, m04, secs))
-    print(f"\n== train-time-test length at equal wall-clock, served greedy at K = {served_k}, "
+    print(f"\n== train-time-test length at {'equal steps' if a.equal_steps else 'equal wall-clock'}, served greedy "
+          f"at K = {served_k}, "
           f"{rows[0][1]['prompts']['count']} held-out prompts; work dirs under {out}")
     print("\n".join(calib))
     # report() looks rows up by work-dir name; restore the names it knows
