@@ -283,6 +283,39 @@ def check_yaml_keys(data: dict, yaml_path: Path | str) -> None:
                             f"share (e.g. work_dir, target_model); each stage's other settings go in its section.")
 
 
+def _setting(data: dict, stages: dict, section: str, key: str) -> int | None:
+    """A stage setting's value in this YAML: the section's, else the stage's default."""
+    sec = data.get(section) if isinstance(data.get(section), dict) else {}
+    if key in sec:
+        return sec[key]
+    cls = stages.get(section)
+    f = {f.name: f for f in dataclasses.fields(cls)}.get(key) if cls is not None else None
+    return f.default if f is not None and f.default is not dataclasses.MISSING else None
+
+
+def check_lengths(data: dict, yaml_path: Path | str) -> None:
+    """Refuse a YAML whose stage 00 answers may run longer than stages 01/04 keep.
+
+    A turn generated to `generate.max_new_tokens` is truncated at `prepare.max_length` and
+    cropped at `train.max_seq_len`: for a thinking model the part cut off is the end of the
+    reasoning and the answer itself, which then is never trained (docs/KIMI_K25.md, "Rope and
+    length as served"). Checked only when the YAML sets `generate.max_new_tokens`."""
+    gen = data.get("generate")
+    if not isinstance(gen, dict) or gen.get("max_new_tokens") is None:
+        return
+    stages = stage_configs()
+    new = int(gen["max_new_tokens"])
+    short = [(f"{s}.{k}", int(v)) for s, k in (("prepare", "max_length"), ("train", "max_seq_len"))
+             if (v := _setting(data, stages, s, k)) is not None and int(v) < new]
+    if short:
+        shown = ", ".join(f"{name} = {v}" for name, v in short)
+        raise PipelineError(
+            f"{yaml_path}: generate.max_new_tokens = {new} exceeds {shown}: an answer that long loses its last "
+            f"{new - min(v for _, v in short)} or more tokens (the end of the reasoning and the answer) before "
+            f"training; raise {' and '.join(n for n, _ in short)} to at least {new} plus the prompt, or lower "
+            f"generate.max_new_tokens.")
+
+
 def build_config(cls, section: str, yaml_path: Path | str | None = None, overrides: dict | None = None):
     """Shared YAML keys, then the YAML section, then `overrides` (CLI flags)."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -291,6 +324,7 @@ def build_config(cls, section: str, yaml_path: Path | str | None = None, overrid
     if yaml_path is not None:
         data = load_yaml(yaml_path)
         check_yaml_keys(data, yaml_path)
+        check_lengths(data, yaml_path)
         top = {k: v for k, v in data.items() if k in names and k not in STAGE_CONFIGS}
         values.update(top)
         where.update({k: f"{yaml_path} (top level)" for k in top})

@@ -29,7 +29,8 @@ import torch
 from eagle3.core.atomic import atomic_path
 from eagle3.core.config import dtype_name, torch_dtype
 from eagle3.core.engine_rules import (ARCHITECTURE, CAPTURE_TOPIC, D2T, EMBED_NAME, KNOWN_NAMES, T2D, Finding,
-                                      TargetFacts, aux_layer_config, check_drafter, errors, intended_layers)
+                                      TargetFacts, aux_layer_config, check_drafter, errors, intended_layers,
+                                      mla_drafter_reason)
 from eagle3.core.errors import PipelineError
 from eagle3.core.model import DrafterConfig
 
@@ -99,7 +100,10 @@ def hf_config_from_drafter_config(drafter_config: Mapping[str, Any] | Any, aux_l
         "torch_dtype": _dtype_text(dtype),
     }
     if d.get("rope_scaling"):
-        cfg["rope_scaling"] = dict(d["rope_scaling"])
+        rs = dict(d["rope_scaling"])
+        # "rope_type" is the key vLLM's get_rope and transformers 5 read; Kimi's config says "type"
+        rs.setdefault("rope_type", rs.get("type"))
+        cfg["rope_scaling"] = rs
     if target_hidden != hidden:
         cfg["target_hidden_size"] = target_hidden
     cfg.update(aux_layer_config(layers))
@@ -271,6 +275,11 @@ def load_drafter_dir(path: Path | str) -> tuple[dict[str, Any], dict[str, torch.
     warning. A multi-layer drafter is refused (this pipeline's model has one layer).
     """
     files = read_drafter_dir(path)
+    mla = mla_drafter_reason(files.config, files.tensors)
+    if mla:
+        raise PipelineError(f"{files.path} is an MLA-attention drafter ({mla}); this pipeline trains and loads "
+                            f"Llama-layer EAGLE-3 drafters ({ARCHITECTURE}) only: start from one of those "
+                            f"(e.g. a K2.5 drafter with q/k/v_proj) or from scratch (no --init-from).")
     nl = files.config.get("num_hidden_layers", 1)
     if nl != 1:
         raise PipelineError(f"{files.path / CONFIG_NAME}: num_hidden_layers = {nl}; this pipeline's drafter has "
@@ -392,8 +401,10 @@ def drafter_config_for_target(info: TargetInfo, cfg, draft_vocab: int) -> Drafte
         head_dim = cfg.head_dim or (int(t["head_dim"]) if t.get("head_dim") and not mla else H // heads)
     rope = t.get("rope_scaling") or t.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type"))
-    rope_scaling = ({k: v for k, v in rope.items() if k != "rope_theta"} if rope_type in ("linear", "llama3")
-                    else None)
+    # The target's scaling when this drafter implements it (Kimi-K2.5: yarn, factor 64, original
+    # 4096), so the drafter is trained with the positions the engines then compute for it.
+    rope_scaling = ({k: v for k, v in rope.items() if k != "rope_theta"}
+                    if rope_type in ("linear", "llama3", "yarn") else None)
     return DrafterConfig(
         hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
         intermediate_size=cfg.intermediate_size or int(t.get("intermediate_size") or 4 * H),

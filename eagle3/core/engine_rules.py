@@ -23,10 +23,23 @@ Aux layer ids (docs/CONVENTIONS.md §1 and §7). Each engine reads them its own 
                      (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py
                      `get_eagle3_aux_layers_from_config`)
     sglang           `eagle_config.eagle_aux_hidden_state_layer_ids` only, each id + 1;
-                     without it, [2, N//2, N-3] (models/llama.py and every target class
-                     before 2026-05: `set_eagle3_layers_to_capture`)
-    sglang-deepseek  SGLang's DeepSeek-V2/V3 (Kimi-K2/K2.5) target class since 2026-05:
-                     + 1 only when the first nested id is 1, else as-is.
+                     without it, [2, N//2, N-3] (models/llama.py `set_eagle3_layers_to_capture`;
+                     models/deepseek_v2.py too from its first EAGLE-3 support, PR #12319,
+                     2025-10, until PR #25454)
+    sglang-deepseek  SGLang's DeepSeek-V2/V3 target class since PR #25454 (merged
+                     2026-05-16, "drop +1 offset on aux layer ids when first id != 1";
+                     first in a release by 0.5.13): + 1 only when the first nested id is 1
+                     (a SpecForge-style [1, 29, 57]), else the ids as they are (a K2.5
+                     drafter's [2, 30, 58]). models/kimi_k25.py delegates
+                     `set_eagle3_layers_to_capture` to its DeepseekV3 `language_model`, so
+                     Kimi-K2.5 follows the same rule; glm4_moe_lite.py carries a copy.
+
+Which SGLang rule a DeepSeek/Kimi target meets depends on the release:
+`sglang_rules_for(family, version)`. The ids a published drafter was trained on
+(`intended_layers(config, family)`) follow the reading of the engine its config was
+written for: a nested-only config whose first id is not 1 was written for the newer
+DeepSeek rule (as-is) when its target is DeepSeek/Kimi, never "+ 1" there (that
+would name layers 3/31/59 for a K2.5 drafter trained on 2/30/58).
 
 `aux_layer_config(layers)` is the single translation: top-level = the layers,
 nested = layers - 1. The nested ids then select the same layers under all three
@@ -70,10 +83,14 @@ RULES: dict[str, str] = {
           "ids as-is; else [2, N//2, N-3]",
     VLLM_V2: "vLLM V2 runner (GPU default since 0.32): top-level ids as-is; else [2, N//2, N-3] (nested "
              "eagle_config ids are never read)",
-    SGLANG: "SGLang: nested eagle_config ids + 1; else [2, N//2, N-3]",
-    SGLANG_DEEPSEEK: "SGLang DeepSeek/Kimi targets since 2026-05: nested ids + 1 only when the first is 1, "
-                     "else as-is; else [2, N//2, N-3]",
+    SGLANG: "SGLang: nested eagle_config ids + 1; else [2, N//2, N-3] (Llama-family targets; DeepSeek/Kimi "
+            "targets before PR #25454, releases before 0.5.13)",
+    SGLANG_DEEPSEEK: "SGLang DeepSeek/Kimi targets since PR #25454 (2026-05-16; 0.5.13 and later): nested ids + 1 "
+                     "only when the first is 1, else as-is; else [2, N//2, N-3]",
 }
+# The first SGLang release dated after PR #25454 (0.5.13, 2026-06-13): from it on, DeepSeek/Kimi
+# targets read nested ids by the conditional rule. Releases before may carry either rule.
+SGLANG_DEEPSEEK_RULE_FROM = "0.5.13"
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # vLLM (0.32 model_executor/models/registry.py) routes these to llama_eagle3.Eagle3LlamaForCausalLM;
@@ -146,6 +163,10 @@ VERSION_RULES: tuple[VersionRule, ...] = (
 )
 
 
+def _minimum(package: str) -> str:
+    return next(r.minimum for r in VERSION_RULES if r.package == package)
+
+
 # --------------------------------------------------------------------------- layer ids
 
 def aux_layer_config(layers: Iterable[int]) -> dict[str, Any]:
@@ -191,19 +212,62 @@ def captured_layers(rule: str, config: Mapping[str, Any], num_target_layers: int
     return ids
 
 
-def intended_layers(config: Mapping[str, Any]) -> tuple[list[int] | None, str]:
+def intended_layers(config: Mapping[str, Any], family: str | None = None) -> tuple[list[int] | None, str]:
     """The layers a drafter was (most likely) trained on, and where that came from.
 
     The top-level ids when present (convention 1, what this pipeline writes); else the
-    nested ids + 1, which is what SGLang, the engine such a config was written for, reads.
+    nested ids as SGLang, the engine such a config was written for, reads them for the
+    target's `family`: + 1 for Llama-family targets and whenever the first id is 1 (every
+    SGLang rule agrees then); as they are for a DeepSeek/Kimi target otherwise (SGLang's
+    rule since PR #25454: a K2.5 drafter's nested [2, 30, 58] means layers 2, 30, 58).
+    With the family unknown and a first id other than 1 the two readings differ: the
+    Llama one is returned, and `where` says so.
     """
     top = config.get("eagle_aux_hidden_state_layer_ids")
     if top:
         return [int(k) for k in top], "top-level eagle_aux_hidden_state_layer_ids"
     nested = _nested_ids(config)
-    if nested is not None:
+    if nested is None:
+        return None, "none in config.json (engines use [2, N//2, N-3])"
+    if nested and nested[0] == 1 or family == "llama":
         return [k + 1 for k in nested], "eagle_config.eagle_aux_hidden_state_layer_ids + 1 (SGLang's reading)"
-    return None, "none in config.json (engines use [2, N//2, N-3])"
+    if family == "deepseek":
+        return list(nested), ("eagle_config.eagle_aux_hidden_state_layer_ids as they are (SGLang's DeepSeek/Kimi "
+                              "reading since PR #25454: the first id is not 1)")
+    return [k + 1 for k in nested], (f"eagle_config.eagle_aux_hidden_state_layer_ids + 1 (SGLang's Llama reading; "
+                                     f"a DeepSeek/Kimi target reads {nested} as they are: pass the target to know)")
+
+
+def sglang_rules_for(family: str | None, version: str | None = None) -> tuple[str, ...]:
+    """The SGLang layer rule(s) a target family meets at an SGLang release (None: any release)."""
+    if family == "llama":
+        return (SGLANG,)
+    if version is not None:
+        from packaging.version import Version  # noqa: PLC0415 (only here)
+        if Version(version).release >= Version(SGLANG_DEEPSEEK_RULE_FROM).release:
+            return (SGLANG_DEEPSEEK,) if family == "deepseek" else (SGLANG, SGLANG_DEEPSEEK)
+    return (SGLANG, SGLANG_DEEPSEEK)
+
+
+# Config keys and tensor-name parts of a drafter whose attention is DeepSeek's MLA (a low-rank
+# latent KV) instead of Llama's q/k/v projections: e.g. lightseekorg's "kimi-k2.5-eagle3-mla",
+# served by SGLang's DeepSeek EAGLE-3 draft class. This pipeline's drafter is the Llama layer.
+MLA_CONFIG_KEYS = ("kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim")
+MLA_TENSOR_PARTS = ("kv_a_proj_with_mqa", "kv_b_proj", "q_a_proj", "q_b_proj", "kv_a_layernorm")
+
+
+def mla_drafter_reason(config: Mapping[str, Any], tensor_names: Iterable[str] = ()) -> str | None:
+    """Why this drafter is an MLA-attention variant (None when it is not)."""
+    keys = [k for k in MLA_CONFIG_KEYS if config.get(k) is not None]
+    if keys:
+        return f"config.json has {keys[0]} = {config[keys[0]]}"
+    names = sorted(n for n in tensor_names if any(p in n for p in MLA_TENSOR_PARTS))
+    if names:
+        return f"it holds {names[0]}"
+    archs = [a for a in (config.get("architectures") or []) if "deepseek" in str(a).lower()]
+    if archs:
+        return f"its architecture is {archs[0]}"
+    return None
 
 
 def target_family(architecture: str | None, model_type: str | None) -> str:
@@ -598,7 +662,7 @@ class _Check:
 
     def layer_ids(self) -> None:
         cfg, target = self.cfg, self.target
-        layers, where = intended_layers(cfg)
+        layers, where = intended_layers(cfg, target.family if target else None)
         N = target.num_layers if target else None
         if layers is not None:
             for p in layer_range_problems(layers, N):
@@ -608,11 +672,20 @@ class _Check:
             got = captured_layers(rule, cfg, N)
             if got is None or ref is None or got == ref:
                 continue
-            # Without a target we cannot tell whether the DeepSeek rule applies at all.
-            level = "error" if target is not None or rule != SGLANG_DEEPSEEK else "warning"
+            # Without a target we cannot tell whether the DeepSeek rule applies at all; on a
+            # DeepSeek/Kimi target the "+ 1 always" rule is that of SGLang releases below the
+            # supported minimum (before PR #25454): a warning, so a K2.5 drafter's [2, 30, 58] passes.
+            old_sglang = target is not None and target.family == "deepseek" and rule == SGLANG
+            if target is None:
+                level = "warning" if rule == SGLANG_DEEPSEEK else "error"
+            else:
+                level = "warning" if old_sglang else "error"
+            label = "SGLang before PR #25454 (releases before 0.5.13)" if old_sglang else RULES[rule].split(":")[0]
             self.add(level, VLLM if rule in (VLLM, VLLM_V2) else SGLANG, CAPTURE_TOPIC,
-                     f"{RULES[rule].split(':')[0]} captures {got}, but the drafter was trained on {ref} ({where})"
-                     + ("" if target else "; pass --target-config to know whether this rule applies"))
+                     f"{label} captures {got}, but the drafter was trained on {ref} ({where})"
+                     + ("" if target else "; pass --target-config to know whether this rule applies")
+                     + (f"; serve with SGLang >= {SGLANG_DEEPSEEK_RULE_FROM} (the supported minimum, "
+                        f"{_minimum('sglang')}, is later)" if old_sglang else ""))
         if layers is None:
             self.add("warning", "both", "layers", "config.json names no aux layers; both engines use "
                      "[2, N//2, N-3] of the target, which must be what the drafter was trained on")

@@ -62,7 +62,7 @@ from eagle3.core.vocab_map import target_ids
 
 # rope_scaling types this module implements; anything else is refused rather than
 # silently trained with positions the engine would compute differently.
-ROPE_SCALING_TYPES = ("linear", "llama3")
+ROPE_SCALING_TYPES = ("linear", "llama3", "yarn")
 
 
 @dataclass
@@ -121,12 +121,13 @@ class DrafterConfig:
                     f"{list(ROPE_SCALING_TYPES)} (e.g. {{'rope_type': 'linear', 'factor': 2.0}}).")
             if not float(self.rope_scaling.get("factor", 0)) > 0:
                 raise PipelineError(f"DrafterConfig.rope_scaling = {self.rope_scaling} needs a 'factor' > 0.")
-            if kind == "llama3":
-                need = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            if kind in ("llama3", "yarn"):
+                need = (("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                        if kind == "llama3" else ("original_max_position_embeddings",))
                 missing = [k for k in need if k not in self.rope_scaling]
                 if missing:
                     raise PipelineError(
-                        f"DrafterConfig.rope_scaling = {self.rope_scaling} (llama3) lacks {missing}; "
+                        f"DrafterConfig.rope_scaling = {self.rope_scaling} ({kind}) lacks {missing}; "
                         f"copy them from the target's config.json.")
 
     @property
@@ -186,6 +187,26 @@ def rope_inv_freq(config: DrafterConfig) -> Tensor:
     factor = float(rs["factor"])
     if kind == "linear":
         return (inv / factor).float()
+    if kind == "yarn":
+        # YaRN as vLLM 0.32 computes it for a Llama layer (model_executor/layers/rotary_embedding/
+        # yarn_scaling_rope.py, common.py): dims that turn fewer than beta_slow times over the
+        # original context are interpolated (/ factor), more than beta_fast times kept, a linear
+        # ramp between; the ramp ends are floored/ceiled unless "truncate" is false.
+        old_ctx = float(rs["original_max_position_embeddings"])
+        fast, slow = float(rs.get("beta_fast", 32)), float(rs.get("beta_slow", 1))
+
+        def dim_at(rotations: float) -> float:  # the dim index that turns `rotations` times over old_ctx
+            return d * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(config.rope_theta))
+
+        low, high = dim_at(fast), dim_at(slow)
+        if rs.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)  # [D/2]
+        keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+        return (inv / factor * (1 - keep) + inv * keep).float()
     # llama3: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between.
     low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
     old_ctx = float(rs["original_max_position_embeddings"])
@@ -197,10 +218,32 @@ def rope_inv_freq(config: DrafterConfig) -> Tensor:
     return out.float()
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables for integer positions [B, T] -> two [B, T, D] tensors."""
+def rope_attention_factor(config: DrafterConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1.0 for every other rope), as vLLM 0.32 takes
+    it: `attention_factor` when given; else mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    when both are set (1.0 for Kimi-K2.5's mscale = mscale_all_dim = 1); else 0.1 ln(factor) + 1."""
+    rs = config.rope_scaling
+    if rs is None or rs.get("rope_type", rs.get("type")) != "yarn":
+        return 1.0
+    factor = float(rs["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return mscale(float(rs["mscale"])) / mscale(float(rs["mscale_all_dim"]))
+    return mscale()
+
+
+def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype,
+                 scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """cos/sin tables for integer positions [B, T] -> two [B, T, D] tensors (times `scale`, YaRN's)."""
     freqs = positions.float()[..., None] * inv_freq  # [B, T] -> [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [B, T, D/2] -> [B, T, D]
+    if scale != 1.0:
+        return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -525,6 +568,7 @@ class Eagle3Drafter(nn.Module):
         # Not a buffer: `.to(torch.bfloat16)` would round the frequencies along with the
         # weights and shift every rotation; it is moved to the input's device per step.
         self._inv_freq = rope_inv_freq(c)
+        self._rope_scale = rope_attention_factor(c)
 
     def set_attention(self, attention: str) -> None:
         """Switch the TTT attention implementation ("sdpa" or "reference"); no weight changes."""
@@ -598,7 +642,7 @@ class Eagle3Drafter(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=embeds.device).expand(B, T)  # [T] -> [B, T]
         inv_freq = self._inv_freq.to(embeds.device)
-        cos, sin = rope_cos_sin(position_ids + k, inv_freq, hidden.dtype)  # [B, T] -> 2 x [B, T, D]
+        cos, sin = rope_cos_sin(position_ids + k, inv_freq, hidden.dtype, self._rope_scale)  # [B, T] -> 2 x [B, T, D]
         if self.attention == "sdpa":
             layout = AttnLayout(runs=_runs(attention_mask, segment_ids, T))
         else:

@@ -89,7 +89,7 @@ def inspect_drafter(path: Path | str, target_config: str | None = None) -> dict[
         target = TargetFacts.from_info(read_target_info(target_config))
     findings = check_drafter(cfg, tensors, target, pipeline_format=False)
     N = target.num_layers if target else None
-    layers, where = intended_layers(cfg)
+    layers, where = intended_layers(cfg, target.family if target else None)
     canon, _ = normalise_names(tensors)
     d2t = canon.get("d2t")
     return {

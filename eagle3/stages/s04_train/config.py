@@ -44,6 +44,8 @@ class TrainConfig(StageConfig):
     learning_rate: float = param(1e-4, gt=0, help="peak AdamW learning rate")
     weight_decay: float = param(0.0, help="AdamW weight decay")
     warmup_steps: int = param(50, help="linear warmup steps, then cosine decay to min_lr_ratio * lr")
+    warmup_ratio: float | None = param(None, min=0.0, max=1.0,
+                                       help="warmup as a share of the planned steps (wins over warmup_steps)")
     min_lr_ratio: float = param(0.1, help="final learning rate as a share of the peak")
     epochs: int = param(1, min=1, help="passes over the train split (ignored when max_steps is set)")
     max_steps: int | None = param(None, help="optimizer steps in total (default: from epochs)")

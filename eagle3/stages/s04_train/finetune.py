@@ -99,10 +99,11 @@ def drop_embedding(path: str | Path, tensors: dict[str, torch.Tensor]) -> list[s
 
 
 def check_fits(path: str | Path, hf: dict, cfg: dict, *, aux_layers: list[int], num_target_layers: int,
-               target_hidden: int, target_vocab: int, expected_from: str) -> tuple[list[int], str]:
-    """The drafter's aux layer ids (and where they come from), refused unless they are the
-    store's and its target sizes are ours."""
-    layers, layers_from = intended_layers(hf)
+               target_hidden: int, target_vocab: int, expected_from: str,
+               target_family: str | None = None) -> tuple[list[int], str]:
+    """The drafter's aux layer ids (and where they come from, read as SGLang reads them for
+    the target's family), refused unless they are the store's and its target sizes are ours."""
+    layers, layers_from = intended_layers(hf, target_family)
     if layers is None:
         # Both engines then capture their default [2, N//2, N-3]; a drafter published
         # without ids was trained for that default, as far as anyone can tell.
@@ -142,7 +143,7 @@ def apply_vocab_mode(report: InitReport, tensors: dict[str, torch.Tensor], cfg: 
 def load_initial_drafter(
     path: str | Path, *, aux_layers: list[int], num_target_layers: int, target_hidden: int, target_vocab: int,
     our_ids: np.ndarray, mode: str, target_rows: Callable[[np.ndarray], torch.Tensor],
-    expected_from: str,
+    expected_from: str, target_family: str | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor], InitReport]:
     """(DrafterConfig dict, state_dict, report) of the drafter at `path`, ready for our run."""
     hf, tensors = load_drafter_dir(path)  # names normalised: model.embed_tokens.weight -> embed_tokens.weight
@@ -150,19 +151,29 @@ def load_initial_drafter(
     cfg = drafter_config_from_hf_config(hf, tensors, source=f"{path}/config.json")
     layers, layers_from = check_fits(path, hf, cfg, aux_layers=aux_layers, num_target_layers=num_target_layers,
                                      target_hidden=target_hidden, target_vocab=target_vocab,
-                                     expected_from=expected_from)
+                                     expected_from=expected_from, target_family=target_family)
 
     V = cfg["target_vocab_size"]
     if "d2t" in tensors:
         their_ids = target_ids(tensors["d2t"].numpy())
     else:  # both engines then use the identity
         their_ids = np.arange(cfg["draft_vocab_size"], dtype=np.int64)
+    # A full-vocabulary drafter (lightseekorg's K2.5 one: 163,840 rows, no d2t, or an identity
+    # one) has a row for every token: there is no mapping to compare position by position.
+    full_vocab = len(their_ids) == V and bool((their_ids == np.arange(V)).all())
     cmp = compare_mappings(VocabMapping(str(path), their_ids, V), VocabMapping("stage 03", our_ids, V))
-    log.info("init-from %s: its d2t vs stage 03's: %d of %d positions differ, %d tokens shared, %d only in the "
-             "drafter's, %d only in ours", path, cmp["positions_differing"], cmp["positions_compared"],
-             cmp["tokens_shared"], cmp["only_in_a"], cmp["only_in_b"])
-    report = InitReport(str(path), mode, layers, layers_from, cmp,
-                        extra={"tensors_dropped": dropped} if dropped else {})
+    if full_vocab:
+        log.info("init-from %s: a full-vocabulary drafter (%d lm_head rows, %s): every one of stage 03's %d tokens "
+                 "has its trained row; vocab mode 'remap' keeps those %d rows, 'keep' trains all %d", path, V,
+                 "identity d2t" if "d2t" in tensors else "no d2t", len(our_ids), len(our_ids), V)
+    else:
+        log.info("init-from %s: its d2t vs stage 03's: %d of %d positions differ, %d tokens shared, %d only in "
+                 "the drafter's, %d only in ours", path, cmp["positions_differing"], cmp["positions_compared"],
+                 cmp["tokens_shared"], cmp["only_in_a"], cmp["only_in_b"])
+    extra = {"tensors_dropped": dropped} if dropped else {}
+    extra.update(full_vocabulary=full_vocab, num_key_value_heads=cfg["num_key_value_heads"],
+                 num_attention_heads=cfg["num_attention_heads"])
+    report = InitReport(str(path), mode, layers, layers_from, cmp, extra=extra)
 
     ids = apply_vocab_mode(report, tensors, cfg, their_ids, our_ids, target_rows)
     t2d = torch.zeros(V, dtype=torch.bool)

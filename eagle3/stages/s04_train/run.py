@@ -35,6 +35,7 @@ import torch
 from eagle3.core.config import identity_params
 from eagle3.core.cpu import bf16_fused_attention_ok, bf16_pays
 from eagle3.core.drafter_io import drafter_config_for_target
+from eagle3.core.engine_rules import target_family
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
                                   sha256_file, sha256_json, write_manifest)
@@ -72,6 +73,19 @@ def pick_device(choice: str) -> torch.device:
             raise PipelineError("--device cuda, but torch sees no GPU; use --device cpu or install a CUDA torch.")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(choice)
+
+
+def warmup_plan(warmup_steps: int, warmup_ratio: float | None, total: int) -> tuple[int, str | None]:
+    """The warmup steps of a run of `total` steps, and a warning when they pass a third of it
+    (published EAGLE-3 recipes warm up for 1.5-20% of the run: docs/KIMI_K25.md)."""
+    warmup = round(warmup_ratio * total) if warmup_ratio is not None else warmup_steps
+    warmup = min(warmup, total)
+    if total > 0 and warmup > total / 3:
+        how = f"warmup_ratio = {warmup_ratio}" if warmup_ratio is not None else f"warmup_steps = {warmup_steps}"
+        return warmup, (f"{how} warms up for {warmup} of the {total} planned steps ({100 * warmup / total:.0f}%, "
+                        f"more than a third): the learning rate peaks late and decays over what is left; "
+                        f"published recipes warm up for 1.5-20% of the run: set warmup_ratio, e.g. 0.05")
+    return warmup, None
 
 
 def lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -174,7 +188,8 @@ def drafter_from(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, Ini
         cfg.init_from, aux_layers=store.aux_layers, num_target_layers=info.num_layers,
         target_hidden=info.hidden_size, target_vocab=info.vocab_size, our_ids=target_ids(src.d2t).numpy(),
         mode=cfg.vocab_mode, target_rows=lambda ids: load_lm_head(info, rows=torch.from_numpy(ids)),
-        expected_from=str(store.manifest.path))
+        expected_from=str(store.manifest.path),
+        target_family=target_family(info.architecture, info.text_config.get("model_type", info.model_type)))
     dcfg_dict["max_position_embeddings"] = max(dcfg_dict["max_position_embeddings"], info.max_position_embeddings)
     drafter = Eagle3Drafter(DrafterConfig.from_dict(dcfg_dict), attention=cfg.attention)
     missing, unexpected = drafter.load_state_dict({k: v.float() if v.is_floating_point() else v
@@ -259,7 +274,9 @@ class Trainer:
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.95))
-        warmup = min(cfg.warmup_steps, self.total)
+        warmup, warning = warmup_plan(cfg.warmup_steps, cfg.warmup_ratio, self.total)
+        if warning and d.main:
+            log.warning("%s", warning)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.total, cfg.min_lr_ratio))
 
         # Progress: with the weights, optimizer and RNG, what a checkpoint holds.

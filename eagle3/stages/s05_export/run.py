@@ -36,6 +36,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
                                   read_record, record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig
+from eagle3.core.positions import position_reach, reach_line
 from eagle3.core.records import ExportRecord, TrainRecord
 from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
 from eagle3.core.target_head import load_embedding
@@ -344,6 +345,16 @@ def write_report_and_manifest(x: ExportInputs, report: dict) -> Manifest:
                           record=record)
 
 
+def trained_reach(x: ExportInputs, hf: dict) -> dict[str, Any] | None:
+    """The longest position stage 04 trained against the target's context (eagle3/core/positions.py)."""
+    params = x.train_m.params if x.train_m is not None else {}
+    if params.get("max_seq_len") is None or params.get("ttt_steps") is None:
+        return None
+    return position_reach(max_seq_len=params["max_seq_len"], ttt_steps=params["ttt_steps"],
+                          served_context=x.info.max_position_embeddings, rope_scaling=hf.get("rope_scaling"),
+                          rope_theta=hf.get("rope_theta"))
+
+
 def export_drafter(cfg: ExportConfig) -> Path:
     """Stage 05: write the drafter folder, the export report and the manifest; return the folder."""
     x = export_inputs(cfg)
@@ -362,6 +373,10 @@ def export_drafter(cfg: ExportConfig) -> Path:
                                 overwrite=True, target=x.facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
 
     report = build_report(x, cfg, dc, hf, meta, problems, findings)
+    reach = trained_reach(x, hf)
+    if reach is not None:
+        report["positions"] = reach
+        log.info("stage 05: %s", reach_line(reach))
     m = write_report_and_manifest(x, report)
     eval_cov = report["vocab"].get("eval")
     cov = eval_cov.get("coverage") if isinstance(eval_cov, dict) else None

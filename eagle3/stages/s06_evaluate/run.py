@@ -75,6 +75,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
                                   record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.positions import position_reach, reach_line
 from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
 from eagle3.core.train_outputs import read_train_metrics
@@ -343,7 +344,7 @@ def layer_capture(drafter_config: dict, info) -> dict[str, Any]:
     (eagle3/core/engine_rules.py: the engines' rules, read from their sources)."""
 
     family = target_family(info.architecture, info.text_config.get("model_type", info.model_type))
-    trained, where = intended_layers(drafter_config)
+    trained, where = intended_layers(drafter_config, family)
     return {"trained": trained, "trained_from": where, "target_family": family, "num_target_layers": info.num_layers,
             "captured": {rule: captured_layers(rule, drafter_config, info.num_layers) for rule in rules_for(family)}}
 
@@ -373,6 +374,16 @@ def _log_capture(capture: dict[str, Any], drafter_dir: Path) -> None:
                     ", ".join(f"{r} {ids}" for r, ids in wrong.items()), trained, drafter_dir)
 
 
+def _trained_reach(wd: WorkDir, drafter: _Drafter, info) -> dict[str, Any] | None:
+    """The longest position stage 04 trained against the target's context (eagle3/core/positions.py)."""
+    params = read_manifest(wd, "train", needed_by=STAGE_SCRIPT).params
+    if params.get("max_seq_len") is None or params.get("ttt_steps") is None:
+        return None
+    return position_reach(max_seq_len=params["max_seq_len"], ttt_steps=params["ttt_steps"],
+                          served_context=info.max_position_embeddings,
+                          rope_scaling=drafter.config.get("rope_scaling"), rope_theta=drafter.config.get("rope_theta"))
+
+
 def _log_report(results: dict, warn: bool = True) -> None:
     for line in report_lines(results):
         (log.warning if warn and line.startswith("UNRELIABLE") else log.info)("%s", line)
@@ -397,6 +408,9 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     expectation = _expectation(wd, cfg, drafter, train)
     capture = layer_capture(drafter.config, info)
     _log_capture(capture, drafter.dir)
+    reach = _trained_reach(wd, drafter, info) if train is not None else None
+    if reach is not None:
+        log.info("stage 06: %s", reach_line(reach))
     prompts, prompt_info, max_model_len = _choose_prompts(cfg, wd, tok, info, prep)
     timed = timing_subset(prompts, cfg.timing_prompts)
     names = categories(prompts)
