@@ -72,11 +72,13 @@ from eagle3.core.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, l
 from eagle3.core.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_layers, intended_layers, rules_for,
                                       target_family)
 from eagle3.core.errors import PipelineError
+from eagle3.core.loss_mask import assistant_suffix
 from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
                                   record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.core.tokenizer_check import check_tokenizer
 from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.vocab_map import target_ids
 from eagle3.core.workdir import WorkDir
@@ -175,6 +177,8 @@ def _check_target(cfg: EvaluateConfig, prep: Manifest | None, drafter_cfg: dict,
         raise PipelineError(f"target hidden size mismatch: {hidden} ({drafter_dir}/config.json) vs "
                             f"{info.hidden_size} ({cfg.target_model}); pass the drafter's own target.")
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
+    check_tokenizer(cfg.target_model, tok, trust_remote_code=cfg.trust_remote_code,
+                    suffix=assistant_suffix(tok, record_of(prep).chat_template_kwargs if prep is not None else None))
     fp = tokenizer_fingerprint(tok)
     if prep is not None and fp != record_of(prep).tokenizer_fingerprint:
         raise PipelineError(f"the tokenizer of {cfg.target_model} is not the one stage 01 tokenized with "
