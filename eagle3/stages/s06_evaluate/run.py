@@ -83,7 +83,7 @@ from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.vocab_map import target_ids
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
-from eagle3.stages.s06_evaluate.engine import engine_request, run_engine
+from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_cpu_mla, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
 from eagle3.stages.s06_evaluate.report import report_lines, summarise, write_plot
@@ -397,6 +397,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
         _log_report(results, warn=False)
         return results
 
+    refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)  # every run plan serves the drafter
     train = _train_record(wd, drafter)
     expectation = _expectation(wd, cfg, drafter, train)
     capture = layer_capture(drafter.config, info)
