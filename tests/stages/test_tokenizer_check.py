@@ -19,7 +19,6 @@ import pytest
 from eagle3.core.errors import PipelineError
 from eagle3.core.loss_mask import assistant_suffix
 from eagle3.core.target import load_tokenizer
-from eagle3.core.tokenizer_check import check_tokenizer
 from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.run import generate_responses
 from eagle3.stages.s01_prepare.config import PrepareConfig
@@ -57,6 +56,8 @@ def chats(path: Path) -> Path:
 
 
 def check(target: Path, trust_remote_code: bool = False) -> None:
+    from eagle3.core.tokenizer_check import check_tokenizer
+
     tok = load_tokenizer(target)
     check_tokenizer(target, tok, trust_remote_code=trust_remote_code, suffix=assistant_suffix(tok))
 
@@ -91,6 +92,8 @@ def test_generation_eos_must_be_the_masks_end_of_turn(good, tmp_path):
 
 
 def test_the_auto_map_class_is_required_with_remote_code(good, tmp_path):
+    from eagle3.core.tokenizer_check import check_tokenizer
+
     target = shutil.copytree(good, tmp_path / "auto_map")
     cfg = json.loads((target / "tokenizer_config.json").read_text())
     cfg["auto_map"] = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
