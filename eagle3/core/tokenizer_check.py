@@ -28,6 +28,7 @@ import logging
 from pathlib import Path
 
 from eagle3.core.errors import PipelineError
+from eagle3.core.target import chat_template_text
 
 log = logging.getLogger(__name__)
 
@@ -108,8 +109,6 @@ def check_tokenizer(model: str | Path, tok, *, trust_remote_code: bool, suffix: 
     `suffix`: the template's assistant suffix (eagle3/core/loss_mask.py `assistant_suffix`),
     whose first token the mask keeps as the answer's end of turn.
     """
-    from eagle3.core.target import chat_template_text
-
     classes = auto_map_classes(model)
     if classes and trust_remote_code and type(tok).__name__ not in classes:
         raise PipelineError(
