@@ -9,8 +9,9 @@ chat set) with a Llama-3 style chat template. Kinds:
 - `llama`: `LlamaForCausalLM`.
 - `deepseek_v3`: `DeepseekV3ForCausalLM` with MLA and MoE, as Kimi-K2 uses.
 - `kimi_k25`: the same text model nested as Kimi-K2.5 is: sizes under
-  `text_config`, weights under `language_model.`, a tiny `vision_config`; vLLM serves it
-  with its own `KimiK25ForConditionalGeneration`, text only.
+  `text_config`, weights under `language_model.`, a tiny `vision_config` and
+  `preprocessor_config.json`; vLLM serves it with its own `KimiK25ForConditionalGeneration`,
+  text only.
 
 `--train-steps N` then trains the random model for N steps of next-token
 prediction on the shipped chats (packed rows, `TRAIN_RECIPE`), so the demo's
@@ -59,6 +60,15 @@ CHAT_TEMPLATE = (
 # placeholders), so the config must be complete; the folder holds no weights for it.
 TINY_VISION = {"patch_size": 14, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                "intermediate_size": 128, "hidden_act": "gelu_pytorch_tanh", "merge_kernel_size": [2, 2]}
+# Kimi-K2.5's preprocessor_config.json at the tiny vision size. vLLM 0.32 reads it even when it
+# serves the text model only: deciding whether any modality is served builds the class's
+# processing info (model_executor/models/kimi_k25.py `KimiK25ProcessingInfo`), which loads this
+# image processor (its fused CPU one, transformers_utils/processors/kimi_k25_vision_fused.py,
+# when numba is importable). Never used to process an image here.
+TINY_PREPROCESSOR = {"media_proc_cfg": {
+    "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5], "in_patch_limit": 1024, "patch_limit_on_one_side": 64, "fixed_output_tokens": None,
+    "in_patch_limit_each_frame": 256, "in_patch_limit_video": None}}
 TOKENIZER_VOCAB = 2048  # the BPE trainer's target; the model's vocab is padded to a multiple of 64
 
 
@@ -232,6 +242,7 @@ def save_target(kind: str, model, tok, out: Path, recipe: dict, report: dict | N
                 "tie_word_embeddings": False,  # transformers' Kimi_K25Config defaults to True
             }
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+            (tmp / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2, sort_keys=True))
             state = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         else:
