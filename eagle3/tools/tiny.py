@@ -10,8 +10,8 @@ chat set) with a Llama-3 style chat template. Kinds:
 - `deepseek_v3`: `DeepseekV3ForCausalLM` with MLA and MoE, as Kimi-K2 uses.
 - `kimi_k25`: the same text model nested as Kimi-K2.5 is: sizes under
   `text_config`, weights under `language_model.`, a tiny `vision_config` and
-  `preprocessor_config.json`; vLLM serves it with its own `KimiK25ForConditionalGeneration`,
-  text only.
+  `preprocessor_config.json`, what vLLM's own `KimiK25ForConditionalGeneration` reads to
+  serve it text only (tests/e2e/test_kimi_vllm.py).
 
 `--train-steps N` then trains the random model for N steps of next-token
 prediction on the shipped chats (packed rows, `TRAIN_RECIPE`), so the demo's
