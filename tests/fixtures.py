@@ -228,14 +228,16 @@ def kimi_k25_tokenizer():
 
 
 def save_kimi_k25_target(path: Path) -> Path:
-    """A folder stages 00 and 01 load as a Kimi-K2.5 target: the stand-in tokenizer, a small
-    config with the real vocabulary size and eos, and generation_config.json's end of turn
-    (no weights: the tests script the target)."""
+    """    A folder stages 00 and 01 load as a Kimi-K2.5 target: the stand-in tokenizer (with the
+    real tokenizer_config.json's `added_tokens_decoder`), a small config with the real
+    vocabulary size and eos, and generation_config.json's end of turn (no weights: the tests
+    script the target)."""
     from transformers import GenerationConfig, LlamaConfig
 
-    from eagle3.tools.kimi_k25_tokenizer import END_OF_TURN_ID, EOS_ID, VOCAB_SIZE
+    from eagle3.tools.kimi_k25_tokenizer import END_OF_TURN_ID, EOS_ID, VOCAB_SIZE, write_added_tokens_decoder
 
     kimi_k25_tokenizer().save_pretrained(path)
+    write_added_tokens_decoder(path)
     LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=1, num_key_value_heads=1, head_dim=64, eos_token_id=EOS_ID).save_pretrained(path)
     GenerationConfig(eos_token_id=END_OF_TURN_ID).save_pretrained(path)

@@ -15,11 +15,14 @@ No vLLM import: a stage's config, and stage 06's parent process, stay importable
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 from eagle3.core.config import DTYPE_CHOICES, StageConfig, dtype_name, param
 from eagle3.core.errors import PipelineError
+from eagle3.core.target import text_config_of
 
 # Settings left to the platform (None) become these when the engine starts.
 CPU_MEMORY_SHARE = 0.3  # the CPU build reads gpu_memory_utilization as a share of RAM
@@ -57,6 +60,10 @@ class EngineConfig:
     enforce_eager: bool | None = None  # None: on for CPU, off on GPU (compiled, CUDA graphs)
     engine_in_process: bool = False
     trust_remote_code: bool = False
+    # A multimodal target (Kimi-K2.5) served as its text model: vLLM 0.32 then builds no vision
+    # tower (`_mark_tower_model` leaves placeholders on the meta device, loads no weights for it)
+    # and profiles no image input; set from the target's config.json (`text_only`).
+    language_model_only: bool = False
     seed: int = 0
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
@@ -116,4 +123,32 @@ class EngineSettings(StageConfig):
                       max_model_len=self.max_model_len, gpu_memory_utilization=self.gpu_memory_utilization,
                       kv_cache_gib=self.kv_cache_gib, enforce_eager=self.enforce_eager,
                       engine_in_process=self.engine_in_process, trust_remote_code=self.trust_remote_code)
-        return EngineConfig(**{**shared, **stage_specific})
+        kw = {**shared, **stage_specific}
+        kw.setdefault("language_model_only", text_only(kw["model"]))
+        return EngineConfig(**kw)
+
+
+def text_only(model: str) -> bool:
+    """Serve `model` as its text model: its config.json nests the text model's config (a
+    multimodal target such as Kimi-K2.5, `text_config`; eagle3/core/target.py `text_config_of`).
+
+    Read from a local folder, or from the hub cache for a hub id (the stages read the target's
+    config.json before they start an engine, which puts it there); never over the network.
+    Every stage trains and serves text: the vision tower is dead weight in the engine, and
+    vLLM would profile it with a dummy image at start (docs/KIMI_K25.md, "vLLM's
+    KimiK25ForConditionalGeneration")."""
+    path = Path(model) / "config.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(str(model), "config.json")
+        except Exception:  # noqa: BLE001 - not a hub id either: nothing to read, serve it as it is
+            hit = None
+        if not isinstance(hit, str):
+            return False
+        path = Path(hit)
+    try:
+        return text_config_of(json.loads(path.read_text()))[1] is not None
+    except (OSError, ValueError):
+        return False

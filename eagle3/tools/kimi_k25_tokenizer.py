@@ -150,3 +150,20 @@ def build_tokenizer(texts: Iterable[str] | None = None, merges_vocab: int = 1024
                                    pad_token="[PAD]", chat_template=CHAT_TEMPLATE, model_max_length=262144)
     assert len(fast) == VOCAB_SIZE and all(fast.convert_tokens_to_ids(c) == i for c, i in SPECIAL_IDS.items())
     return fast
+
+
+def write_added_tokens_decoder(folder) -> None:
+    """Add to a saved tokenizer's `tokenizer_config.json` the `added_tokens_decoder` the real
+    target ships: its named special tokens at their ids (the reserved slots are not listed;
+    Moonshot's class fills them in). transformers 5.x keeps added tokens in tokenizer.json
+    only; the real K2.5 has no tokenizer.json, and this map is what eagle3/core/tokenizer_check.py
+    compares a loaded tokenizer with."""
+    from pathlib import Path
+
+    path = Path(folder) / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["added_tokens_decoder"] = {
+        str(i): {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                 "special": special}
+        for i, (content, special) in sorted(SPECIAL_TOKENS.items())}
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

@@ -9,7 +9,9 @@ chat set) with a Llama-3 style chat template. Kinds:
 - `llama`: `LlamaForCausalLM`.
 - `deepseek_v3`: `DeepseekV3ForCausalLM` with MLA and MoE, as Kimi-K2 uses.
 - `kimi_k25`: the same text model nested as Kimi-K2.5 is: sizes under
-  `text_config`, weights under `language_model.`.
+  `text_config`, weights under `language_model.`, a tiny `vision_config` and
+  `preprocessor_config.json`, what vLLM's own `KimiK25ForConditionalGeneration` reads to
+  serve it text only (tests/e2e/test_kimi_vllm.py).
 
 `--train-steps N` then trains the random model for N steps of next-token
 prediction on the shipped chats (packed rows, `TRAIN_RECIPE`), so the demo's
@@ -52,6 +54,21 @@ CHAT_TEMPLATE = (
     "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
 )
+# Kimi-K2.5's vision tower at a tiny size, under transformers' Kimi_K25VisionConfig field
+# names (what vLLM 0.32's MoonViT reads, model_executor/models/kimi_k25_vit.py). vLLM builds
+# the tower's modules even when it serves the text model only (on the meta device, as
+# placeholders), so the config must be complete; the folder holds no weights for it.
+TINY_VISION = {"patch_size": 14, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "intermediate_size": 128, "hidden_act": "gelu_pytorch_tanh", "merge_kernel_size": [2, 2]}
+# Kimi-K2.5's preprocessor_config.json at the tiny vision size. vLLM 0.32 reads it even when it
+# serves the text model only: deciding whether any modality is served builds the class's
+# processing info (model_executor/models/kimi_k25.py `KimiK25ProcessingInfo`), which loads this
+# image processor (its fused CPU one, transformers_utils/processors/kimi_k25_vision_fused.py,
+# when numba is importable). Never used to process an image here.
+TINY_PREPROCESSOR = {"media_proc_cfg": {
+    "patch_size": 14, "merge_kernel_size": 2, "temporal_merge_kernel_size": 4, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5], "in_patch_limit": 1024, "patch_limit_on_one_side": 64, "fixed_output_tokens": None,
+    "in_patch_limit_each_frame": 256, "in_patch_limit_video": None}}
 TOKENIZER_VOCAB = 2048  # the BPE trainer's target; the model's vocab is padded to a multiple of 64
 
 
@@ -220,10 +237,12 @@ def save_target(kind: str, model, tok, out: Path, recipe: dict, report: dict | N
             text = model.config.to_dict()
             cfg = {
                 "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                "text_config": text, "vocab_size": text["vocab_size"],
+                "text_config": text, "vision_config": TINY_VISION, "vocab_size": text["vocab_size"],
                 "bos_token_id": text["bos_token_id"], "eos_token_id": text["eos_token_id"],
+                "tie_word_embeddings": False,  # transformers' Kimi_K25Config defaults to True
             }
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+            (tmp / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2, sort_keys=True))
             state = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         else:

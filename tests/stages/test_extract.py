@@ -192,12 +192,6 @@ def test_in_process_engine_stores_what_a_spawned_one_does(prepared, vllm_store, 
             assert _close(y.final, x.final, "llama"), (split, i)
 
 
-def test_vllm_refuses_kimi_k25_on_cpu(prepared, tiny_targets, tmp_path, no_model_load):
-    wd = fresh_wd(prepared["deepseek_v3"], tmp_path)
-    with pytest.raises(PipelineError, match="--backend hf"):
-        extract_hidden_states(cfg_for(wd, tiny_targets["kimi_k25"], backend="vllm"))
-
-
 def test_hf_backend_loads_kimi_k25_text_model(prepared, hf_store, tiny_targets, tmp_path):
     # Same weights as the tiny DeepSeek-V3, nested as Kimi-K2.5 (text_config, language_model.*).
     wd = fresh_wd(prepared["deepseek_v3"], tmp_path)

@@ -61,6 +61,7 @@ from eagle3.core.loss_mask import assistant_suffix
 from eagle3.core.manifest import Manifest, already_complete, record_of, sha256_file, sha256_json, write_manifest
 from eagle3.core.records import GenerateRecord
 from eagle3.core.target import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
+from eagle3.core.tokenizer_check import check_tokenizer
 from eagle3.core.workdir import WorkDir
 from eagle3.engines.parallel import Reporter, run_data_parallel, use_gpu_group
 from eagle3.stages.s00_generate.config import GenerateConfig
@@ -129,6 +130,7 @@ def plan(cfg: GenerateConfig) -> Plan:
     except TypeError as e:
         raise PipelineError(f"the chat template of {cfg.target_model} failed with --chat-template-kwargs "
                             f"{json.dumps(kw)} ({e}).") from e
+    check_tokenizer(cfg.target_model, tok, trust_remote_code=cfg.trust_remote_code, suffix=suffix)
     check_local_files(cfg.data)
     records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
     if not records:

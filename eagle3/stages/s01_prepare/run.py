@@ -58,6 +58,7 @@ from eagle3.core.manifest import (Manifest, already_complete, check_same, manife
                                   record_of, sha256_file, write_manifest)
 from eagle3.core.records import GenerateRecord, PrepareRecord
 from eagle3.core.target import chat_template_fingerprint, load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.core.tokenizer_check import check_tokenizer
 from eagle3.core.workdir import SPLITS, WorkDir
 from eagle3.stages.s01_prepare.config import PrepareConfig
 
@@ -357,6 +358,8 @@ def prepare_dataset(cfg: PrepareConfig):
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
     gen = generated_manifest(cfg, tok) if uses_generated(cfg) else None
     template_kwargs = record_of(gen).chat_template_kwargs if gen else None
+    check_tokenizer(cfg.target_model, tok, trust_remote_code=cfg.trust_remote_code,
+                    suffix=assistant_suffix(tok, template_kwargs))
     params, inputs = identity_params(cfg), _input_fingerprints(cfg, tok, gen)
     done = already_complete(wd, "prepare", params, inputs, force=cfg.force)
     if done:

@@ -55,7 +55,7 @@ from eagle3.core.workdir import SPLITS, WorkDir
 from eagle3.engines.parallel import Reporter, run_data_parallel, use_gpu_group
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.hf_backend import HFBackend
-from eagle3.stages.s02_extract.vllm_backend import VllmBackend, check_supported
+from eagle3.stages.s02_extract.vllm_backend import VllmBackend
 
 log = logging.getLogger(__name__)
 
@@ -214,9 +214,6 @@ def make_backend(cfg: ExtractConfig, p: Prepared, device: str | None = None):
 def load_engine(cfg: ExtractConfig, p: Prepared, device: str | None = None):
     """(backend, target head): everything loaded once per process."""
 
-    if cfg.backend == "vllm":
-
-        check_supported(p.info)  # before the (slow) head load
     head = TargetHead.load(p.info, device)
     return make_backend(cfg, p, device), head
 

@@ -9,8 +9,21 @@ normed final state and the argmax). Each request is a prompt-only prefill
 store file at the request's token offset.
 
 Settings that keep the stored states exact (`extraction_engine`): prefix caching off (a
-cached prefix would skip its forward and its hidden-state rows), chunked prefill off
-(vLLM's extraction requires it), `max_num_batched_tokens >= max_model_len`.
+cached prefix would skip its forward and its hidden-state rows), and every prompt prefilled
+in one forward: chunked prefill off, `max_num_batched_tokens >= max_model_len`. vLLM 0.32
+does not require chunked prefill off for extraction: its cache-only layer writes each
+scheduled token's states at the token's KV slot, chunk by chunk
+(vllm/model_executor/models/extract_hidden_states.py, `basic_cache`), and the connectors read a
+request's rows only once it has finished (its `ExampleHiddenStatesConnector.request_finished`;
+ours, vllm_connector.py, the same way), so a chunked prompt stores the same rows. It is off
+here because the stored states were measured against the hf backend that way (docs/STAGES.md);
+turning it on would let `max_num_batched_tokens` drop below the context length (less
+activation memory at Kimi-K2.5's 262,144 positions) at the price of re-measuring that.
+
+A multimodal target (Kimi-K2.5's `KimiK25ForConditionalGeneration`) runs as its text model
+(`language_model_only`, eagle3/engines/config.py `text_only`): vLLM's class delegates the aux
+capture to its `language_model` (a DeepSeek-V2/V3 model), whose layer ids are the text
+model's, and the vision tower is neither built nor profiled (docs/KIMI_K25.md).
 
 The rest is the stage's `EngineConfig` (eagle3/engines/config.py), started by
 eagle3/engines/vllm_engine.py's `start_llm`: on the CPU build (no CUDA)
@@ -28,7 +41,6 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from eagle3.core.errors import PipelineError
 from eagle3.core.target import TargetInfo
 from eagle3.engines.config import EngineConfig
 from eagle3.engines.vllm_engine import on_cpu, quiet_vllm, start_llm
@@ -40,9 +52,6 @@ CONNECTOR = "Eagle3StoreConnector"
 CONNECTOR_MODULE = "eagle3.stages.s02_extract.vllm_connector"  # imports vLLM; loaded by vLLM's workers only
 PARAMS_KEY = "eagle3_store"  # where a request's kv_transfer_params tell the connector its store file
 DONE_TIMEOUT_S = 600.0  # how long to wait for the worker to write a file's last rows
-# Architectures the vllm backend refuses on CPU: vLLM needs the multimodal parts the
-# tiny test target (eagle3/tools/tiny.py, kind kimi_k25) does not have.
-UNSUPPORTED_ON_CPU = {"KimiK25ForConditionalGeneration"}
 
 
 def extraction_engine(engine: EngineConfig, batch_tokens: int) -> EngineConfig:
@@ -69,14 +78,6 @@ def extracting(engine: EngineConfig, layer_ids: Sequence[int]) -> EngineConfig:
     )
 
 
-def check_supported(info: TargetInfo) -> None:
-    if on_cpu() and info.architecture in UNSUPPORTED_ON_CPU:
-        raise PipelineError(
-            f"{info.source}: vLLM loads {info.architecture} with its vision tower and image processor, "
-            f"which the tiny CPU test target lacks (and a real Kimi-K2.5 does not fit a CPU box); use "
-            f"--backend hf on CPU, and the vllm backend on the GPU box.")
-
-
 def _done_lines(done_log: Path) -> list[str]:
     return done_log.read_text().splitlines() if done_log.exists() else []
 
@@ -86,7 +87,6 @@ class VllmBackend:
 
     def __init__(self, info: TargetInfo, aux_layers: Sequence[int], engine: EngineConfig, batch_tokens: int):
         """`engine`: the stage's engine settings for `info`'s target, its context length set."""
-        check_supported(info)
         quiet_vllm()  # before `extracting` imports vllm
         self.info = info
         self._threads = None

@@ -43,7 +43,7 @@ WARMUP_TOKENS = 8  # a warmup request only needs to reach the decode path
 # The engine settings a run's request carries, flat under EngineConfig's names (the target
 # as "target"), as results.json's `settings` shows them.
 ENGINE_KEYS = ("dtype", "tensor_parallel_size", "max_model_len", "max_num_seqs", "seed", "gpu_memory_utilization",
-               "kv_cache_gib", "enforce_eager", "engine_in_process", "trust_remote_code")
+               "kv_cache_gib", "enforce_eager", "engine_in_process", "trust_remote_code", "language_model_only")
 
 
 # --------------------------------------------------------------------------- engine-side readings
@@ -128,6 +128,25 @@ def _per_request_metrics_supported() -> bool:
     from vllm.engine.arg_utils import EngineArgs
 
     return "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def refuse_drafter_on_cpu_mla(target: str, text_config: dict) -> None:
+    """One line, before any engine starts, where vLLM's CPU build cannot serve a drafter: an
+    MLA target (DeepSeek-V3, Kimi-K2/K2.5: `kv_lora_rank` in the text config).
+
+    Read in vLLM 0.32: the CPU MLA backend takes KV blocks of exactly 16 tokens
+    (v1/attention/backends/mla/cpu_mla.py, `get_supported_kernel_block_sizes`), the CPU
+    attention the EAGLE-3 drafter runs on takes multiples of 32 (v1/attention/backends/cpu_attn.py),
+    and the engine needs one block size for both: it stops at start with "No common block size
+    for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])" (v1/worker/utils.py). The plain target
+    serves (stages 00 and 02 run on it); a GPU's MLA and attention backends share a size.
+    """
+    rank = text_config.get("kv_lora_rank")
+    if rank and vllm_engine.on_cpu():
+        raise PipelineError(
+            f"{target}: vLLM's CPU build cannot serve an EAGLE-3 drafter beside an MLA target (kv_lora_rank {rank}): "
+            f"its MLA attention needs KV blocks of 16 tokens and the drafter's attention multiples of 32, so the "
+            f"engine finds no common block size; run stage 06 on a GPU box.")
 
 
 def engine_request(engine: EngineConfig) -> dict[str, Any]:

@@ -72,17 +72,19 @@ from eagle3.core.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, l
 from eagle3.core.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_layers, intended_layers, rules_for,
                                       target_family)
 from eagle3.core.errors import PipelineError
+from eagle3.core.loss_mask import assistant_suffix
 from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
                                   record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.positions import position_reach, reach_line
 from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.core.tokenizer_check import check_tokenizer
 from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.vocab_map import target_ids
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
-from eagle3.stages.s06_evaluate.engine import engine_request, run_engine
+from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_cpu_mla, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
 from eagle3.stages.s06_evaluate.report import report_lines, summarise, write_plot
@@ -176,6 +178,8 @@ def _check_target(cfg: EvaluateConfig, prep: Manifest | None, drafter_cfg: dict,
         raise PipelineError(f"target hidden size mismatch: {hidden} ({drafter_dir}/config.json) vs "
                             f"{info.hidden_size} ({cfg.target_model}); pass the drafter's own target.")
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
+    check_tokenizer(cfg.target_model, tok, trust_remote_code=cfg.trust_remote_code,
+                    suffix=assistant_suffix(tok, record_of(prep).chat_template_kwargs if prep is not None else None))
     fp = tokenizer_fingerprint(tok)
     if prep is not None and fp != record_of(prep).tokenizer_fingerprint:
         raise PipelineError(f"the tokenizer of {cfg.target_model} is not the one stage 01 tokenized with "
@@ -404,6 +408,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
         _log_report(results, warn=False)
         return results
 
+    refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)  # every run plan serves the drafter
     train = _train_record(wd, drafter)
     expectation = _expectation(wd, cfg, drafter, train)
     capture = layer_capture(drafter.config, info)
