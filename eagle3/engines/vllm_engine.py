@@ -80,6 +80,38 @@ def quiet_vllm() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log.isEnabledFor(logging.DEBUG) else "ERROR")
 
 
+def guard_llvmlite_proxy() -> bool:
+    """Let vLLM 0.32's CPU worker start once numba is loaded; True when the guard is in place.
+
+    At worker start vLLM's CPU platform (platforms/cpu.py, `register_triton_kernel_overrides`)
+    scans every module namespace (triton_utils/dispatcher.py, `_rebind_kernels`): for each value
+    with a `__dict__` it calls `vars(value).get("kernel")`. llvmlite's `ffi.lib` (class
+    `_lib_wrapper`, `__slots__` and a `__getattr__` that wraps any name as a C function) answers
+    `__dict__` with a function wrapper, and the scan fails with "'_lib_fn_wrapper' object has no
+    attribute 'get'". llvmlite is loaded by numba, which the CPU build installs and which
+    Kimi-K2.5's module imports (its fused image processor). The proxy only stands for the
+    library's `LLVMPY_*` functions, so dunder names are refused here as plain attribute misses.
+    vLLM forks its engine processes on CPU, so the children inherit the guarded class.
+    """
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:  # no numba, no llvmlite: nothing to guard
+        return False
+    proxy = type(ffi.lib)
+    lookup = proxy.__getattr__
+    if getattr(lookup, "eagle3_guard", False):
+        return True
+
+    def guarded(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    guarded.eagle3_guard = True
+    proxy.__getattr__ = guarded
+    return True
+
+
 def start_llm(engine: EngineConfig, *, fix: str):
     """`vllm.LLM(**engine_kwargs(engine))`, or a PipelineError naming the model, vLLM's error and `fix`.
 
@@ -91,6 +123,9 @@ def start_llm(engine: EngineConfig, *, fix: str):
     """
     quiet_vllm()
     from vllm import LLM
+
+    if on_cpu():
+        guard_llvmlite_proxy()
 
     in_process = engine.engine_in_process
     engine_kw = engine_kwargs(engine)

@@ -29,16 +29,6 @@ from eagle3.core.manifest import read_manifest, record_of
 from eagle3.core.store import HiddenStateStore
 from eagle3.core.workdir import WorkDir
 
-# vLLM 0.32's CPU build cannot start this class yet: at worker start its CPU platform
-# (platforms/cpu.py `register_triton_kernel_overrides`) scans every module namespace
-# (triton_utils/dispatcher.py `_rebind_kernels`) and calls `vars(value).get("kernel")`; the
-# Kimi class's module imports vLLM's fused image processor, which imports numba when it is
-# installed, and llvmlite's `ffi.lib` answers `vars()` with one of its function wrappers:
-# "AttributeError: '_lib_fn_wrapper' object has no attribute 'get'". Strict: the marker must go
-# once a vLLM release (or a workaround here) lets the engine start. docs/KIMI_K25.md.
-ENGINE_BUG = pytest.mark.xfail(strict=True, raises=PipelineError, reason=(
-    "vLLM 0.32 CPU: _rebind_kernels calls vars(llvmlite ffi.lib).get at worker start once the Kimi class's "
-    "module imported numba"))
 N_CHATS = 12
 MAX_NEW = 12
 AUX = [2, 4, 5]  # the default [2, N//2, N-3] of the tiny 8-layer target
@@ -76,7 +66,6 @@ def test_the_tiny_target_is_shaped_as_kimi_k25(tiny_targets):
             "language_model.model.norm.weight"} <= set(names)
 
 
-@ENGINE_BUG
 def test_stage_00_generated_with_vllms_kimi_class(kimi_run):
     _, wd = kimi_run
     g = record_of(read_manifest(wd, "generate", needed_by="test"))
@@ -98,7 +87,6 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return e.median().item() < 0.04 and e.quantile(0.9).item() < 0.10
 
 
-@ENGINE_BUG
 def test_stage_02_captures_through_language_model_and_layer_id_n(kimi_run, tiny_targets, tmp_path):
     """vLLM's store against the hf backend's on the same samples, and both against
     transformers' hidden_states of the same weights unnested (the tiny DeepSeek-V3)."""
@@ -132,7 +120,6 @@ def test_stage_02_captures_through_language_model_and_layer_id_n(kimi_run, tiny_
         assert _close(y.final, hs[8][0])
 
 
-@ENGINE_BUG
 def test_stages_03_to_05_ran_on_the_vllm_store(kimi_run):
     _, wd = kimi_run
     exported = json.loads((wd.export_dir() / "config.json").read_text())
@@ -141,7 +128,6 @@ def test_stages_03_to_05_ran_on_the_vllm_store(kimi_run):
     assert (wd.export_dir() / "model.safetensors").is_file()
 
 
-@ENGINE_BUG
 def test_stage_06_serves_the_plain_target_and_refuses_a_drafter_in_one_line(kimi_run, tmp_path):
     from eagle3.stages.s06_evaluate import engine as evaluate_engine
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
