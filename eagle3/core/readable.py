@@ -82,7 +82,7 @@ def with_interval(x, half_width, sig: int = 3) -> str:
     (1.667, 0.0712) -> "1.67 ±0.07", (2.912, 0.1034) -> "2.91 ±0.10"."""
     if _missing(x):
         return NA
-    if _missing(half_width):
+    if _missing(half_width) or half_width <= 0:  # no spread measured (e.g. nothing ever accepted)
         return num(x, sig)
     d = interval_decimals(float(half_width))
     return f"{float(x):.{d}f} ±{float(half_width):.{d}f}"

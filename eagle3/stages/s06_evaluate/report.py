@@ -8,6 +8,7 @@ draws evaluate.png. Pure functions, except `write_plot`'s one file.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,70 @@ def report_lines(r: dict) -> list[str]:
                      f"greedy ones (greedy verification is exact up to {r['settings']['dtype']} rounding of batched "
                      f"verify)")
     return lines
+
+
+# --------------------------------------------------------------------------- the model card's table
+
+def hardware(engine: dict, settings: dict) -> str:
+    """What the engine ran on: the GPU model (vLLM's name for it) x tensor parallel, or this
+    CPU's model name and the cores this process may use."""
+    tp = settings.get("tensor_parallel_size") or 1
+    if engine.get("platform") != "cpu":
+        return f"{tp} x {engine.get('platform')}"
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {name}, {len(os.sched_getaffinity(0))} cores"
+
+
+def card_table(r: dict, when: str) -> str:
+    """Stage 06's section of the model card (Markdown): acceptance per temperature, position and
+    category with 95% intervals, the untrained floor, speed and break-even with their intervals,
+    the engine and the hardware. `when`: the date of the measurement."""
+    K = r["num_speculative_tokens"]
+    rows = r.get("acceptance") or []
+    eng, settings = r["engine"], r.get("settings") or {}
+    prompts = r.get("prompts") or {}
+    heads = [_temp(row["temperature"]) for row in rows]
+    out = [f"Measured by `{WorkDir.script('evaluate')}` on {when}: vLLM {eng.get('version')} on "
+           f"{hardware(eng, settings)}, K = {K} speculative tokens, {prompts.get('count')} prompts "
+           f"(`{prompts.get('source')}`), up to {settings.get('max_new_tokens')} new tokens each. Intervals are "
+           f"95% over prompts.", "",
+           "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    out.append("| acceptance length | " + " | ".join(_pm(row["trained"]) for row in rows) + " |")
+    for k in range(K):
+        out.append(f"| accepted through position {k} | "
+                   + " | ".join(_fmt((row["trained"].get("acceptance_per_position") or [None] * K)[k])
+                                for row in rows) + " |")
+    if rows and rows[0].get("untrained"):
+        out.append("| untrained drafter (the floor) | " + " | ".join(
+            _pm(row.get("untrained")) if row.get("untrained") else "-" for row in rows) + " |")
+    cats = (r.get("categories") or {}).get("names") or []
+    for name in cats:
+        out.append(f"| {r['categories']['field']}: {name} (n={r['categories']['prompts'][name]}) | "
+                   + " | ".join(_pm(row["trained"]["by_category"].get(name)) for row in rows) + " |")
+    exp = r.get("expected_accept_length_training") or {}
+    out.append("")
+    if exp.get("value") is not None:
+        out.append(f"Training-time estimate for K = {exp.get('k')}: {readable.num(exp['value'])}.")
+    timing = r.get("timing") or {}
+    tps = r.get("tokens_per_s") or {}
+    if timing.get("prompts"):
+        out += [f"Speed, single stream, greedy, {timing['prompts']} prompts timed: {readable.num(tps.get('plain'))} "
+                f"tokens/s without the drafter, {readable.num(tps.get('speculative'))} with it; speedup "
+                f"{speed_phrase(r)}.",
+                f"Break-even acceptance length L* (a speculative step's cost in plain steps, decode only): "
+                f"{break_even_phrase(r)}. Timings hold for this hardware and these engine settings only."]
+    else:
+        out.append("Speed: not measured (--timing-prompts 0).")
+    for problem in r.get("timing_problems") or []:
+        out.append(f"Timings unreliable: {problem}.")
+    return "\n".join(out) + "\n"
 
 
 # --------------------------------------------------------------------------- plot
