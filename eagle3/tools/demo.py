@@ -23,6 +23,7 @@ from eagle3.core import readable
 from eagle3.core.config import load_yaml
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import read_record
+from eagle3.core.model_card import CARD_NAME
 from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s06_evaluate.report import speed_phrase
@@ -215,8 +216,10 @@ def summary_text(work_dir: Path | str, elapsed_s: float | None = None,
         lines.append(f"wall time {_mmss(elapsed_s)} for the whole run (target build to stage 06)")
     if stage_times:
         lines.append("  per stage  " + "  ".join(f"{name} {_mmss(sec)}" for name, sec in stage_times))
+    card = Path(ev.drafter_dir) / CARD_NAME
     lines += [f"files     {wd.evaluate_results()}, {wd.evaluate_plot()}, "
-              f"drafter {ev.drafter_dir}", ""]
+              f"drafter {ev.drafter_dir}" + (f" (model card {card}: publish with `hf upload`)" if card.is_file() else ""),
+              ""]
     return "\n".join(lines)
 
 
