@@ -100,7 +100,8 @@ def serve_commands(target: str, drafter: str, k: int, tensor_parallel: int = 1,
     return {
         "sglang": (f"python -m sglang.launch_server --model-path {target}{sg_tp}{trust} \\\n"
                    f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {drafter} \\\n"
-                   f"    --speculative-num-steps {k} --speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"),
+                   f"    --speculative-num-steps {k} --speculative-eagle-topk 1 "
+                   f"--speculative-num-draft-tokens {k + 1}"),
         "vllm": f"vllm serve {target}{vl_tp}{trust} \\\n    --speculative-config '{spec}'",
     }
 

@@ -148,7 +148,8 @@ def served_lines(results: dict) -> list[str]:
                         if (results.get("timing") or {}).get("prompts") else ""))
     if results.get("break_even_acceptance_length") is not None:
         lo_hi = results.get("break_even_ci95") or [None, None]
-        lines.append(f"  break-even          L* = {readable.with_range(results['break_even_acceptance_length'], *lo_hi)}"
+        be = readable.with_range(results["break_even_acceptance_length"], *lo_hi)
+        lines.append(f"  break-even          L* = {be}"
                      f" (a speculative step costs that many plain steps on this machine)")
     teacher = (results.get("teacher") or {}).get("greedy_equals_dataset_answer")
     if teacher is not None:
@@ -218,7 +219,8 @@ def summary_text(work_dir: Path | str, elapsed_s: float | None = None,
         lines.append("  per stage  " + "  ".join(f"{name} {_mmss(sec)}" for name, sec in stage_times))
     card = Path(ev.drafter_dir) / CARD_NAME
     lines += [f"files     {wd.evaluate_results()}, {wd.evaluate_plot()}, "
-              f"drafter {ev.drafter_dir}" + (f" (model card {card}: publish with `hf upload`)" if card.is_file() else ""),
+              f"drafter {ev.drafter_dir}"
+              + (f" (model card {card}: publish with `hf upload`)" if card.is_file() else ""),
               ""]
     return "\n".join(lines)
 

@@ -403,4 +403,5 @@ def _drafter_intact(out_dir: Path, m: Manifest) -> bool:
     """The weights and config as exported, and a card (stage 06 edits it, so only its presence
     counts: an export from before cards existed is redone once, to get one)."""
     files = record_of(m).drafter_files
-    return bool(files) and (out_dir / CARD_NAME).is_file() and all((out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())
+    return bool(files) and (out_dir / CARD_NAME).is_file() and all(
+        (out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())

@@ -220,7 +220,8 @@ def report_lines(r: dict) -> list[str]:
     if timing.get("prompts"):
         sp = timing.get("speedup_per_prompt") or {}
         lines += [
-            f"tokens/s (single stream, {timing['prompts']} of {n} prompts, greedy): plain {readable.num(tps['plain'])}, "
+            f"tokens/s (single stream, {timing['prompts']} of {n} prompts, greedy): plain "
+            f"{readable.num(tps['plain'])}, "
             f"with drafter {readable.num(tps['speculative'])} -> speedup {speed_phrase(r)} "
             f"(per prompt {readable.num(sp.get('min'))}-{readable.num(sp.get('max'))}x, decode only "
             f"{readable.num(r['decode_speedup'])}x; acceptance length on these prompts "
