@@ -230,8 +230,7 @@ def _acceptance_rows(results: dict) -> list[str]:
     def fmt(block):
         if not block or block.get("acceptance_length") is None:
             return "n/a"
-        ci = block.get("ci95")
-        return f"{block['acceptance_length']:.2f}" + (f" ±{ci:.2f}" if ci is not None else "")
+        return readable.with_interval(block["acceptance_length"], block.get("ci95"))
 
     rows = results.get("acceptance") or []
     lines = []
