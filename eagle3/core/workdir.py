@@ -107,6 +107,10 @@ class WorkDir:
     def tensorboard_dir(self) -> Path:
         return self.stage_dir("train") / "tensorboard"
 
+    def tracker_dir(self) -> Path:
+        """Local files of stage 04's other trackers (wandb's offline run, MLflow's file store)."""
+        return self.stage_dir("train") / "trackers"
+
     def train_metrics(self) -> Path:
         return self.stage_dir("train") / "metrics.jsonl"
 

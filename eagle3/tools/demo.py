@@ -19,11 +19,14 @@ import json
 import sys
 from pathlib import Path
 
+from eagle3.core import readable
 from eagle3.core.config import load_yaml
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import read_record
+from eagle3.core.model_card import CARD_NAME
 from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.workdir import WorkDir
+from eagle3.stages.s06_evaluate.report import speed_phrase
 
 CURVE_ROWS = 8  # held-out evaluations shown in the training table (evenly spaced)
 
@@ -139,11 +142,15 @@ def served_lines(results: dict) -> list[str]:
         *_acceptance_rows(results),
     ]
     if tps.get("plain") is not None and tps.get("speculative") is not None:
-        lines.append(f"  tokens/s            plain {_num(tps['plain'], '.1f')}  |  with drafter "
-                     f"{_num(tps['speculative'], '.1f')}  |  speedup {_num(results['speedup'], '.2f')}x")
+        lines.append(f"  tokens/s            plain {readable.num(tps['plain'])}  |  with drafter "
+                     f"{readable.num(tps['speculative'])}  |  speedup {speed_phrase(results)}"
+                     + (f" ({results['timing']['prompts']} prompts timed single stream)"
+                        if (results.get("timing") or {}).get("prompts") else ""))
     if results.get("break_even_acceptance_length") is not None:
-        lines.append(f"  break-even          L* = {results['break_even_acceptance_length']:.2f} (a speculative step "
-                     f"costs that many plain steps on this machine)")
+        lo_hi = results.get("break_even_ci95") or [None, None]
+        be = readable.with_range(results["break_even_acceptance_length"], *lo_hi)
+        lines.append(f"  break-even          L* = {be}"
+                     f" (a speculative step costs that many plain steps on this machine)")
     teacher = (results.get("teacher") or {}).get("greedy_equals_dataset_answer")
     if teacher is not None:
         lines.append(f"  teacher check       {_pct(teacher)} of the target's greedy answers repeat the dataset's "
@@ -180,11 +187,18 @@ def verdict_lines(results: dict) -> list[str]:
                  f"{abs(rel) * 100:.1f}% {'above' if rel > 0 else 'below'} it")
         out.append(f"served {served} vs the training-time estimate {est:.2f}: {where}")
     if be is not None:
-        pays = L > be
+        # With intervals (stage 06 since the paired speed intervals), beats_break_even is None
+        # when they overlap: a verdict that noise could flip is not given.
+        pays = results.get("beats_break_even", L > be)
+        lo_hi = results.get("break_even_ci95") or [None, None]
         sp = results.get("speedup")
-        out.append(f"measured L {L:.2f} {'>' if pays else '<='} break-even L* {be:.2f}: drafting "
-                   f"{'pays off' if pays else 'does NOT pay off'} on this machine"
-                   + (f", {sp:.2f}x tokens/s single stream" if sp is not None else "")
+        verb = {True: ">", False: "<=", None: "vs"}[pays]
+        what = {True: "drafting pays off on this machine", False: "drafting does NOT pay off on this machine",
+                None: "no difference shown (the 95% intervals overlap; time more prompts with "
+                      "--timing-prompts, on an idle machine)"}[pays]
+        out.append(f"measured L {readable.with_interval(L, ci)} {verb} break-even L* "
+                   f"{readable.with_range(be, lo_hi[0], lo_hi[1])}: {what}"
+                   + (f"; speedup {speed_phrase(results)} single stream" if sp is not None else "")
                    + (" (timings unreliable, see the WARNING above)" if results.get("timing_problems") else ""))
     return [("verdict   " if i == 0 else "          ") + line for i, line in enumerate(out)]
 
@@ -203,8 +217,11 @@ def summary_text(work_dir: Path | str, elapsed_s: float | None = None,
         lines.append(f"wall time {_mmss(elapsed_s)} for the whole run (target build to stage 06)")
     if stage_times:
         lines.append("  per stage  " + "  ".join(f"{name} {_mmss(sec)}" for name, sec in stage_times))
+    card = Path(ev.drafter_dir) / CARD_NAME
     lines += [f"files     {wd.evaluate_results()}, {wd.evaluate_plot()}, "
-              f"drafter {ev.drafter_dir}", ""]
+              f"drafter {ev.drafter_dir}"
+              + (f" (model card {card}: publish with `hf upload`)" if card.is_file() else ""),
+              ""]
     return "\n".join(lines)
 
 
@@ -213,8 +230,7 @@ def _acceptance_rows(results: dict) -> list[str]:
     def fmt(block):
         if not block or block.get("acceptance_length") is None:
             return "n/a"
-        ci = block.get("ci95")
-        return f"{block['acceptance_length']:.2f}" + (f" ±{ci:.2f}" if ci is not None else "")
+        return readable.with_interval(block["acceptance_length"], block.get("ci95"))
 
     rows = results.get("acceptance") or []
     lines = []

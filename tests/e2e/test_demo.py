@@ -41,13 +41,21 @@ def test_verdict_judges_trained_untrained_estimate_and_break_even():
     assert lines[0] == ("verdict   trained beats untrained: 1.57 ±0.05 vs 1.00 tokens per step; the drafter learned "
                         "what the target writes")
     assert lines[1] == "          served 1.57 ±0.05 vs the training-time estimate 1.64: 4.3% below it"
-    assert lines[2] == ("          measured L 1.57 > break-even L* 1.10: drafting pays off on this machine, 1.35x "
-                        "tokens/s single stream")
+    assert lines[2] == ("          measured L 1.57 ±0.05 > break-even L* 1.10: drafting pays off on this machine; "
+                        "speedup 1.35x single stream")
     close = verdict_lines(results(acceptance_length=1.62))
     assert "agrees with it (within the 95% interval)" in close[1]
-    worse = verdict_lines(results(acceptance_length=1.03, speedup=0.8, timing_problems=["passes disagree"]))
+    worse = verdict_lines(results(acceptance_length=1.03, speedup=0.8, beats_break_even=False,
+                                  timing_problems=["passes disagree"]))
     assert worse[0].startswith("verdict   trained does NOT beat untrained: 1.03 ±0.05 vs 1.00")
-    assert "measured L 1.03 <= break-even L* 1.10: drafting does NOT pay off on this machine, 0.80x" in worse[2]
+    assert "measured L 1.03 ±0.05 <= break-even L* 1.10: drafting does NOT pay off on this machine; speedup 0.80x" \
+        in worse[2]
+    # Stage 06 with paired speed intervals: overlapping intervals give no verdict either way.
+    noisy = verdict_lines(results(acceptance_length=1.12, beats_break_even=None, break_even_ci95=[1.02, 1.19],
+                                  speedup=0.97, speedup_ci95=[0.88, 1.07], speedup_verdict="no difference shown"))
+    assert noisy[2] == ("          measured L 1.12 ±0.05 vs break-even L* 1.10 [1.02, 1.19]: no difference shown (the "
+                        "95% intervals overlap; time more prompts with --timing-prompts, on an idle machine); "
+                        "speedup 0.97x [0.88, 1.07]: no difference shown single stream")
     assert worse[2].endswith("(timings unreliable, see the WARNING above)")
 
 

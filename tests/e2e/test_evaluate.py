@@ -264,19 +264,22 @@ def test_single_stream_timing_break_even_and_summary():
     assert r["acceptance_length"] == pytest.approx(1 + 15 / 12) and r["acceptance_temperature"] == 0.0
     assert [row["trained"]["acceptance_length"] for row in r["acceptance"]] == pytest.approx([2.25, 1.5])
     assert r["untrained_acceptance_length"] == 1.0
-    # A speculative step costs 2.5 plain steps: L = 2.25 does not beat it.
-    assert r["break_even_acceptance_length"] == pytest.approx(2.5) and r["beats_break_even"] is False
+    # A speculative step costs 2.5 plain steps: L = 2.25 falls short of it, but over 3 prompts its
+    # 95% interval holds 2.5, so no difference is shown (tests/unit/test_speed_verdicts.py).
+    assert r["acceptance_length_ci95"] > 0.25
+    assert r["break_even_acceptance_length"] == pytest.approx(2.5) and r["beats_break_even"] is None
     assert r["speedup"] == pytest.approx(0.5 / 0.45)
     assert r["timing"]["speedup_per_prompt"] == pytest.approx({"min": 1.0, "median": 1.125, "max": 1.25})
     assert r["timing"]["acceptance_length"] == pytest.approx(2.5) and r["timing"]["prompts"] == 2
     assert r["batched"]["tokens_per_s"] == pytest.approx({"plain": 50.0, "speculative": 30.0})
     text = "\n".join(report_lines(r))
-    assert "acceptance length (K=3): 2.250 ±" in text and "training-time expected 2.400" in text
-    assert "greedy: trained 2.25 ±" in text and "| untrained 1.00" in text
+    # Rounded to the interval's precision (eagle3/core/readable.py): 2.25 ±0.5 prints as 2.2 ±0.5.
+    assert "acceptance length (K=3): 2.2 ±0.5 " in text and "training-time expected 2.40" in text
+    assert "greedy: trained 2.2 ±0.5" in text and "| untrained 1.00" in text
     assert r["acceptance"][1]["untrained"] is None and text.count("untrained 1.00") == 1
     assert "T=0.7: trained 1.50 per position 0.50 0.00 0.00\n" in text + "\n"
     assert "single stream, 2 of 3 prompts" in text and "per prompt 1.00-1.25x" in text
-    assert "break-even acceptance length 2.50" in text and "does NOT beat it" in text
+    assert "break-even acceptance length 2.50: no difference shown" in text
 
 
 def test_timings_come_from_the_fastest_pass():

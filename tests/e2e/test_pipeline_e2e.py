@@ -155,3 +155,27 @@ def test_demo_summary(demo_run):
     assert f"trained {r['acceptance_length']:.2f}  |  untrained {r['untrained_acceptance_length']:.2f}" in text
     assert "coverage of assistant tokens" in text and "full_acc_0" in text and "break-even" in text
     assert "trained beats untrained" in text and "wall time 2m05s" in text
+
+
+def test_stage_06_fills_the_model_card_between_its_markers(demo_run):
+    """Stage 05's card gets stage 06's measured table; a user's edit outside the markers survives
+    a rerun, which writes the same table again (eagle3/core/model_card.py)."""
+    from huggingface_hub import ModelCard
+
+    from eagle3.core.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
+
+    wd, cfg, r = demo_run
+    card_path = Path(json.loads(wd.manifest("export").read_text())["record"]["drafter_dir"]) / CARD_NAME
+    text = card_path.read_text()
+    table = text[text.index(EVALUATE_BEGIN):text.index(EVALUATE_END)]
+    assert "Not measured yet" not in table and "| | greedy | T=0.7 |" in table
+    assert f"vLLM {r['engine']['version']} on CPU: " in table and "| acceptance length | " in table
+    for name in CATEGORIES:
+        assert f"| topic: {name} (n={PER_CATEGORY}) | " in table
+    assert f"{TIMED} prompts timed" in table and "speedup " in table and "Break-even acceptance length" in table
+    assert ModelCard(text).data.tags and "## Serve it" in text
+    edited = text.replace("## Serve it", "My own note.\n\n## Serve it")
+    card_path.write_text(edited)
+    evaluate_drafter(cfg)  # complete: no engine, the same table written again
+    assert card_path.read_text() == edited

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from eagle3.core.config import StageConfig, param
 from eagle3.core.errors import PipelineError
+from eagle3.stages.s04_train.trackers import CHOICES as TRACKER_CHOICES
+from eagle3.stages.s04_train.trackers import check_report_to
 
 VOCAB_MODES = ("keep", "remap")
 PRECISIONS = ("auto", "bf16", "fp32")
@@ -69,6 +71,9 @@ class TrainConfig(StageConfig):
     log_every: int = param(10, identity=False, help="steps between log lines")
     eval_every: int = param(100, identity=False, help="steps between held-out evaluations")
     eval_batches: int | None = param(None, identity=False, help="cap on held-out batches per evaluation")
+    report_to: list[str] = param(default_factory=lambda: ["auto"], identity=False,
+                                 help=f"trackers fed metrics.jsonl's keys and steps, comma-separated: "
+                                      f"{', '.join(TRACKER_CHOICES)} (auto: tensorboard when installed)")
     save_every: int = param(200, identity=False, help="steps between checkpoints")
     keep_checkpoints: int = param(2, identity=False, help="step checkpoints kept besides the best one")
     # fine-tuning an existing drafter
@@ -85,6 +90,7 @@ class TrainConfig(StageConfig):
 
     def __post_init__(self):
         super().__post_init__()  # the choices and ranges declared with the fields
+        check_report_to(self.report_to)
         if self.vocab_mode == "remap" and not self.init_from:
             raise PipelineError("vocab_mode = 'remap' only applies with --init-from DRAFTER_DIR.")
         if (self.init_layer is not None or self.init_head) and self.init_from:

@@ -1,7 +1,8 @@
-"""Stage 04's metrics: sums over batches and ranks, metrics.jsonl, TensorBoard, log lines.
+"""Stage 04's metrics: sums over batches and ranks, metrics.jsonl, the trackers, log lines.
 
 Writes `WorkDir.train_metrics()` (one JSON line per log interval and evaluation,
-docs/CONVENTIONS.md §5) and, when tensorboard is installed, `WorkDir.tensorboard_dir()`.
+docs/CONVENTIONS.md §5) and feeds the same keys and steps to the trackers --report-to
+names (eagle3/stages/s04_train/trackers.py; by default TensorBoard when installed).
 Rank 0 only; the sums are reduced over the ranks through eagle3/stages/s04_train/distributed.py
 first. A resumed run drops the lines past the checkpoint it resumes from and
 continues the file, so a finished run has each step once.
@@ -17,6 +18,7 @@ import torch
 from eagle3.core.atomic import atomic_path, disk_full_error, is_disk_full
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.distributed import all_reduce_sum
+from eagle3.stages.s04_train.trackers import Tracker, open_trackers, resolve, scalars
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +93,13 @@ def read_lines_up_to(path: Path, step: int) -> list[str]:
 
 
 class MetricsLog:
-    """Rank 0: metrics.jsonl (appended; resumed runs continue it) and TensorBoard if installed."""
+    """Rank 0: metrics.jsonl (appended; resumed runs continue it) and the trackers of --report-to."""
 
-    def __init__(self, wd: WorkDir, enabled: bool, resume_step: int):
+    def __init__(self, wd: WorkDir, enabled: bool, resume_step: int, report_to: list[str] | None = None,
+                 run_config: dict | None = None):
         self.enabled = enabled
         self.path = wd.train_metrics()
-        self.tb = None
+        self.trackers: list[Tracker] = []
         if not self.enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,25 +107,19 @@ class MetricsLog:
             text = "".join(k + "\n" for k in read_lines_up_to(self.path, resume_step))
             with atomic_path(self.path, expected_bytes=len(text.encode())) as tmp:
                 tmp.write_text(text)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(wd.tensorboard_dir()))
-        except ImportError:
-            log.info("tensorboard is not installed; metrics go to %s only", self.path)
+        self.trackers = open_trackers(resolve(report_to or ["auto"]), wd, run_config or {})
 
     def write(self, split: str, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
         append_line(self.path, json.dumps({"split": split, "step": step, **metrics}))
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)):
-                    self.tb.add_scalar(f"{split}/{k}", v, step)
+        values = scalars(split, metrics)
+        for t in self.trackers:
+            t.log(step, values)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for t in self.trackers:
+            t.close()
 
 
 def fmt(split: str, step: int, total: int, m: dict, K: int, extra: str = "") -> str:

@@ -58,6 +58,7 @@ from eagle3.stages.s04_train.finetune import InitReport, load_initial_drafter
 from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_loss_positions
 from eagle3.stages.s04_train.memory import GIB, predict_peak
 from eagle3.stages.s04_train.metrics import MetricsLog, MetricSum, fmt
+from eagle3.stages.s04_train.summary import all_settings, end_of_run_lines, run_config
 from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
 
 log = logging.getLogger(__name__)
@@ -488,7 +489,10 @@ class Trainer:
 
         cfg = self.cfg
         self.resume()
-        self.metrics = MetricsLog(self.wd, self.d.main, self.step)  # drops lines past the resumed step
+        self.metrics = MetricsLog(  # drops lines past the resumed step; feeds the trackers of --report-to
+            self.wd, self.d.main, self.step, report_to=cfg.report_to,
+            run_config=run_config(self.src.params, self.src.identity, self.src.inputs, self.dcfg.to_dict(),
+                                  self.store.aux_layers, self.d.world, all_settings(cfg)) if self.d.main else None)
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", disable=not self.d.main)
         try:
             if self.step == 0:
@@ -539,8 +543,9 @@ class Trainer:
             log.warning("no trained step beat the initial drafter (held-out expected accept length %.3f at step 0); "
                         "best.pt holds the initial weights of %s: lower --learning-rate, or fine-tune on more data",
                         best["expected_accept_length"], self.cfg.init_from)
-        log.info("stage 04: %d steps; best held-out expected accept length %.3f at step %s -> %s", self.step,
-                 best["expected_accept_length"], best["step"], wd.best_checkpoint())
+        for line in end_of_run_lines(wd, self.step, self.ttt.num_steps, best, self.last_eval, self.step,
+                                     self.cfg.init_from):
+            log.info("%s", line)
         return m
 
 

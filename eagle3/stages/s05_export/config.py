@@ -15,6 +15,9 @@ class ExportConfig(StageConfig):
     out_dir: Path | None = param(None, help="drafter folder to write (default: WORK/05_export)")
     include_embed_tokens: bool = param(False, help="also write the target's embedding as embed_tokens "
                                                    "(the engines use the target's when it is absent)")
+    base_model: str | None = param(None, help="Hub id the model card names as `base_model` (default: --target-model "
+                                              "when it is a Hub id; a local target folder needs this for the "
+                                              "card to link its target)")
     dtype: str = param("bfloat16", choices=DTYPE_CHOICES, help="weight dtype (bfloat16 is what the engines serve)")
     allow_engine_mismatch: bool = param(False, identity=False, help="export even when an engine rule would "
                                         "capture other layers than training used (the report says which)")

@@ -9,6 +9,8 @@ Reads
     the target's config.json               sizes, max_position_embeddings, family
 writes (docs/CONVENTIONS.md §6 and §7)
     OUT/config.json, OUT/model.safetensors         OUT = --out-dir, default WORK/05_export
+    OUT/README.md                                  the model card (eagle3/stages/s05_export/card.py);
+                                                   stage 06 fills its measured section
     WORK/05_export/export_report.json, export_report.md, manifest.json
 
 Run: `python 05_export_drafter.py --config configs/tiny-llama.yaml`.
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from eagle3.core import readable
 from eagle3.core.atomic import atomic_path, write_json
 from eagle3.core.config import identity_params
 from eagle3.core.dataset import load_token_freq
@@ -37,12 +40,14 @@ from eagle3.core.manifest import (Manifest, already_complete, check_same, manife
                                   read_record, record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig
 from eagle3.core.positions import position_reach, reach_line
+from eagle3.core.model_card import CARD_NAME, hub_id, target_license
 from eagle3.core.records import ExportRecord, TrainRecord
 from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
 from eagle3.core.target_head import load_embedding
 from eagle3.core.train_outputs import read_training_checkpoint
 from eagle3.core.vocab_map import coverage, load_mapping, target_ids
 from eagle3.core.workdir import MANIFEST_NAME, WorkDir
+from eagle3.stages.s05_export.card import card_text, write_card
 from eagle3.stages.s05_export.config import ExportConfig
 
 log = logging.getLogger(__name__)
@@ -185,14 +190,14 @@ def report_markdown(r: dict) -> str:
     cov = r["vocab"]
     for split in ("train", "eval"):
         if isinstance(cov.get(split), dict) and "coverage" in cov[split]:
-            lines.append(f"- coverage of {split} assistant tokens: {100 * cov[split]['coverage']:.2f}% "
-                         f"of {cov[split]['assistant_tokens']}")
+            lines.append(f"- coverage of {split} assistant tokens: {readable.pct(cov[split]['coverage'])} "
+                         f"of {readable.count(cov[split]['assistant_tokens'])}")
     if cov.get("note"):
         lines.append(f"- {cov['note']}")
     s03 = cov.get("stage03_manifest") or {}
     if s03.get("coverage_eval") is not None:
-        lines.append(f"- stage 03's mapping (its manifest): coverage train {100 * s03['coverage_train']:.2f}%, "
-                     f"held-out {100 * s03['coverage_eval']:.2f}%")
+        lines.append(f"- stage 03's mapping (its manifest): coverage train {readable.pct(s03['coverage_train'])}, "
+                     f"held-out {readable.pct(s03['coverage_eval'])}")
     if cov.get("vs_stage03"):
         v = cov["vs_stage03"]
         lines.append(f"- against stage 03's mapping: {v['positions_differing']} positions differ, "
@@ -203,8 +208,7 @@ def report_markdown(r: dict) -> str:
                      f"out of range {d['out_of_range']}")
     eal = r["expected_accept_length"]
     lines += ["", "## Quality", "",
-              f"- held-out expected accept length: {eal['value'] if eal['value'] is not None else 'n/a'} "
-              f"({eal['source']})", ""]
+              f"- held-out expected accept length: {readable.num(eal['value'])} ({eal['source']})", ""]
     if r["findings"]:
         lines += ["## Notes", ""] + [f"- {f}" for f in r["findings"]] + [""]
     return "\n".join(lines)
@@ -377,6 +381,15 @@ def export_drafter(cfg: ExportConfig) -> Path:
     if reach is not None:
         report["positions"] = reach
         log.info("stage 05: %s", reach_line(reach))
+    # The card before the manifest (which marks the export complete); stage 06 fills its section.
+    base_model = hub_id(cfg.target_model, cfg.base_model)
+    if base_model is None:
+        log.warning("the target %s is a local folder: the model card names no base_model; pass --base-model "
+                    "HUB_ID (e.g. in the config's export section) so the Hub links the drafter to its target",
+                    cfg.target_model)
+    write_card(x.out_dir / CARD_NAME, card_text(report, x.wd, target=x.info.source, base_model=base_model,
+                                                license=target_license(cfg.target_model),
+                                                trust_remote_code=cfg.trust_remote_code))
     m = write_report_and_manifest(x, report)
     eval_cov = report["vocab"].get("eval")
     cov = eval_cov.get("coverage") if isinstance(eval_cov, dict) else None
@@ -384,7 +397,7 @@ def export_drafter(cfg: ExportConfig) -> Path:
     log.info("stage 05: exported %s -> %s; layers %s (vLLM top-level %s, SGLang nested %s); eval coverage %s; "
              "expected accept length %s; report %s", x.ckpt_path, x.out_dir, x.layers,
              report["layers"]["config_top_level"], report["layers"]["config_nested"],
-             f"{100 * cov:.2f}%" if cov is not None else "n/a", eal if eal is not None else "n/a",
+             readable.pct(cov), readable.num(eal),
              x.wd.export_report("md"))
     log.debug("manifest %s", m.path)
     return x.out_dir
@@ -394,7 +407,7 @@ def _check_out_dir(out_dir: Path, stage_dir: Path, force: bool) -> None:
     """Replace `out_dir` only when it holds a previous export (or --force): never a user's folder."""
     if not out_dir.exists() or not any(out_dir.iterdir()):
         return
-    ours = {CONFIG_NAME, WEIGHTS_NAME, REPORT_JSON, REPORT_MD, MANIFEST_NAME}
+    ours = {CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, REPORT_JSON, REPORT_MD, MANIFEST_NAME}
     others = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
     if others and not force and out_dir.resolve() != stage_dir.resolve():
         raise PipelineError(f"--out-dir {out_dir} holds other files ({others[:5]}); it would be replaced as a whole. "
@@ -402,5 +415,8 @@ def _check_out_dir(out_dir: Path, stage_dir: Path, force: bool) -> None:
 
 
 def _drafter_intact(out_dir: Path, m: Manifest) -> bool:
+    """The weights and config as exported, and a card (stage 06 edits it, so only its presence
+    counts: an export from before cards existed is redone once, to get one)."""
     files = record_of(m).drafter_files
-    return bool(files) and all((out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())
+    return bool(files) and (out_dir / CARD_NAME).is_file() and all(
+        (out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())

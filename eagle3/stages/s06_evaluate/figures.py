@@ -22,6 +22,13 @@ Definitions (docs/CONVENTIONS.md, section 5, for the training-time side):
     c_t                   plain decode seconds per token (first token excluded: prefill)
     c_s                   speculative decode seconds per verification step
     break-even L*         c_s / c_t: drafting pays off iff L > L*; decode speedup ~ L / L*
+    95% interval of a     speedup and L* are ratios of two ratios of sums over the same timed
+    paired ratio          prompts, R = (sum x_i / sum y_i) / (sum u_i / sum v_i) (x, y from the
+                          run with the drafter, u, v from the plain run, prompt i in both); by
+                          the delta method on log R, each prompt's influence is
+                          z_i = x_i / mean(x) - y_i / mean(y) - u_i / mean(u) + v_i / mean(v),
+                          se(log R) = std(z) / sqrt(n), interval R * exp(+-1.96 se). Pairing
+                          cancels what the two runs share (a long prompt is slow in both).
 """
 from __future__ import annotations
 
@@ -156,6 +163,9 @@ def timing_pass(p: dict, K: int, speculative: bool) -> dict[str, Any]:
         "decode_tokens": decode_tokens, "decode_s": decode_s,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None,
         "request_tokens_per_s": [n / w if w > 0 else None for n, w in zip(tokens, p["request_wall_s"])],
+        # Per request, for the paired intervals of the speedup and the break-even.
+        "request_tokens": tokens, "request_wall_s": list(p["request_wall_s"]),
+        "request_decode_s": decode, "request_decode_tokens": [max(0, n - 1) for n in tokens],
     }
     if speculative:
         steps = int(c.get(DRAFTS, 0))
@@ -169,6 +179,7 @@ def timing_pass(p: dict, K: int, speculative: bool) -> dict[str, Any]:
         req_steps = [max(0, n - 1) for n in tokens]
     out["request_step_s"] = ([d / s if s else None for d, s in zip(decode, req_steps)]
                              if decode and req_steps is not None else None)
+    out["request_steps"] = req_steps
     return out
 
 
@@ -216,6 +227,75 @@ def paired_speedups(plain: dict | None, spec: dict | None) -> list[float] | None
     if not plain or not spec:
         return None
     return [s / p for p, s in zip(plain["request_tokens_per_s"], spec["request_tokens_per_s"]) if p and s]
+
+
+def paired_ratio_interval(x: list, y: list, u: list, v: list) -> tuple[float, float] | None:
+    """Relative 95% interval (low, high factors around 1) of R = (sum x / sum y) / (sum u / sum v),
+    the four lists indexed by the same prompts (delta method on log R, module docstring);
+    None below 2 complete prompts or when a sum is zero."""
+    rows = [r for r in zip(x, y, u, v) if all(a is not None for a in r)]
+    n = len(rows)
+    if n < 2:
+        return None
+    a = np.asarray(rows, dtype=np.float64)  # [n, 4]
+    means = a.mean(axis=0)
+    if not np.all(means > 0):
+        return None
+    z = a[:, 0] / means[0] - a[:, 1] / means[1] - a[:, 2] / means[2] + a[:, 3] / means[3]
+    se = float(np.std(z, ddof=1)) / math.sqrt(n)
+    return math.exp(-1.96 * se), math.exp(1.96 * se)
+
+
+def speedup_interval(plain: dict | None, spec: dict | None, speedup: float | None) -> list[float] | None:
+    """[low, high] of the end-to-end speedup: tokens per wall second with the drafter over without,
+    paired over the timed prompts (the headline `speedup` scaled by the relative interval)."""
+    if not plain or not spec or speedup is None or "request_wall_s" not in plain or "request_wall_s" not in spec:
+        return None
+    rel = paired_ratio_interval(spec["request_tokens"], spec["request_wall_s"], plain["request_tokens"],
+                                plain["request_wall_s"])
+    return [speedup * rel[0], speedup * rel[1]] if rel else None
+
+
+def break_even_interval(plain: dict | None, spec: dict | None, break_even: float | None) -> list[float] | None:
+    """[low, high] of L* = c_s / c_t: decode seconds per verification step with the drafter over
+    decode seconds per token without, paired over the timed prompts (None without per-request
+    step counts, i.e. without the engine's per-request histograms)."""
+    if not plain or not spec or break_even is None:
+        return None
+    if not spec.get("request_decode_s") or spec.get("request_steps") is None or not plain.get("request_decode_s"):
+        return None
+    rel = paired_ratio_interval(spec["request_decode_s"], spec["request_steps"], plain["request_decode_s"],
+                                plain["request_decode_tokens"])
+    return [break_even * rel[0], break_even * rel[1]] if rel else None
+
+
+def speed_verdict(interval: list[float] | None, value: float | None) -> str | None:
+    """"faster" / "slower" when the speedup's 95% interval excludes 1.0, "no difference shown" when
+    it holds 1.0; without an interval (fewer than 2 timed prompts) the point value decides."""
+    if value is None:
+        return None
+    lo, hi = interval if interval else (value, value)
+    if lo > 1.0:
+        return "faster"
+    if hi < 1.0:
+        return "slower"
+    return "no difference shown"
+
+
+def break_even_verdict(L: float | None, L_ci: float | None, be: float | None,
+                       be_interval: list[float] | None) -> bool | None:
+    """True when the measured L beats the break-even L* beyond both 95% intervals, False when it
+    falls short beyond them, None when the intervals overlap (no difference shown) or a figure is
+    missing. Without intervals the point values decide."""
+    if L is None or be is None:
+        return None
+    lo_L, hi_L = L - (L_ci or 0.0), L + (L_ci or 0.0)
+    lo_b, hi_b = be_interval if be_interval else (be, be)
+    if lo_L > hi_b:
+        return True
+    if hi_L < lo_b or (not L_ci and not be_interval and L <= be):
+        return False
+    return None
 
 
 # --------------------------------------------------------------------------- every run's figures

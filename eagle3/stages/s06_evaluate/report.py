@@ -8,14 +8,17 @@ draws evaluate.png. Pure functions, except `write_plot`'s one file.
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from eagle3.core import readable
 from eagle3.core.atomic import atomic_path
 from eagle3.core.workdir import WorkDir
-from eagle3.stages.s06_evaluate.figures import _spread, paired_speedups, timing_problems
+from eagle3.stages.s06_evaluate.figures import (_spread, break_even_interval, break_even_verdict, paired_speedups,
+                                                speed_verdict, speedup_interval, timing_problems)
 
 # How each headline figure is computed, written into results.json beside the figures.
 FORMULAS = {
@@ -28,6 +31,13 @@ FORMULAS = {
                                     "stream on the timing subset",
     "expected_accept_length_training": "1 + sum_{k<K} full_acc_k of stage 04's held-out eval",
     "speedup": "speculative tokens/s / plain tokens/s, single stream, end to end (prefill included)",
+    "speedup_ci95": "speedup x exp(+-1.96 se), se of log((sum tokens_s / sum wall_s) / (sum tokens_p / sum "
+                    "wall_p)) by the delta method, paired over the timed prompts",
+    "break_even_ci95": "L* x exp(+-1.96 se), se of log((sum decode_s_s / sum steps_s) / (sum decode_s_p / sum "
+                       "decode_tokens_p)) by the delta method, paired over the timed prompts",
+    "speedup_verdict": "faster / slower when speedup_ci95 excludes 1.0, else no difference shown",
+    "beats_break_even": "true / false when L +- its interval and L* +- its interval do not overlap, null when "
+                        "they do (no difference shown) or a figure is missing",
 }
 
 
@@ -84,6 +94,9 @@ def summarise(runs: dict[str, dict], K: int, temperatures: list[float], expectat
     tu = (untrained or {}).get("timing") or {}
     c_t, c_s = tp.get("step_s"), ts.get("step_s")
     break_even = c_s / c_t if c_t and c_s else None
+    speedup = _ratio(ts.get("tokens_per_s"), tp.get("tokens_per_s"))
+    speedup_ci = speedup_interval(tp, ts, speedup)
+    break_even_ci = break_even_interval(tp, ts, break_even)
     by_temp = _by_temperature(trained, untrained, temperatures)
     # The headline figures are at the first temperature (greedy by default).
     primary, primary_u = by_temp[0]["trained"], by_temp[0]["untrained"] or {}
@@ -108,14 +121,17 @@ def summarise(runs: dict[str, dict], K: int, temperatures: list[float], expectat
         "tokens_per_s": {"plain": tp.get("tokens_per_s"), "speculative": ts.get("tokens_per_s"),
                          "untrained": tu.get("tokens_per_s")},
         "decode_tokens_per_s": {"plain": tp.get("decode_tokens_per_s"), "speculative": ts.get("decode_tokens_per_s")},
-        "speedup": _ratio(ts.get("tokens_per_s"), tp.get("tokens_per_s")),
+        "speedup": speedup,
+        "speedup_ci95": speedup_ci,
+        "speedup_verdict": speed_verdict(speedup_ci, speedup),
         "decode_speedup": _ratio(ts.get("decode_tokens_per_s"), tp.get("decode_tokens_per_s")),
         "timing": _timing_summary(plain.get("timing"), trained.get("timing"), settings),
         "batched": _batched_throughput(plain, trained, temperatures, settings),
         "step_cost_s": {"plain_decode_step": c_t, "speculative_step": c_s,
                         "untrained_speculative_step": tu.get("step_s")},
         "break_even_acceptance_length": break_even,
-        "beats_break_even": (L > break_even) if L is not None and break_even is not None else None,
+        "break_even_ci95": break_even_ci,
+        "beats_break_even": break_even_verdict(L, primary.get("ci95"), break_even, break_even_ci),
         "timing_problems": timing_problems({n: (r or {}).get("timing") for n, r in runs.items()}),
         "outputs_match_plain": trained.get("outputs_match_plain"),
         "teacher": teacher,
@@ -134,42 +150,64 @@ def _ms(v):
     return None if v is None else 1000 * v
 
 
-def _pm(block: dict | None, spec: str = ".2f") -> str:
-    """`2.41 ±0.06` (the 95% interval over prompts), or just the value."""
+def _pm(block: dict | None) -> str:
+    """`2.41 ±0.06` (the 95% interval over prompts, rounded to its precision), or just the value."""
     if not block:
         return "n/a"
-    ci = block.get("ci95")
-    return _fmt(block.get("acceptance_length"), spec) + (f" ±{ci:{spec}}" if ci is not None else "")
+    return readable.with_interval(block.get("acceptance_length"), block.get("ci95"))
 
 
 def _temp(t: float) -> str:
     return "greedy" if t == 0 else f"T={t:g}"
 
 
+def _per_position(values) -> str:
+    """Shares in [0, 1]: two decimals each (a percent point is what a 60-prompt run resolves)."""
+    return " ".join(_fmt(a) for a in (values or []))
+
+
+def speed_phrase(r: dict) -> str:
+    """"1.07x [0.96, 1.19]: no difference shown" (the speedup, its paired 95% interval, the verdict)."""
+    sp, ci = r.get("speedup"), r.get("speedup_ci95") or [None, None]
+    verdict = r.get("speedup_verdict")
+    text = readable.with_range(sp, ci[0], ci[1], unit="x")
+    # results.json of earlier versions has no interval key at all: nothing to say about it then.
+    missing = "speedup_ci95" in r and r["speedup_ci95"] is None and sp is not None
+    return text + (f": {verdict}" if verdict else "") + (" (no interval: fewer than 2 timed prompts)" if missing
+                                                         else "")
+
+
+def break_even_phrase(r: dict) -> str:
+    """"1.39 [1.31, 1.48]: the drafter beats it" (L*, its paired interval, the comparison with L)."""
+    be, ci = r.get("break_even_acceptance_length"), r.get("break_even_ci95") or [None, None]
+    verdict = {True: "the drafter beats it", False: "the drafter does NOT beat it",
+               None: "no difference shown" if be is not None and r.get("acceptance_length") is not None
+               else "n/a"}[r.get("beats_break_even")]
+    return f"{readable.with_range(be, ci[0], ci[1])}: {verdict}"
+
+
 def report_lines(r: dict) -> list[str]:
     K = r["num_speculative_tokens"]
     exp = r["expected_accept_length_training"]
-    per = " ".join(_fmt(a, ".3f") for a in (r["acceptance_per_position"] or []))
-    exp_per = " ".join(_fmt(a, ".3f") for a in exp.get("full_acc", []))
     tps = r["tokens_per_s"]
     n = (r.get("prompts") or {}).get("count")
     ci = r.get("acceptance_length_ci95")
     # A figure this run has no source for (no training here, no baseline served) leaves its part out.
     lines = [
-        f"acceptance length (K={K}): {_fmt(r['acceptance_length'], '.3f')}"
-        + (f" ±{ci:.3f}" if ci is not None else "")
+        f"acceptance length (K={K}): {readable.with_interval(r['acceptance_length'], ci)}"
         + f" ({_temp(r.get('acceptance_temperature', 0.0))}, {n} prompts) measured in {r['engine']['name']} "
         f"{r['engine']['version']} ({r['engine']['platform']})"
-        + (f", training-time expected {_fmt(exp['value'], '.3f')} (1 + sum of full_acc_k, k<{exp.get('k')})"
+        + (f", training-time expected {readable.num(exp['value'])} (1 + sum of full_acc_k, k<{exp.get('k')})"
            if exp.get("value") is not None else f"; no training-time estimate ({exp.get('source')})"),
-        f"acceptance per position: measured {per}" + (f" | training full_acc {exp_per}" if exp_per else ""),
+        f"acceptance per position: measured {_per_position(r['acceptance_per_position'])}"
+        + (f" | training full_acc {_per_position(exp.get('full_acc'))}" if exp.get("full_acc") else ""),
     ]
     if r["untrained_acceptance_length"] is not None:
-        lines.append(f"untrained drafter: acceptance length {_fmt(r['untrained_acceptance_length'], '.3f')}")
+        lines.append(f"untrained drafter: acceptance length {readable.num(r['untrained_acceptance_length'])}")
     for row in r.get("acceptance") or []:
         t, u = row["trained"], row.get("untrained")
         lines.append(f"  {_temp(row['temperature']):>7}: trained {_pm(t)} per position "
-                     f"{' '.join(_fmt(a) for a in (t.get('acceptance_per_position') or []))}"
+                     f"{_per_position(t.get('acceptance_per_position'))}"
                      + (f" | untrained {_pm(u)}" if u else ""))
     cats = (r.get("categories") or {}).get("names") or []
     if cats:
@@ -182,16 +220,16 @@ def report_lines(r: dict) -> list[str]:
     if timing.get("prompts"):
         sp = timing.get("speedup_per_prompt") or {}
         lines += [
-            f"tokens/s (single stream, {timing['prompts']} of {n} prompts, greedy): plain {_fmt(tps['plain'], '.1f')}, "
-            f"with drafter {_fmt(tps['speculative'], '.1f')} -> speedup {_fmt(r['speedup'], '.2f')}x "
-            f"(per prompt {_fmt(sp.get('min'))}-{_fmt(sp.get('max'))}x, decode only "
-            f"{_fmt(r['decode_speedup'], '.2f')}x; acceptance length on these prompts "
-            f"{_fmt(timing.get('acceptance_length'))})",
-            f"break-even acceptance length {_fmt(r['break_even_acceptance_length'], '.2f')} (speculative step "
-            f"{_fmt(_ms(r['step_cost_s']['speculative_step']), '.1f')} ms / plain step "
-            f"{_fmt(_ms(r['step_cost_s']['plain_decode_step']), '.1f')} ms): "
-            + {True: "the drafter beats it", False: "the drafter does NOT beat it",
-               None: "n/a"}[r["beats_break_even"]],
+            f"tokens/s (single stream, {timing['prompts']} of {n} prompts, greedy): plain "
+            f"{readable.num(tps['plain'])}, "
+            f"with drafter {readable.num(tps['speculative'])} -> speedup {speed_phrase(r)} "
+            f"(per prompt {readable.num(sp.get('min'))}-{readable.num(sp.get('max'))}x, decode only "
+            f"{readable.num(r['decode_speedup'])}x; acceptance length on these prompts "
+            f"{readable.num(timing.get('acceptance_length'))})",
+            f"break-even acceptance length {break_even_phrase(r)} (speculative step "
+            f"{readable.num(_ms(r['step_cost_s']['speculative_step']))} ms / plain step "
+            f"{readable.num(_ms(r['step_cost_s']['plain_decode_step']))} ms; measured L "
+            f"{readable.with_interval(r['acceptance_length'], ci)})",
         ]
     else:
         lines.append("tokens/s, speedup and break-even: not measured (--timing-prompts 0)")
@@ -199,9 +237,74 @@ def report_lines(r: dict) -> list[str]:
         lines.append(f"UNRELIABLE TIMINGS: {problem}; other load on the machine? Rerun `python "
                      f"{WorkDir.script('evaluate')} --force` on an idle machine (acceptance figures are unaffected).")
     if r.get("outputs_match_plain") is not None and r["outputs_match_plain"] < 1.0:
-        lines.append(f"note: {100 * r['outputs_match_plain']:.0f}% of greedy speculative outputs equal plain greedy "
-                     f"ones (greedy verification is exact up to {r['settings']['dtype']} rounding of batched verify)")
+        lines.append(f"note: {readable.pct(r['outputs_match_plain'], 2)} of greedy speculative outputs equal plain "
+                     f"greedy ones (greedy verification is exact up to {r['settings']['dtype']} rounding of batched "
+                     f"verify)")
     return lines
+
+
+# --------------------------------------------------------------------------- the model card's table
+
+def hardware(engine: dict, settings: dict) -> str:
+    """What the engine ran on: the GPU model (vLLM's name for it) x tensor parallel, or this
+    CPU's model name and the cores this process may use."""
+    tp = settings.get("tensor_parallel_size") or 1
+    if engine.get("platform") != "cpu":
+        return f"{tp} x {engine.get('platform')}"
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {name}, {len(os.sched_getaffinity(0))} cores"
+
+
+def card_table(r: dict, when: str) -> str:
+    """Stage 06's section of the model card (Markdown): acceptance per temperature, position and
+    category with 95% intervals, the untrained floor, speed and break-even with their intervals,
+    the engine and the hardware. `when`: the date of the measurement."""
+    K = r["num_speculative_tokens"]
+    rows = r.get("acceptance") or []
+    eng, settings = r["engine"], r.get("settings") or {}
+    prompts = r.get("prompts") or {}
+    heads = [_temp(row["temperature"]) for row in rows]
+    out = [f"Measured by `{WorkDir.script('evaluate')}` on {when}: vLLM {eng.get('version')} on "
+           f"{hardware(eng, settings)}, K = {K} speculative tokens, {prompts.get('count')} prompts "
+           f"(`{prompts.get('source')}`), up to {settings.get('max_new_tokens')} new tokens each. Intervals are "
+           f"95% over prompts.", "",
+           "| | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    out.append("| acceptance length | " + " | ".join(_pm(row["trained"]) for row in rows) + " |")
+    for k in range(K):
+        out.append(f"| accepted through position {k} | "
+                   + " | ".join(_fmt((row["trained"].get("acceptance_per_position") or [None] * K)[k])
+                                for row in rows) + " |")
+    if rows and rows[0].get("untrained"):
+        out.append("| untrained drafter (the floor) | " + " | ".join(
+            _pm(row.get("untrained")) if row.get("untrained") else "-" for row in rows) + " |")
+    cats = (r.get("categories") or {}).get("names") or []
+    for name in cats:
+        out.append(f"| {r['categories']['field']}: {name} (n={r['categories']['prompts'][name]}) | "
+                   + " | ".join(_pm(row["trained"]["by_category"].get(name)) for row in rows) + " |")
+    exp = r.get("expected_accept_length_training") or {}
+    out.append("")
+    if exp.get("value") is not None:
+        out.append(f"Training-time estimate for K = {exp.get('k')}: {readable.num(exp['value'])}.")
+    timing = r.get("timing") or {}
+    tps = r.get("tokens_per_s") or {}
+    if timing.get("prompts"):
+        out += [f"Speed, single stream, greedy, {timing['prompts']} prompts timed: {readable.num(tps.get('plain'))} "
+                f"tokens/s without the drafter, {readable.num(tps.get('speculative'))} with it; speedup "
+                f"{speed_phrase(r)}.",
+                f"Break-even acceptance length L* (a speculative step's cost in plain steps, decode only): "
+                f"{break_even_phrase(r)}. Timings hold for this hardware and these engine settings only."]
+    else:
+        out.append("Speed: not measured (--timing-prompts 0).")
+    for problem in r.get("timing_problems") or []:
+        out.append(f"Timings unreliable: {problem}.")
+    return "\n".join(out) + "\n"
 
 
 # --------------------------------------------------------------------------- plot

@@ -60,6 +60,7 @@ is left out of these; end-to-end tokens/s include it.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 from dataclasses import dataclass
@@ -77,6 +78,7 @@ from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerpri
                                   record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.positions import position_reach, reach_line
+from eagle3.core.model_card import write_evaluate_section
 from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
 from eagle3.core.tokenizer_check import check_tokenizer
@@ -87,7 +89,7 @@ from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_cpu_mla, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
-from eagle3.stages.s06_evaluate.report import report_lines, summarise, write_plot
+from eagle3.stages.s06_evaluate.report import card_table, report_lines, summarise, write_plot
 
 log = logging.getLogger(__name__)
 
@@ -393,6 +395,21 @@ def _log_report(results: dict, warn: bool = True) -> None:
         (log.warning if warn and line.startswith("UNRELIABLE") else log.info)("%s", line)
 
 
+def _measured_on(wd: WorkDir) -> str:
+    """The date of the measurement: the day results.json was written (UTC)."""
+    t = wd.evaluate_results().stat().st_mtime
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d")
+
+
+def _update_card(drafter_dir: Path, results: dict, when: str) -> None:
+    """Stage 06's table into the drafter's model card, between its markers only (eagle3/core/model_card.py)."""
+    card = write_evaluate_section(drafter_dir, card_table(results, when))
+    if card is not None:
+        log.info("stage 06: measured figures -> %s (between its eagle3:evaluate markers)", card)
+    else:
+        log.info("stage 06: %s has no model card with eagle3:evaluate markers; no card updated", drafter_dir)
+
+
 def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     """Stage 06: serve plain / trained / untrained, write results.json, the plot and the manifest."""
 
@@ -406,6 +423,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     if already_complete(wd, "evaluate", params, inputs, force=cfg.force):
         results = json.loads(wd.evaluate_results().read_text())
         _log_report(results, warn=False)
+        _update_card(drafter.dir, results, _measured_on(wd))  # a card written since gets the same table
         return results
 
     refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)  # every run plan serves the drafter
@@ -439,5 +457,6 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
                    outputs=[wd.evaluate_results(), wd.evaluate_plot()],
                    record=EvaluateRecord(drafter_dir=str(drafter.dir), target_model=cfg.target_model))
     _log_report(results)
+    _update_card(drafter.dir, results, _measured_on(wd))
     log.info("stage 06: results -> %s, plot -> %s", wd.evaluate_results(), wd.evaluate_plot())
     return results
