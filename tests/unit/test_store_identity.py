@@ -7,7 +7,7 @@ import torch
 
 from eagle3.core import store
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import write_manifest
+from eagle3.core.manifest import sha256_json, write_manifest
 from eagle3.core.workdir import WorkDir
 
 H, LAYERS = 8, [1, 2, 3]
@@ -19,7 +19,7 @@ def _store(root, edit_index=None, drop_identity=False) -> WorkDir:
     """A one-file store with stage 02's manifest; `edit_index(index)` rewrites index.json first."""
     wd = WorkDir(root)
     d = wd.store()
-    h = store.identity_hash(IDENTITY)
+    h = sha256_json(IDENTITY)  # what stage 02 records in every file header and index entry
     partial = d / store.partial_name("train", 0)
     lay = store.create_partial_file(partial, split="train", file_no=0, first_sample=0, input_ids=[[1, 2, 3]],
                                     loss_masks=[[1, 1, 1]], hidden_size=H, aux_layers=LAYERS, identity_hash=h)
@@ -39,7 +39,7 @@ def _store(root, edit_index=None, drop_identity=False) -> WorkDir:
 def test_index_names_the_identity_by_its_hash_and_store_json_is_the_identity(tmp_path):
     wd = _store(tmp_path)
     index = json.loads((wd.store() / store.INDEX_JSON).read_text())
-    assert "identity" not in index and index["identity_hash"] == store.identity_hash(IDENTITY)
+    assert "identity" not in index and index["identity_hash"] == sha256_json(IDENTITY)
     assert json.loads((wd.store() / store.STORE_JSON).read_text()) == IDENTITY
     s = store.HiddenStateStore.open(wd, needed_by="test")
     assert s.index["identity"] == IDENTITY and s.aux_layers == LAYERS and s.hidden_size == H
@@ -57,7 +57,7 @@ def test_an_index_of_another_identity_is_refused_naming_both_files(tmp_path, how
 
     def edit(index):
         if how == "hash":
-            index["identity_hash"] = store.identity_hash(other)
+            index["identity_hash"] = sha256_json(other)
         else:
             del index["identity_hash"]
             index["identity"] = other
