@@ -21,9 +21,9 @@ import torch
 from eagle3.core import store as _store  # buffer_checksum is looked up through the package (tests count calls)
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import Manifest, check_same, read_manifest
-from eagle3.core.store.format import (ENCODINGS, FP8_DTYPE, INDEX_JSON, STORE_FORMAT, STORE_JSON, BF16, Encoding,
-                                      FileLayout, _pow2, _views, dequantize_fp8, encoding_of, file_name, file_problem, identity_hash,
-                                      read_identity)
+from eagle3.core.store.format import (BF16, ENCODINGS, FP8_DTYPE, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
+                                      FileLayout, _pow2, _views, dequantize_fp8, encoding_of, file_name, file_problem,
+                                      identity_hash, read_identity)
 from eagle3.core.workdir import WorkDir
 
 __all__ = ['Sample', 'SplitView', 'collate', 'decode_states', 'HiddenStateStore', 'index_identity']

@@ -23,8 +23,8 @@ import torch
 
 from eagle3.core.atomic import DiskFullError, disk_full_error, free_bytes, is_disk_full, write_json
 from eagle3.core.errors import PipelineError
-from eagle3.core.store.format import (FINALIZE_CHUNK_ELEMS, FP8, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding, FileLayout,
-                                      _views, encoding_named, entry_name, file_bytes, file_checksum,
+from eagle3.core.store.format import (FINALIZE_CHUNK_ELEMS, FP8, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
+                                      FileLayout, _views, encoding_named, entry_name, file_bytes, file_checksum,
                                       identity_hash, label_positions, out_name, quantize_fp8, write_identity)
 from eagle3.core.workdir import WorkDir
 
