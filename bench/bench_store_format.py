@@ -5,7 +5,7 @@
 
 Default mode, in one process, for each encoding of `extract.store_dtype` (bf16, fp8):
   1. bytes per token at SmolLM2's widths (H = 576, 3 aux layers) and Kimi-K2.5's
-     (H = 7168), computed from the layout (eagle3/core/store.py), and the disk per million
+     (H = 7168), computed from the layout (eagle3/core/store/format.py), and the disk per million
      tokens; beside them what per-block fp8 scales (64 values a block) would cost;
   2. on a synthetic store (`--hidden`, `--tokens` in `--files` files; Gaussian states with
      a few large channels, as real residual streams have): finalize tokens/s (the step
@@ -63,7 +63,7 @@ HEAD_ROWS = 4096  # synthetic finalize: rows of the lm_head the argmax runs over
 
 
 def bytes_table() -> list[str]:
-    out = ["== bytes per token (3 aux layers + final; computed from eagle3/core/store.py's layout)",
+    out = ["== bytes per token (3 aux layers + final; computed from eagle3/core/store/format.py's layout)",
            f"{'target':24s}{'encoding':10s}{'B/token':>10s}{'GB per 1M tokens':>18s}{'vs bf16':>9s}"]
     for label, H in WIDTHS.items():
         ref = store.bytes_per_token(H, 3)

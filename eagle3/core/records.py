@@ -72,7 +72,7 @@ class ExtractRecord:
     hidden_size: int
     num_layers: int
     vocab_size: int
-    store_dtype: str  # eagle3/core/store.py ENCODINGS
+    store_dtype: str  # eagle3/core/store/format.py ENCODINGS
     complete: bool  # every file of every box is in
     missing_files: int
     missing_shard_indices: list

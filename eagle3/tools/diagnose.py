@@ -27,7 +27,7 @@ record: samples and tokens per split), target (hidden size, aux layer count
 from its config and `extract.aux_layers`) and store encoding (`extract.store_dtype`,
 or `--store-dtype`), for every encoding side by side, and the free space where the work
 dir lies. It exits 1 when the chosen encoding does not fit: stage 02 itself refuses to
-start then (eagle3/core/store.py `require_free_space`, on what is still to be written).
+start then (eagle3/core/store/writer.py `require_free_space`, on what is still to be written).
 
 `forecast` trains stage 04 on nested fractions of W's train split (budgets proportional
 to their size, each in W/forecast/frac-<f>/ over symlinks to W's stages 00-03; a

@@ -15,7 +15,7 @@ from eagle3.core.config import ShardedStageConfig, param
 from eagle3.engines.config import EngineSettings
 
 BACKENDS = ("vllm", "hf")
-STORE_DTYPES = ("bf16", "fp8")  # the encodings of eagle3/core/store.py (`store.ENCODINGS`)
+STORE_DTYPES = ("bf16", "fp8")  # the encodings of eagle3/core/store/format.py (`store.ENCODINGS`)
 
 
 @dataclass(kw_only=True)

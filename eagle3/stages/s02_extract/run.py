@@ -1,7 +1,7 @@
 """Stage 02: run the target over stage 01's samples and fill the hidden-state store.
 
 Reads `01_dataset/{train,eval}` and its manifest, the target's config, tokenizer,
-final norm and lm_head; writes `02_hidden_states/` (format in eagle3/core/store.py) and
+final norm and lm_head; writes `02_hidden_states/` (format in eagle3/core/store/format.py) and
 its manifest. Run: `python 02_extract_hidden_states.py --config configs/tiny-llama.yaml`.
 
 Order of work:
@@ -41,7 +41,6 @@ import numpy as np
 from tqdm import tqdm
 
 from eagle3.core import store
-from eagle3.core.atomic import write_json
 from eagle3.core.config import identity_params
 from eagle3.core.dataset import load_split as load_prepared
 from eagle3.core.errors import PipelineError
@@ -161,7 +160,7 @@ def validate(cfg: ExtractConfig) -> Prepared:
         "backend": cfg.backend, "samples_per_file": cfg.samples_per_file, "num_samples": num_samples,
         "inputs": inputs,
     }
-    return Prepared(wd, info, aux, params, inputs, identity, sha256_json(identity), num_samples, max_tokens)
+    return Prepared(wd, info, aux, params, inputs, identity, store.identity_hash(identity), num_samples, max_tokens)
 
 
 def check_store_identity(p: Prepared, force: bool) -> None:
@@ -180,8 +179,7 @@ def check_store_identity(p: Prepared, force: bool) -> None:
             raise PipelineError(f"the store in {d} was built with other settings: {both}. Pass --force to "
                                 f"delete it and start over, or rerun with its settings.")
     else:
-
-        write_json(path, p.identity)
+        store.write_identity(d, p.identity)
 
 
 # --------------------------------------------------------------------------- the work
@@ -307,10 +305,13 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     _refuse_or_warn_rejected(cfg, d, counts, complete=not missing)
     encoding = store.encoding_fields(cfg.store_dtype)
     shard_indices = sorted({k % cfg.num_shards for k, _ in missing})
+    # The store's identity is store.json (eagle3/core/store/format.py); the record's copies of
+    # it are taken from there, for the manifest's reader (docs/RECORDS.md).
+    ident = p.identity
     record = ExtractRecord(
-        target_model=cfg.target_model, tokenizer_fingerprint=p.identity["tokenizer_fingerprint"],
-        aux_layer_ids=list(p.aux_layers), hidden_size=p.info.hidden_size, num_layers=p.info.num_layers,
-        vocab_size=p.info.vocab_size, store_dtype=encoding["store_dtype"], complete=not missing,
+        target_model=ident["target_model"], tokenizer_fingerprint=ident["tokenizer_fingerprint"],
+        aux_layer_ids=list(ident["aux_layers"]), hidden_size=ident["hidden_size"], num_layers=ident["num_layers"],
+        vocab_size=ident["vocab_size"], store_dtype=encoding["store_dtype"], complete=not missing,
         missing_files=len(missing), missing_shard_indices=shard_indices)
     extra = {
         "layer_ids": "docs/CONVENTIONS.md §1: id k = residual stream after k decoder layers",

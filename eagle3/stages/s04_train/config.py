@@ -84,6 +84,9 @@ class TrainConfig(StageConfig):
                                   help="continue although the starting held-out loss is worse than uniform")
     # runtime
     device: str = param("auto", identity=False, help="auto, cpu, cuda")
+    prefetch: int = param(2, min=0, identity=False,
+                          help="micro-batches loaded ahead in a background thread (pinned memory, fp8 decoded on "
+                               "the GPU); 0: load each in the training thread. The weights are the same either way")
     stop_after: int | None = param(None, identity=False,
                                    help="exit after this step, as if killed (for resume tests)")
     force: bool = param(False, identity=False, help="discard existing checkpoints and train from scratch")

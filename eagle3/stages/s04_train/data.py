@@ -17,17 +17,25 @@ Each epoch is shuffled and packed anew, so epochs can differ in their number of
 batches (by a row or so). `EpochPlan` therefore takes each epoch's step count from
 that epoch's own packing and maps a run's global step to (epoch, step in epoch):
 no step ever reads past the end of its epoch's batches.
+
+`Prefetcher` loads the micro-batches of the steps to come in a background thread, in
+the order the steps read them, into pinned memory when CUDA is there; an fp8 store's
+states then travel as e4m3 codes and are decoded on the GPU (`to_device`). The values,
+and so the weights, are those of loading in the training thread (docs/STAGES.md, stage 04).
 """
 from __future__ import annotations
 
 import math
+import queue
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from eagle3.core.batching import fold_leftover, group_by_padded_tokens, pack_greedy
 from eagle3.core.errors import PipelineError
-from eagle3.core.store import Sample, SplitView, collate
+from eagle3.core.store import Sample, SplitView, collate, decode_states
 
 SORT_WINDOW = 64
 
@@ -125,6 +133,12 @@ class EpochPlan:
         self._starts: list[int] = []  # global step at which each counted epoch begins
         self._cached: tuple[int, list[list[int]]] | None = None  # (epoch, this rank's micro-batches)
 
+    def copy(self) -> "EpochPlan":
+        """The same plan with its own caches, for another thread (the prefetcher's)."""
+        plan = EpochPlan([], self.batching, rank=self.rank, world=self.world, grad_accum=self.grad_accum, samples=[])
+        plan.samples, plan.lengths = self.samples, self.lengths  # read only
+        return plan
+
     def _rank_batches(self, epoch: int) -> list[list[int]]:
         if self._cached is None or self._cached[0] != epoch:
             batches = [[self.samples[i] for i in b] for b in epoch_batches(self.lengths, self.batching, epoch)]
@@ -167,8 +181,11 @@ class EpochPlan:
         return micro
 
 
-def load_batch(split: SplitView, indices: list[int], max_seq_len: int, packed: bool = False) -> dict[str, torch.Tensor]:
-    samples = [split[i] for i in indices]
+def load_batch(split: SplitView, indices: list[int], max_seq_len: int, packed: bool = False,
+               decode: bool = True) -> dict[str, torch.Tensor]:
+    """The batch of samples `indices`; `decode=False` leaves an fp8 store's states encoded
+    (with `scale_log2`), for `to_device` to decode where the batch is going."""
+    samples = [split[i] if decode else split.encoded(i) for i in indices]
     if packed:
         return collate_packed(samples, max_seq_len)
     T = min(max(s.num_tokens for s in samples), max_seq_len)
@@ -186,11 +203,112 @@ def collate_packed(samples: list[Sample], max_seq_len: int) -> dict[str, torch.T
     out = {
         "input_ids": torch.cat([s.input_ids[:n].long() for s, n in zip(samples, ns)]),
         "loss_mask": torch.cat([s.loss_mask[:n].to(torch.int8) for s, n in zip(samples, ns)]),
-        "aux": torch.cat([s.aux[:n] for s, n in zip(samples, ns)]),
-        "final": torch.cat([s.final[:n] for s, n in zip(samples, ns)]),
+        "aux": _cat([s.aux[:n] for s, n in zip(samples, ns)]),
+        "final": _cat([s.final[:n] for s, n in zip(samples, ns)]),
         "target_argmax": torch.cat([s.target_argmax[:n].long() for s, n in zip(samples, ns)]),
         "position_ids": torch.cat([torch.arange(n) for n in ns]),
         "segment_ids": torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(ns)]),
     }
+    if samples[0].scale_log2 is not None:  # encoded fp8 states: their scales travel with them
+        out["scale_log2"] = torch.cat([s.scale_log2[:n] for s, n in zip(samples, ns)])
     out["attention_mask"] = torch.ones(sum(ns), dtype=torch.bool)
     return {k: v[None] for k, v in out.items()}  # [T, ...] -> [1, T, ...]
+
+
+def _cat(states: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat of bf16 or e4m3 states, by their bits: the CPU's cat of float8 is an
+    elementwise loop, a few times slower than the byte copy of uint8."""
+    bits = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(states[0].dtype)
+    if bits is None:
+        return torch.cat(states)
+    return torch.cat([x.view(bits) for x in states]).view(states[0].dtype)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch on `device` (asynchronous from pinned memory), fp8 states decoded there."""
+    return decode_states({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+
+
+@dataclass
+class _Failed:
+    """What the loader thread hands on instead of a batch it could not load."""
+
+    error: BaseException
+    files: list[str]
+
+
+class Prefetcher:
+    """Loads the micro-batches of steps `start`..`total`-1 in a background thread, at most
+    `depth` ahead of the training thread, in the order `get` takes them.
+
+    The thread runs `load(indices)` (the store's reads, the fp8 decode when `load` does it,
+    the collate) and, with `pin`, copies each batch into pinned memory, so the copy to the
+    GPU is asynchronous. It computes no random numbers (the --aux-noise draws stay in the
+    training thread) and reads the same micro-batches through its own copy of the plan, so
+    the batches are those the training thread would load itself. An error in the thread is
+    raised by the `get` that wanted that batch, naming the step and the store files; `close`
+    (also on KeyboardInterrupt) stops the thread.
+    """
+
+    def __init__(self, load: Callable[[list[int]], dict], plan: EpochPlan, *, start: int, total: int,
+                 depth: int, pin: bool, files: Callable[[list[int]], list[str]]):
+        assert depth >= 1, depth
+        self._load, self._plan, self._pin, self._files = load, plan.copy(), pin, files
+        self._range = (start, total)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.loaded = 0  # micro-batches loaded and queued so far (the training thread may have taken fewer)
+        self._thread = threading.Thread(target=self._run, name="stage04-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        for step in range(*self._range):
+            micro = self._plan.micro_batches(step)
+            for i, indices in enumerate(micro):
+                try:
+                    batch = self._load(indices)
+                    if self._pin:
+                        batch = {k: v.pin_memory() for k, v in batch.items()}
+                except BaseException as e:  # handed to the training thread, which raises it
+                    self._put((step, i), _Failed(e, self._files(indices)))
+                    return
+                if not self._put((step, i), batch):
+                    return
+                self.loaded += 1
+
+    def _put(self, key: tuple[int, int], item) -> bool:
+        """Wait for room in the queue; False once `close` was called."""
+        while not self._stop.is_set():
+            try:
+                self._queue.put((key, item), timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def get(self, step: int, i: int) -> dict[str, torch.Tensor]:
+        """Micro-batch `i` of `step`: the next one, in the plan's order."""
+        while True:
+            try:
+                key, item = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():  # it put an error or returned after close
+                    raise PipelineError(f"stage 04's loader thread has stopped before step {step}") from None
+        assert key == (step, i), f"prefetched micro-batch {key}, the training step wants {(step, i)}"
+        if isinstance(item, _Failed):
+            e = item.error
+            raise PipelineError(
+                f"stage 04's loader (a background thread) failed loading micro-batch {i} of step {step} from "
+                f"{', '.join(item.files)} in the store: {type(e).__name__}: {e}") from e
+        return item
+
+    def close(self) -> None:
+        """Stop the thread and drop what it loaded ahead; safe to call twice."""
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join(timeout=60)

@@ -51,7 +51,8 @@ from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of
                                                 set_rng_state)
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.cuda_alloc import configure_cuda_allocator
-from eagle3.stages.s04_train.data import Batching, EpochPlan, load_batch, nested_share, noisy_aux
+from eagle3.stages.s04_train.data import (Batching, EpochPlan, Prefetcher, load_batch, nested_share, noisy_aux,
+                                          to_device)
 from eagle3.stages.s04_train.distributed import Dist, barrier, close_distributed, init_distributed, wrap_ddp
 from eagle3.stages.s04_train.evaluation import evaluate_held_out
 from eagle3.stages.s04_train.finetune import InitReport, load_initial_drafter
@@ -285,6 +286,7 @@ class Trainer:
         self.best: dict = {"expected_accept_length": -1.0, "step": None}
         self.last_eval: dict | None = None
         self.metrics: MetricsLog | None = None  # opened by fit, once the resumed step is known
+        self.prefetch: Prefetcher | None = None  # started by fit (--prefetch), from the resumed step
         self.new_window()
 
     # -- batches -----------------------------------------------------------------
@@ -300,9 +302,26 @@ class Trainer:
     def load(self, split, indices: list[int]) -> dict:
         return load_batch(split, indices, self.cfg.max_seq_len, packed=self.cfg.packing)
 
+    def start_prefetch(self) -> Prefetcher | None:
+        """The background loader of the train batches from this step on (None: --prefetch 0).
+        On a GPU an fp8 store's states cross as e4m3 codes and `forward` decodes them there,
+        except with --aux-noise, whose draws need the decoded states in the training thread."""
+        if not self.cfg.prefetch or self.step >= self.total:
+            return None
+        cuda = self.device.type == "cuda"
+        decode = not cuda or self.cfg.aux_noise > 0
+        return Prefetcher(lambda idx: load_batch(self.train_split, idx, self.cfg.max_seq_len, packed=self.cfg.packing,
+                                                 decode=decode),
+                          self.plan, start=self.step, total=self.total, depth=self.cfg.prefetch, pin=cuda,
+                          files=self.train_split.file_names)
+
+    def micro_batch(self, i: int, indices: list[int]) -> dict:
+        """Micro-batch i of this step: from the prefetcher, or loaded here."""
+        return self.prefetch.get(self.step, i) if self.prefetch else self.load(self.train_split, indices)
+
     def forward(self, batch: dict):
         """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics)."""
-        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        b = to_device(batch, self.device)  # an encoded fp8 batch is decoded there
         amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
         probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
                                              lm_head_weight=self.lm_rows, target_argmax=amax)  # [B, T, V_d]
@@ -335,7 +354,7 @@ class Trainer:
         micro = self.micro_batches(self.step)
         self.opt.zero_grad(set_to_none=True)
         for i, idx in enumerate(micro):
-            batch = self.training_view(self.load(self.train_split, idx))
+            batch = self.training_view(self.micro_batch(i, idx))
             self.window_tokens += int(batch["attention_mask"].sum())
             # DDP all-reduces gradients during backward. Accumulating micro-batches needs
             # that once per step, so no_sync skips it on all but the last micro-batch.
@@ -494,6 +513,7 @@ class Trainer:
             run_config=run_config(self.src.params, self.src.identity, self.src.inputs, self.dcfg.to_dict(),
                                   self.store.aux_layers, self.d.world, all_settings(cfg)) if self.d.main else None)
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", disable=not self.d.main)
+        self.prefetch = self.start_prefetch()
         try:
             if self.step == 0:
                 self.check_start()
@@ -513,6 +533,8 @@ class Trainer:
                                 cfg.stop_after)
                     return None
         finally:
+            if self.prefetch:  # also on KeyboardInterrupt: the loader thread stops
+                self.prefetch.close()
             bar.close()
             self.metrics.close()
         return self.finish()
