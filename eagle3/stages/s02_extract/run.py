@@ -57,6 +57,8 @@ from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.hf_backend import HFBackend
 from eagle3.stages.s02_extract.vllm_backend import VllmBackend, check_supported
 
+from eagle3.stages.s02_extract import windowed  # noqa: E402 - uses this module's steps at call time
+
 log = logging.getLogger(__name__)
 
 
@@ -376,9 +378,7 @@ def store_intact(d: Path, m: Manifest, *, verify_checksums: bool) -> bool:
 
 def extract_hidden_states(cfg: ExtractConfig) -> Manifest | None:
     if cfg.disk_budget is not None:
-        from eagle3.stages.s02_extract.windowed import extract_windowed
-
-        return extract_windowed(cfg)
+        return windowed.extract_windowed(cfg)
     p = validate(cfg)
     d = p.wd.store()
     done = already_complete(p.wd, "extract", p.params, p.inputs, force=cfg.force,

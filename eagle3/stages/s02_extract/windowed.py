@@ -35,22 +35,22 @@ from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import Manifest, already_complete, read_manifest, sha256_json
 from eagle3.core.workdir import SPLITS
 from eagle3.stages.s02_extract.config import ExtractConfig
-from eagle3.stages.s02_extract.run import (Prepared, _file_complete, check_store_identity, load_engine,
-                                           load_split, plan_files, split_lengths, store_intact, validate,
-                                           write_files, write_results)
+# run.py dispatches here under --disk-budget and this module uses its steps: a module
+# reference (resolved at call time), so either may be imported first.
+from eagle3.stages.s02_extract import run as _run
 
 log = logging.getLogger(__name__)
 
 
-def window_plan(cfg: ExtractConfig, p: Prepared) -> windows.WindowPlan:
-    lengths = {s: split_lengths(p.wd, s).tolist() for s in SPLITS}
+def window_plan(cfg: ExtractConfig, p: _run.Prepared) -> windows.WindowPlan:
+    lengths = {s: _run.split_lengths(p.wd, s).tolist() for s in SPLITS}
     return windows.make_plan(lengths["train"], lengths["eval"], disk_budget=windows.parse_bytes(cfg.disk_budget),
                              seed=cfg.window_seed, passes=cfg.extraction_passes,
                              windows_in_budget=cfg.windows_in_budget, spf=cfg.samples_per_file,
                              H=p.info.hidden_size, A=len(p.aux_layers), dtype=cfg.store_dtype)
 
 
-def held_out_prepared(p: Prepared, plan: windows.WindowPlan) -> Prepared:
+def held_out_prepared(p: _run.Prepared, plan: windows.WindowPlan) -> _run.Prepared:
     """The store folder's own identity: the held-out split only, under this window plan."""
     ident = {**p.identity, "num_samples": {"train": 0, "eval": p.num_samples["eval"]},
              "window_plan": plan.fingerprint}
@@ -59,7 +59,7 @@ def held_out_prepared(p: Prepared, plan: windows.WindowPlan) -> Prepared:
                                num_samples=ident["num_samples"])
 
 
-def round_prepared(main: Prepared, plan: windows.WindowPlan, r: int) -> Prepared:
+def round_prepared(main: _run.Prepared, plan: windows.WindowPlan, r: int) -> _run.Prepared:
     w = plan.window_of(r)
     ident = {**main.identity, "num_samples": {"train": len(w["samples"]), "eval": 0}, "round": r,
              "window": r % plan.num_windows}
@@ -70,12 +70,12 @@ def round_prepared(main: Prepared, plan: windows.WindowPlan, r: int) -> Prepared
 class _Engine:
     """The backend, loaded on first use and closed at the end."""
 
-    def __init__(self, cfg: ExtractConfig, p: Prepared):
+    def __init__(self, cfg: ExtractConfig, p: "_run.Prepared"):
         self.cfg, self.p, self.loaded = cfg, p, None
 
     def get(self):
         if self.loaded is None:
-            self.loaded = load_engine(self.cfg, self.p)
+            self.loaded = _run.load_engine(self.cfg, self.p)
         return self.loaded
 
     def close(self):
@@ -83,24 +83,24 @@ class _Engine:
             self.loaded[0].close()
 
 
-def _extract(engine: _Engine, cfg: ExtractConfig, p: Prepared, d, splits: dict, lengths: dict, what: str) -> list:
+def _extract(engine: _Engine, cfg: ExtractConfig, p: _run.Prepared, d, splits: dict, lengths: dict, what: str) -> list:
     """Extract every file of `p`'s splits into folder d not yet complete there; the plan of files."""
-    plan = plan_files(p.num_samples, cfg.samples_per_file)
+    plan = _run.plan_files(p.num_samples, cfg.samples_per_file)
     for spec in plan:  # leftovers of a killed run: never read, always redone
         for leftover in d.glob(store.partial_name(spec.split, spec.file_no) + "*"):
             leftover.unlink()
-    todo = [s for s in plan if not _file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
+    todo = [s for s in plan if not _run._file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
     log.info("stage 02: %s: %d files, %d to do -> %s", what, len(plan), len(todo), d)
     if todo:
         sizes = [(s.count, sum(lengths[s.split][s.first:s.first + s.count])) for s in todo]
         store.require_free_space(d, sizes, p.info.hidden_size, len(p.aux_layers), cfg.store_dtype)
         backend, head = engine.get()
         with tqdm(total=sum(t for _, t in sizes), unit="tok", unit_scale=True, desc=what, smoothing=0.05) as bar:
-            write_files(p, backend, head, todo, bar.update, store_dir=d, splits=splits)
+            _run.write_files(p, backend, head, todo, bar.update, store_dir=d, splits=splits)
     return plan
 
 
-def _round_done(d, p: Prepared, verify: bool) -> bool:
+def _round_done(d, p: _run.Prepared, verify: bool) -> bool:
     done = windows.read_complete(d)
     return (done is not None and done.get("identity_hash") == p.identity_hash
             and windows.window_problem(d, verify_checksums=verify) is None)
@@ -124,7 +124,7 @@ def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -
         time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
 
 
-def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: Prepared, wdir) -> list[int]:
+def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: _run.Prepared, wdir) -> list[int]:
     trained = windows.read_progress(wdir)["trained_rounds"]
     mine = [r for r in range(plan.rounds) if r % cfg.num_shards == cfg.shard_index]
     if cfg.window is not None:
@@ -149,7 +149,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
     if cfg.data_parallel_size > 1:
         raise PipelineError("--disk-budget with --data-parallel-size > 1 is not supported yet: run one engine per "
                             "box (tensor parallel), or several boxes with --num-shards.")
-    p = validate(cfg)
+    p = _run.validate(cfg)
     plan = window_plan(cfg, p)
     main = held_out_prepared(p, plan)
     d = p.wd.store()
@@ -157,7 +157,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
     if cfg.force and cfg.windows_dir and wdir.exists():
         log.warning("--force: deleting the window folders in %s", wdir)
         shutil.rmtree(wdir)
-    check_store_identity(main, cfg.force)
+    _run.check_store_identity(main, cfg.force)
     windows.write_or_check_plan(d, plan)
     wdir.mkdir(parents=True, exist_ok=True)
     log.info("stage 02: window plan %s: %s", d / windows.PLAN_JSON, plan.summary())
@@ -165,11 +165,11 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
     try:
         if cfg.shard_index == 0:  # the held-out split, once, kept for the whole run
             done = already_complete(p.wd, "extract", main.params, main.inputs, force=False,
-                                    intact=lambda m: store_intact(d, m, verify_checksums=cfg.verify_checksums))
+                                    intact=lambda m: _run.store_intact(d, m, verify_checksums=cfg.verify_checksums))
             if not done:
-                eval_files = _extract(engine, cfg, main, d, {"eval": load_split(p.wd, "eval")},
-                                      {"eval": split_lengths(p.wd, "eval").tolist()}, "held-out")
-                write_results(cfg, main, eval_files)
+                eval_files = _extract(engine, cfg, main, d, {"eval": _run.load_split(p.wd, "eval")},
+                                      {"eval": _run.split_lengths(p.wd, "eval").tolist()}, "held-out")
+                _run.write_results(cfg, main, eval_files)
         train = None
         for r in rounds_to_do(cfg, plan, main, wdir):
             rp = round_prepared(main, plan, r)
@@ -180,7 +180,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
             _wait_for_room(cfg, plan, wdir, r)
             rd.mkdir(parents=True, exist_ok=True)
             if train is None:
-                train, train_lengths = load_split(p.wd, "train"), split_lengths(p.wd, "train").tolist()
+                train, train_lengths = _run.load_split(p.wd, "train"), _run.split_lengths(p.wd, "train").tolist()
             w = plan.window_of(r)
             files = _extract(engine, cfg, rp, rd, {"train": train.select(w["samples"])},
                              {"train": [train_lengths[i] for i in w["samples"]]}, f"round {r}")
