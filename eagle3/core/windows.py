@@ -92,46 +92,63 @@ def _file_sizes(lengths: list[int], spf: int, H: int, A: int, dtype: str) -> int
     return store.bytes_to_write(files, H, A, dtype, engines=1) if files else 0
 
 
+class _FileBound:
+    """An upper bound of `store.file_bytes(S, T)` in O(1): the header at its longest (as if T
+    were 10**12 tokens, so every offset has the most digits) plus T times the bytes per token."""
+
+    BIG = 10 ** 12
+
+    def __init__(self, H: int, A: int, dtype: str):
+        self.H, self.A, self.dtype = H, A, dtype
+        self.per_token = store.bytes_per_token(H, A, dtype)
+        self._head: dict[int, int] = {}
+
+    def __call__(self, S: int, T: int) -> int:
+        if S not in self._head:
+            self._head[S] = store.file_bytes(S, self.BIG, self.H, self.A, self.dtype) - self.BIG * self.per_token
+        return self._head[S] + T * self.per_token
+
+
 def cut_windows(order: list[int], lengths: list[int], capacity: int, *, spf: int, H: int, A: int,
                 dtype: str) -> list[list[int]]:
     """Consecutive runs of `order` whose store (files of `spf` samples) fits `capacity` bytes.
 
-    Greedy: a sample joins the current window while the window's bytes (whole files counted
-    at their size, plus fp8's partial files) stay within the capacity. Bytes grow with every
-    sample, so the check is cheap: only the open file's size is recomputed.
+    Greedy: a sample joins the current window while the window's bytes (its files, plus for
+    fp8 the two largest bf16 partial files written before them: `store.bytes_to_write`)
+    stay within the capacity, each file counted by an upper bound of its size (`_FileBound`),
+    so a plan of 600K samples takes a second, and the window's exact bytes stay below it.
     """
+    size = _FileBound(H, A, dtype)
+    scaled = store.encoding_named(dtype).scaled
+    partial = _FileBound(H, A, "bf16") if scaled else None
     windows: list[list[int]] = []
     cur: list[int] = []
-    closed = 0  # bytes of the current window's full files
-    partials: list[int] = []  # bf16 sizes of its files (fp8 writes them first)
-    enc = store.encoding_named(dtype)
+    closed, top2 = 0, [0, 0]  # bytes of the window's full files; its two largest partial files
+    S = T = 0  # the open file's samples and tokens
 
-    def size_with(open_samples: list[int]) -> int:
-        s, t = len(open_samples), sum(lengths[i] for i in open_samples)
-        total = closed + (store.file_bytes(s, t, H, A, dtype) if s else 0)
-        if enc.scaled:
-            ps = sorted(partials + ([store.file_bytes(s, t, H, A)] if s else []), reverse=True)
-            total += sum(ps[:2])
-        return total
+    def total(S: int, T: int) -> int:
+        out = closed + (size(S, T) if S else 0)
+        if scaled:
+            out += sum(sorted(top2 + [partial(S, T) if S else 0], reverse=True)[:2])
+        return out
 
-    open_file: list[int] = []
     for i in order:
-        trial = open_file + [i]
-        if size_with(trial) > capacity:
-            if not cur:
+        n = lengths[i]
+        if total(S + 1, T + n) > capacity:
+            if cur:
+                windows.append(cur)
+                cur, closed, top2, S, T = [], 0, [0, 0], 0, 0
+            if total(1, n) > capacity:
                 raise PipelineError(
-                    f"--disk-budget leaves {capacity:,} bytes per window, less than one sample of "
-                    f"{lengths[i]:,} tokens needs ({size_with([i]):,} bytes); raise --disk-budget.")
-            windows.append(cur)
-            cur, closed, partials, open_file = [], 0, [], []
-            trial = [i]
+                    f"--disk-budget leaves {capacity:,} bytes per window, less than one sample of {n:,} tokens "
+                    f"needs ({total(1, n):,} bytes); raise --disk-budget.")
         cur.append(i)
-        open_file = trial
-        if len(open_file) == spf:
-            s, t = len(open_file), sum(lengths[k] for k in open_file)
-            closed += store.file_bytes(s, t, H, A, dtype)
-            partials.append(store.file_bytes(s, t, H, A))
-            open_file = []
+        S, T = S + 1, T + n
+        if S == spf:
+            closed += size(S, T)
+            if scaled:
+                top2 = sorted(top2 + [partial(S, T)], reverse=True)[:2]
+            S = T = 0
     if cur:
         windows.append(cur)
     return windows

@@ -75,7 +75,10 @@ class _Engine:
 
     def get(self):
         if self.loaded is None:
+            t0 = time.perf_counter()
             self.loaded = _run.load_engine(self.cfg, self.p)
+            # Paid once per round on one box (the loop restarts stage 02 for each round).
+            log.info("stage 02: engine (%s) loaded in %.1f s", self.cfg.backend, time.perf_counter() - t0)
         return self.loaded
 
     def close(self):
