@@ -45,7 +45,7 @@ from eagle3.core.target import TargetInfo, read_target_info
 from eagle3.core.target_head import load_embedding, load_lm_head
 from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution
 from eagle3.core.vocab_map import load_mapping, target_ids
-from eagle3.core.windows import read_plan
+from eagle3.core.windows import PROGRESS_JSON, read_plan, windows_dir
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of_all_ranks, save_checkpoint,
                                                 set_rng_state)
@@ -594,6 +594,11 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
             return done
         if cfg.force and d.main and wd.stage_dir("train").exists():
             shutil.rmtree(wd.stage_dir("train"))
+            # Over windows, training from scratch needs every round again: stage 02 re-extracts
+            # the ones deleted once no round counts as trained.
+            wdir = windows_dir(wd.store(), cfg.windows_dir)
+            if read_plan(wd.store()) is not None and (wdir / PROGRESS_JSON).is_file():
+                (wdir / PROGRESS_JSON).unlink()
         barrier()  # no rank may read a checkpoint rank 0 is deleting
         return Trainer(cfg, wd, src, device, d).fit()
     finally:

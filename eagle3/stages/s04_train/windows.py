@@ -127,9 +127,15 @@ class Rounds:
 
     def _open(self, r: int) -> bool:
         d = self.dir / windows.round_name(r)
-        problem = windows.window_problem(d, verify_checksums=True)
+        if windows.read_complete(d) is None:
+            return False  # not extracted yet, or still being written
+        # Rank 0 reads every file once to check it (the other ranks check sizes): a round
+        # its writer called complete and whose bytes differ is damaged, not late.
+        problem = windows.window_problem(d, verify_checksums=self.main_rank)
         if problem:
-            return False
+            raise PipelineError(f"stage 04: round {r} is damaged ({problem}); rerun `python "
+                                f"{WorkDir.script('extract')} --window {r}` with your --config and --disk-budget: it "
+                                f"checks every file of the round and redoes the damaged ones.")
         index = json.loads((d / store.INDEX_JSON).read_text())
         ours = {k: v for k, v in index["identity"].items() if k not in _ROUND_KEYS}
         theirs = {k: v for k, v in self.main.index["identity"].items() if k not in _ROUND_KEYS}
@@ -138,7 +144,7 @@ class Rounds:
             raise PipelineError(f"stage 04: {d} was extracted for another store or round (differs in {diff or 'round'} "
                                 f"from {self.wd.store() / store.INDEX_JSON}); delete it and rerun stage 02 with "
                                 f"--window {r}.")
-        # The checksums were verified just now (window_problem): the reader checks sizes only.
+        # The checksums were verified just now (window_problem, rank 0): the reader checks sizes only.
         st = HiddenStateStore(d, index, None, verify="off", needed_by="stage 04 (train)")
         self.split = st.split("train")
         mapping, k = [], 0
