@@ -12,6 +12,10 @@ stage 03's mapping, and the target's embedding and draft-vocab lm_head rows
 Run: `python 04_train_drafter.py --config configs/tiny-llama.yaml`, or on 8 GPUs
 `torchrun --nproc-per-node 8 04_train_drafter.py --config configs/kimi-k2.5.yaml`.
 
+Over windows of the store (stage 02's --disk-budget) the train split comes round by round
+from eagle3/stages/s04_train/windows.py, which also deletes each round after the checkpoint
+that covers it; the schedule, optimizer and step counter span all rounds.
+
 Reading order: `train_drafter` (the stage) -> `read_inputs` (checked inputs and the
 run's identity) -> `Trainer`: `__init__` builds the drafter, the frozen target
 weights, the optimizer and the schedule; `train_step` is one optimizer step;
