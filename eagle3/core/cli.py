@@ -15,9 +15,10 @@ from typing import Any, Callable
 
 from eagle3.core.config import allowed_text, build_config, field_types, unwrap_optional
 from eagle3.core.errors import PipelineError
-from eagle3.core.logs import setup_logging
+from eagle3.core.logs import log_to_file, setup_logging
 from eagle3.core.manifest import stage_run
 from eagle3.core.stages import STAGE
+from eagle3.core.workdir import WorkDir
 
 
 def make_parser(cls, description: str | None) -> argparse.ArgumentParser:
@@ -63,6 +64,9 @@ def run_stage(cls, section: str, fn: Callable[[Any], Any], description: str | No
         setup_logging(logging.DEBUG if args.verbose else logging.INFO)
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
         cfg = build_config(cls, section, args.config, overrides)
+        if getattr(cfg, "work_dir", None):
+            log_to_file(WorkDir(cfg.work_dir).log_file(f"{STAGE[section].number}_{section}"))
+            logging.getLogger("eagle3").info("command: %s", " ".join(sys.argv))
         with stage_run(allow_stale=args.allow_stale, config=args.config):
             fn(cfg)
     except PipelineError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
 NOISY = ("transformers", "transformers_modules", "tiktoken", "datasets", "httpx",
@@ -22,6 +23,21 @@ def setup_logging(level: int = logging.INFO) -> None:
         level = logging.WARNING
     logging.basicConfig(level=level, format=FORMAT, datefmt="%H:%M:%S", force=True)
     quiet_tokenizers()
+
+
+def log_to_file(path) -> None:
+    """Also append every log line of this process (rank 0) to `path`: a run over SSH that
+    lost its terminal keeps its log in the work dir."""
+    if rank() != 0:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    if any(isinstance(h, logging.FileHandler) and Path(h.baseFilename) == path.resolve() for h in root.handlers):
+        return
+    h = logging.FileHandler(path, mode="a", encoding="utf-8")
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+    root.addHandler(h)
 
 
 def quiet_tokenizers() -> None:

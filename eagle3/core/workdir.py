@@ -10,6 +10,7 @@ Layout (one folder per stage, each finished by a manifest written last):
     WORK/05_export/         config.json model.safetensors export_report.json
     WORK/06_evaluate/       results.json evaluate.png untrained_drafter/ runs/ logs/
     WORK/*/manifest.json
+    WORK/logs/              NN_stage.log per numbered stage, window_loop.log (appended across reruns)
 
 Every other module asks a `WorkDir` for a path instead of spelling it.
 """
@@ -49,6 +50,11 @@ class WorkDir:
     def number(stage: str) -> str:
         """'04' for "train": the prefix of the stage's folder and script."""
         return STAGE[stage].number
+
+    # -- logs: one file per stage (and per tool that runs stages), appended across reruns --
+    def log_file(self, name: str) -> Path:
+        """WORK/logs/{name}.log, e.g. `02_extract`, `window_loop`."""
+        return self.root / "logs" / f"{name}.log"
 
     # -- stage 00: generate ---------------------------------------------------
     def generate_identity(self) -> Path:

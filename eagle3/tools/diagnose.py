@@ -56,10 +56,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.core import store
+from eagle3.core import store, windows
 from eagle3.core.atomic import free_bytes
 from eagle3.core.config import build_config
-from eagle3.core.dataset import load_token_freq
+from eagle3.core.dataset import load_split, load_token_freq
 from eagle3.core.drafter_io import CONFIG_NAME, normalise_names, read_drafter_dir
 from eagle3.core.engine_rules import (RULES, VERSION_RULES, TargetFacts, VersionRule, captured_layers, check_drafter,
                                       d2t_summary, errors, implied_head_dim, intended_layers, rules_for, sglang_name,
@@ -432,10 +432,13 @@ def format_versions(r: dict[str, Any]) -> str:
 
 # =========================================================================== store-size
 
-def store_size(config: str | None, work_dir: str | None = None, store_dtype: str | None = None) -> dict[str, Any]:
-    """The store stage 02 would write with this config, in each encoding (a JSON-able dict)."""
+def store_size(config: str | None, work_dir: str | None = None, store_dtype: str | None = None,
+               disk_budget: str | None = None) -> dict[str, Any]:
+    """The store stage 02 would write with this config, in each encoding (a JSON-able dict);
+    with a disk budget (flag or extract.disk_budget), also its window plan."""
 
-    cfg = build_config(ExtractConfig, "extract", config, {"work_dir": work_dir, "store_dtype": store_dtype})
+    cfg = build_config(ExtractConfig, "extract", config, {"work_dir": work_dir, "store_dtype": store_dtype,
+                                                          "disk_budget": disk_budget})
     wd = WorkDir(cfg.work_dir)
     prep = read_record(wd, "prepare", needed_by="diagnose store-size")
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
@@ -460,13 +463,25 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
         encodings[name] = {**store.encoding_fields(name), "bytes_per_token": store.bytes_per_token(H, A, name),
                            "store_bytes": size,
                            "needed_bytes": store.bytes_to_write(files, H, A, name, cfg.data_parallel_size)}
+    plan = None
+    if cfg.disk_budget is not None:
+        lengths = {s: [int(n) for n in load_split(wd.dataset(s))["num_tokens"]] for s in SPLITS}
+        p = windows.make_plan(lengths["train"], lengths["eval"], disk_budget=windows.parse_bytes(cfg.disk_budget),
+                              seed=cfg.window_seed, passes=cfg.extraction_passes,
+                              windows_in_budget=cfg.windows_in_budget, spf=spf, H=H, A=A, dtype=cfg.store_dtype)
+        plan = {"disk_budget": p.disk_budget, "windows": p.num_windows, "passes": p.passes, "rounds": p.rounds,
+                "windows_in_budget": p.windows_in_budget, "held_out_bytes": p.held_out_bytes,
+                "peak_bytes": p.peak_bytes, "seed": p.seed,
+                "per_window": [{"samples": len(w["samples"]), "tokens": w["tokens"], "bytes": w["bytes"]}
+                               for w in p.windows]}
     free = free_bytes(wd.root)
     present = sum(f.stat().st_size for f in wd.store().glob("*.safetensors")) if wd.store().is_dir() else 0
     return {"config": config, "work_dir": str(wd.root), "prepare_manifest": str(wd.manifest("prepare")),
             "target_model": cfg.target_model, "hidden_size": H, "num_layers": info.num_layers, "aux_layers": aux,
             "samples": samples, "tokens": tokens, "files": len(files), "samples_per_file": spf,
             "store_dtype": cfg.store_dtype, "encodings": encodings, "free_bytes": free, "present_bytes": present,
-            "ok": free >= encodings[cfg.store_dtype]["needed_bytes"] - present}
+            "windows": plan,
+            "ok": free >= (plan["peak_bytes"] if plan else encodings[cfg.store_dtype]["needed_bytes"]) - present}
 
 
 def format_store_size(r: dict[str, Any]) -> str:
@@ -485,6 +500,16 @@ def format_store_size(r: dict[str, Any]) -> str:
         out.append(f"{name:12s}{e['dtype']:15s}{e['bytes_per_token']:>9,}{e['store_bytes']:>18,} B {gb(e['store_bytes']):>8s}"
                    f"{gb(e['needed_bytes']):>24s}{mark}")
     out.append("")
+    w = r.get("windows")
+    if w:
+        out.append(f"windows under --disk-budget {windows.human(w['disk_budget'])} (seed {w['seed']}, {w['windows_in_budget']} "
+                   f"window(s) on disk at once): {w['windows']} windows x {w['passes']} extraction pass(es) = "
+                   f"{w['rounds']} rounds; held-out {windows.human(w['held_out_bytes'])} kept; peak store disk "
+                   f"{windows.human(w['peak_bytes'])}")
+        out.append(f"{'window':>8s}{'samples':>10s}{'tokens':>16s}{'bytes':>20s}")
+        for i, x in enumerate(w["per_window"]):
+            out.append(f"{i:>8d}{x['samples']:>10,}{x['tokens']:>16,}{x['bytes']:>20,}")
+        out.append("")
     if r["present_bytes"]:
         out.append(f"already in the store: {gb(r['present_bytes'])} (a rerun writes only the missing files)")
     need = r["encodings"][r["store_dtype"]]["needed_bytes"] - r["present_bytes"]
@@ -521,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--config", help="the YAML file of the run (configs/*.yaml)")
     ps.add_argument("--work-dir", help="work dir holding stage 01's output (default: the config's)")
     ps.add_argument("--store-dtype", choices=STORE_DTYPES, help="encoding (default: the config's extract.store_dtype)")
+    ps.add_argument("--disk-budget", help="bytes the store may take (e.g. 2TB): also print the window plan "
+                                          "(default: the config's extract.disk_budget)")
     pf = sub.add_parser("forecast", help="train on nested fractions of the data and forecast the training tokens "
                                          "that reach a target acceptance (docs/FORECAST.md)")
     pf.add_argument("--work-dir", required=True, help="work dir with stages 01-03 done (its fraction runs go to "
@@ -557,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             r = check_versions(installed_versions())
             text, rc = format_versions(r), (0 if r["ok"] else 1)
         elif a.cmd == "store-size":
-            r = store_size(a.config, a.work_dir, a.store_dtype)
+            r = store_size(a.config, a.work_dir, a.store_dtype, a.disk_budget)
             text, rc = format_store_size(r), (0 if r["ok"] else 1)
         elif a.cmd == "forecast":
             r = forecast.run_forecast(a.work_dir, target_al=a.target_al, config=a.config, target_model=a.target_model,

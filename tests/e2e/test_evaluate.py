@@ -444,7 +444,7 @@ def test_layer_capture_names_each_engines_layers_and_flags_a_mismatch(tmp_path, 
 def test_any_drafter_is_measured_on_a_new_work_dir(tmp_path, tiny_llama):
     """A drafter from elsewhere (as a published one), prompts, a work dir where no stage ran:
     stage 06 serves it (one engine: a sampled pass only, no untrained floor, no timing),
-    logs the layers each engine captures, and writes only 06_evaluate/."""
+    logs the layers each engine captures, and writes only 06_evaluate/ (and its log, logs/06_evaluate.log)."""
     drafter = write_drafter(tmp_path / "published")
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "What is 6 times 7?"}, {"question": "Why is the sky blue?"},
                                                  {"turns": ["Name a color.", "Another?"]},
@@ -458,7 +458,8 @@ def test_any_drafter_is_measured_on_a_new_work_dir(tmp_path, tiny_llama):
     assert "the drafter was trained on target layers [2, 4, 5]" in p.stderr
     assert "vLLM V1 runner" in p.stderr and "vLLM V2 runner" in p.stderr and "SGLang: [2, 4, 5]" in p.stderr
     assert "untrained drafter" not in p.stderr and "training-time expected" not in p.stderr  # nothing to say
-    assert sorted(x.name for x in work.iterdir()) == ["06_evaluate"]
+    assert sorted(x.name for x in work.iterdir()) == ["06_evaluate", "logs"]
+    assert [x.name for x in (work / "logs").iterdir()] == ["06_evaluate.log"]
     r = json.loads(WorkDir(work).evaluate_results().read_text())
     assert r["prompts"]["count"] == 4 and r["acceptance"][0]["temperature"] == 0.7
     assert r["acceptance_length"] >= 1.0 and r["untrained_acceptance_length"] is None

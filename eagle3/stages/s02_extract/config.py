@@ -31,6 +31,23 @@ class ExtractConfig(EngineSettings, ShardedStageConfig):
                              "8H + 9)")
     samples_per_file: int = param(256, min=1, help="samples per store file: the unit of resume and of multi-box "
                                             "splitting")
+    # --- windows: more data than the disk holds (eagle3/core/windows.py; recorded in windows.json) ---
+    disk_budget: str | None = param(None, identity=False, help="bytes the store may take on disk (e.g. 2TB, 500GB): "
+                                    "the train split is cut into windows that fit, extracted one at a time "
+                                    "(default: none, the whole store at once)")
+    window: int | None = param(None, min=0, identity=False, help="with --disk-budget: extract this round (window "
+                               "i %% W of extraction pass i // W); default: the next one not yet trained")
+    windows_dir: str | None = param(None, identity=False, help="with --disk-budget: where the window folders go "
+                                    "(default 02_hidden_states/windows; a shared mount for several boxes)")
+    window_seed: int = param(0, identity=False, help="with --disk-budget: seed of the one shuffle of the train split")
+    extraction_passes: int = param(1, min=1, identity=False, help="with --disk-budget: passes over the data, each "
+                                   "a new extraction of every window (stage 04's --epochs are passes within a window)")
+    windows_in_budget: int = param(1, min=1, identity=False, help="with --disk-budget: windows the budget holds at "
+                                   "once (1 on one box; more to let producers run ahead of the trainer)")
+    produce: bool = param(False, identity=False, help="with --disk-budget: extract every round of this shard in "
+                          "order (a producer of a several-box run), waiting while the budget is full")
+    wait_s: float = param(0.0, min=0.0, identity=False, help="with --produce: seconds to wait for budget room "
+                          "before giving up (0: give up at once)")
     # --- how the work is done (not part of the store's identity) ---
     batch_tokens: int = param(16384, min=1, identity=False, help="tokens per forward batch (vllm: "
                                                           "max_num_batched_tokens, at least max_model_len)")

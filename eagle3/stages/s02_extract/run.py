@@ -56,6 +56,8 @@ from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.hf_backend import HFBackend
 from eagle3.stages.s02_extract.vllm_backend import VllmBackend
 
+from eagle3.stages.s02_extract import windowed  # noqa: E402 - uses this module's steps at call time
+
 log = logging.getLogger(__name__)
 
 
@@ -221,10 +223,14 @@ def _finish_file(written: Callable[[], None], *args, **kwargs) -> dict:
     return store.finalize_file(*args, **kwargs)
 
 
-def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Callable[[int], None]) -> None:
-    """Extract `files` into the store with a loaded backend: partial file, fill, finalize."""
-    d = p.wd.store()
-    splits = {s: load_split(p.wd, s) for s in {f.split for f in files}}
+def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Callable[[int], None],
+                store_dir: Path | None = None, splits: dict | None = None) -> None:
+    """Extract `files` into the store with a loaded backend: partial file, fill, finalize.
+
+    `store_dir`, `splits`: a window's folder and its samples (eagle3/core/windows.py);
+    by default the store folder and stage 01's splits."""
+    d = store_dir or p.wd.store()
+    splits = splits or {s: load_split(p.wd, s) for s in {f.split for f in files}}
     # Waiting for a file's last writes and finalizing it (norm, argmax, checksum: a full
     # pass over it) run in a thread while the engine works on the next file; at most
     # one file waits, to bound memory.
@@ -253,12 +259,13 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
 
 
 def run_files(cfg: ExtractConfig, p: Prepared, files: list[FileSpec], on_tokens: Callable[[int], None],
-              device: str | None = None, on_ready: Callable[[], None] = lambda: None) -> None:
-    """Extract `files` with one engine in this process; `on_ready` once it is loaded."""
+              device: str | None = None, on_ready: Callable[[], None] = lambda: None, **where) -> None:
+    """Extract `files` with one engine in this process; `on_ready` once it is loaded;
+    `where`: write_files' store_dir and splits (a window)."""
     backend, head = load_engine(cfg, p, device)
     try:
         on_ready()
-        write_files(p, backend, head, files, on_tokens)
+        write_files(p, backend, head, files, on_tokens, **where)
     finally:
         backend.close()
 
@@ -367,7 +374,9 @@ def store_intact(d: Path, m: Manifest, *, verify_checksums: bool) -> bool:
     return not any(bad)
 
 
-def extract_hidden_states(cfg: ExtractConfig) -> Manifest:
+def extract_hidden_states(cfg: ExtractConfig) -> Manifest | None:
+    if cfg.disk_budget is not None:
+        return windowed.extract_windowed(cfg)
     p = validate(cfg)
     d = p.wd.store()
     done = already_complete(p.wd, "extract", p.params, p.inputs, force=cfg.force,

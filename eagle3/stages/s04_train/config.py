@@ -82,6 +82,13 @@ class TrainConfig(StageConfig):
                                                               "remap its lm_head rows into stage 03's mapping")
     allow_bad_start: bool = param(False, identity=False,
                                   help="continue although the starting held-out loss is worse than uniform")
+    # windows of the store (stage 02's --disk-budget; eagle3/stages/s04_train/windows.py)
+    keep_windows: bool = param(False, identity=False, help="over windows: keep each round's folder after the "
+                               "checkpoint that covers it (default: delete it then)")
+    window_wait_s: float = param(0.0, min=0.0, identity=False, help="over windows: seconds to wait for the next "
+                                 "round to be complete before stopping (a trainer fed by other boxes)")
+    windows_dir: str | None = param(None, identity=False, help="over windows: where stage 02 writes the rounds "
+                                    "(default 02_hidden_states/windows; the shared mount of several boxes)")
     # runtime
     device: str = param("auto", identity=False, help="auto, cpu, cuda")
     prefetch: int = param(2, min=0, identity=False,

@@ -12,6 +12,10 @@ stage 03's mapping, and the target's embedding and draft-vocab lm_head rows
 Run: `python 04_train_drafter.py --config configs/tiny-llama.yaml`, or on 8 GPUs
 `torchrun --nproc-per-node 8 04_train_drafter.py --config configs/kimi-k2.5.yaml`.
 
+Over windows of the store (stage 02's --disk-budget) the train split comes round by round
+from eagle3/stages/s04_train/windows.py, which also deletes each round after the checkpoint
+that covers it; the schedule, optimizer and step counter span all rounds.
+
 Reading order: `train_drafter` (the stage) -> `read_inputs` (checked inputs and the
 run's identity) -> `Trainer`: `__init__` builds the drafter, the frozen target
 weights, the optimizer and the schedule; `train_step` is one optimizer step;
@@ -46,6 +50,7 @@ from eagle3.core.target import TargetInfo, read_target_info
 from eagle3.core.target_head import load_embedding, load_lm_head
 from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution
 from eagle3.core.vocab_map import load_mapping, target_ids
+from eagle3.core.windows import PROGRESS_JSON, read_plan, windows_dir
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of_all_ranks, save_checkpoint,
                                                 set_rng_state)
@@ -61,6 +66,7 @@ from eagle3.stages.s04_train.memory import GIB, predict_peak
 from eagle3.stages.s04_train.metrics import MetricsLog, MetricSum, fmt
 from eagle3.stages.s04_train.summary import all_settings, end_of_run_lines, run_config
 from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
+from eagle3.stages.s04_train.windows import Rounds, RoundSchedule, trainable_samples
 
 log = logging.getLogger(__name__)
 
@@ -247,32 +253,12 @@ class Trainer:
 
         # The schedule: optimizer steps of grad_accum micro-batches per process.
         self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
-        self.train_split = self.store.split("train")
-        self.lengths = self.train_split.lengths()
-        # Before any step: a split where no position carries loss is refused, and samples
-        # without one stay out of the epochs (a row of them would step on no gradient).
-        self.loss_positions = count_loss_positions(self.train_split, self.drafter.t2d, cfg.max_seq_len,
-                                                   assistant_only=cfg.loss_on == "assistant")
-        if d.main:
-            log.info("train split: %s", self.loss_positions.summary(cfg.max_seq_len, self.dcfg.draft_vocab_size))
-        warning = check_loss_positions(self.loss_positions, max_seq_len=cfg.max_seq_len,
-                                       draft_vocab=self.dcfg.draft_vocab_size,
-                                       mapping_from=str(cfg.init_from or wd.d2t()))
-        if warning and d.main:
-            log.warning("%s", warning)
-        # Each epoch's step count comes from its own packing (data.py); counting every
-        # epoch the run reaches now stops an epoch too small for a step before training.
-        trained = nested_share(self.loss_positions.trainable(), cfg.train_fraction, cfg.seed)
-        if cfg.train_fraction < 1.0 and d.main:
-            log.info("--train-fraction %g: training on %d of the %d samples that carry loss", cfg.train_fraction,
-                     len(trained), len(self.loss_positions.trainable()))
-        self.plan = EpochPlan(self.lengths, self.batching, rank=d.rank, world=d.world, grad_accum=cfg.grad_accum,
-                              samples=trained)
-        if cfg.max_steps:
-            self.total = cfg.max_steps
-            self.plan.locate(self.total - 1)
+        self.rounds: Rounds | None = None
+        plan = read_plan(wd.store())
+        if plan is not None:
+            self.setup_rounds(plan)
         else:
-            self.total = self.plan.steps_for_epochs(cfg.epochs)
+            self.setup_split()
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                      betas=(0.9, 0.95))
@@ -289,14 +275,72 @@ class Trainer:
         self.prefetch: Prefetcher | None = None  # started by fit (--prefetch), from the resumed step
         self.new_window()
 
+    def setup_split(self) -> None:
+        """The whole train split in one store (no --disk-budget): today's schedule."""
+        cfg, d = self.cfg, self.d
+        self.train_split = self.store.split("train")
+        self.lengths = self.train_split.lengths()
+        # Before any step: a split where no position carries loss is refused, and samples
+        # without one stay out of the epochs (a row of them would step on no gradient).
+        self.loss_positions = count_loss_positions(self.train_split, self.drafter.t2d, cfg.max_seq_len,
+                                                   assistant_only=cfg.loss_on == "assistant")
+        if d.main:
+            log.info("train split: %s", self.loss_positions.summary(cfg.max_seq_len, self.dcfg.draft_vocab_size))
+        warning = check_loss_positions(self.loss_positions, max_seq_len=cfg.max_seq_len,
+                                       draft_vocab=self.dcfg.draft_vocab_size,
+                                       mapping_from=str(cfg.init_from or self.wd.d2t()))
+        if warning and d.main:
+            log.warning("%s", warning)
+        # Each epoch's step count comes from its own packing (data.py); counting every
+        # epoch the run reaches now stops an epoch too small for a step before training.
+        trained = nested_share(self.loss_positions.trainable(), cfg.train_fraction, cfg.seed)
+        if cfg.train_fraction < 1.0 and d.main:
+            log.info("--train-fraction %g: training on %d of the %d samples that carry loss", cfg.train_fraction,
+                     len(trained), len(self.loss_positions.trainable()))
+        self.plan = EpochPlan(self.lengths, self.batching, rank=d.rank, world=d.world, grad_accum=cfg.grad_accum,
+                              samples=trained)
+        if cfg.max_steps:
+            self.total = cfg.max_steps
+            self.plan.locate(self.total - 1)
+        else:
+            self.total = self.plan.steps_for_epochs(cfg.epochs)
+
+    def setup_rounds(self, plan) -> None:
+        """The train split in rounds of windows (stage 02's --disk-budget; windows.py)."""
+        cfg, d = self.cfg, self.d
+        if cfg.train_fraction < 1.0:
+            raise PipelineError("--train-fraction applies to a whole store; with stage 02's --disk-budget use a "
+                                "smaller stage 01 dataset instead.")
+        lengths, trainable = trainable_samples(self.wd, cfg.max_seq_len, assistant_only=cfg.loss_on == "assistant")
+        if len(lengths) != sum(len(w["samples"]) for w in plan.windows):
+            raise PipelineError(f"{self.wd.store() / 'windows.json'} plans {sum(len(w['samples']) for w in plan.windows)} "
+                                f"train samples, {self.wd.dataset('train')} holds {len(lengths)}: rerun stage 02 "
+                                f"with --force after stage 01 changed.")
+        if not trainable.any():
+            raise PipelineError(f"no sample of {self.wd.dataset('train')} has a position that carries loss within "
+                                f"--max-seq-len {cfg.max_seq_len}; check stage 01's loss mask.")
+        self.plan = RoundSchedule(plan, lengths, trainable, self.batching, rank=d.rank, world=d.world,
+                                  grad_accum=cfg.grad_accum, epochs=cfg.epochs)
+        self.total = min(cfg.max_steps, self.plan.total) if cfg.max_steps else self.plan.total
+        self.rounds = Rounds(self.wd, self.store, self.plan, windows_dir=cfg.windows_dir, keep=cfg.keep_windows,
+                             wait_s=cfg.window_wait_s, main_rank=d.main)
+        self.train_split = None
+        self.loss_positions = None
+        if d.main:
+            log.info("stage 04 over windows: %s; %d steps (%s per round), --epochs %d within each round",
+                     plan.summary(), self.total, self.plan.steps, cfg.epochs)
+
     # -- batches -----------------------------------------------------------------
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This process's micro-batches (sample indices) of optimizer step `step`.
+        """This process's micro-batches (sample indices) of optimizer step `step`
+        (of the open round's split, over windows).
 
         An epoch's order is a function of (seed, epoch) only and its step count that of
         its own packing, so a resumed run reads what an unbroken one would have, and
         no step is short of micro-batches (EpochPlan in data.py).
         """
+        if self.rounds is not None:
+            return self.rounds.micro_batches(step)
         return self.plan.micro_batches(step)
 
     def load(self, split, indices: list[int]) -> dict:
@@ -305,8 +349,9 @@ class Trainer:
     def start_prefetch(self) -> Prefetcher | None:
         """The background loader of the train batches from this step on (None: --prefetch 0).
         On a GPU an fp8 store's states cross as e4m3 codes and `forward` decodes them there,
-        except with --aux-noise, whose draws need the decoded states in the training thread."""
-        if not self.cfg.prefetch or self.step >= self.total:
+        except with --aux-noise, whose draws need the decoded states in the training thread. Over
+        windows (--disk-budget) the split changes from round to round: batches load here."""
+        if not self.cfg.prefetch or self.step >= self.total or self.rounds is not None:
             return None
         cuda = self.device.type == "cuda"
         decode = not cuda or self.cfg.aux_noise > 0
@@ -315,9 +360,9 @@ class Trainer:
                           self.plan, start=self.step, total=self.total, depth=self.cfg.prefetch, pin=cuda,
                           files=self.train_split.file_names)
 
-    def micro_batch(self, i: int, indices: list[int]) -> dict:
-        """Micro-batch i of this step: from the prefetcher, or loaded here."""
-        return self.prefetch.get(self.step, i) if self.prefetch else self.load(self.train_split, indices)
+    def micro_batch(self, i: int, indices: list[int], split) -> dict:
+        """Micro-batch i of this step: from the prefetcher, or loaded here from `split`."""
+        return self.prefetch.get(self.step, i) if self.prefetch else self.load(split, indices)
 
     def forward(self, batch: dict):
         """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics)."""
@@ -352,9 +397,10 @@ class Trainer:
         the last checkpoint stay those of the last good step.
         """
         micro = self.micro_batches(self.step)
+        split = self.rounds.split if self.rounds is not None else self.train_split
         self.opt.zero_grad(set_to_none=True)
         for i, idx in enumerate(micro):
-            batch = self.training_view(self.micro_batch(i, idx))
+            batch = self.training_view(self.micro_batch(i, idx, split))
             self.window_tokens += int(batch["attention_mask"].sum())
             # DDP all-reduces gradients during backward. Accumulating micro-batches needs
             # that once per step, so no_sync skips it on all but the last micro-batch.
@@ -467,6 +513,8 @@ class Trainer:
         step): the epoch of the last step taken and how many of its steps are done, so
         (0, 0) at the start and (e, its step count) when epoch e has just ended. Only
         epochs already read are packed for it, never the next one."""
+        if self.rounds is not None:
+            return self.plan.position(step)
         if step == 0:
             return {"epoch": 0, "batch_in_epoch": 0}
         epoch, b = self.plan.locate(step - 1)
@@ -500,6 +548,8 @@ class Trainer:
         if ckpt is not None:
             self.load_state_dict(ckpt)
             log.info("resuming from %s at step %d of %d", self.wd.checkpoint(self.step), self.step, self.total)
+        if self.rounds is not None:
+            self.rounds.resumed(self.step, self.wd.checkpoint(self.step))
 
     # -- the loop ----------------------------------------------------------------------
     def fit(self) -> Manifest | None:
@@ -520,14 +570,20 @@ class Trainer:
             self.drafter.train()
             self.new_window()
             while self.step < self.total:
+                if self.rounds is not None and not self.rounds.ensure(self.step):
+                    return None  # the next round is not extracted yet; its checkpoint is on disk
                 gnorm = self.train_step()
                 bar.update(1)
                 end = self.step == self.total
+                # The last step of a round is always saved: its folder is deleted only then.
+                round_end = self.rounds is not None and (self.rounds.is_end(self.step) or end)
                 if self.step % cfg.log_every == 0 or end:
                     self.log_train(gnorm)
                 is_best = (self.step % cfg.eval_every == 0 or end) and self.evaluate_and_track()
-                if is_best or self.step % cfg.save_every == 0 or end:
+                if is_best or self.step % cfg.save_every == 0 or end or round_end:
                     self.save(is_best)
+                if round_end:
+                    self.rounds.covered(self.step, self.wd.checkpoint(self.step))
                 if cfg.stop_after is not None and cfg.stop_after <= self.step < self.total:
                     log.warning("--stop-after %d: stopping here as if killed; rerun without it to resume",
                                 cfg.stop_after)
@@ -547,10 +603,12 @@ class Trainer:
         last_epoch = self.data_position(self.step)["epoch"]
         # With --init-from the starting weights are step 0's candidate (check_start).
         best_is_initial = best["step"] == 0
-        counts = {"steps_per_epoch": [self.plan.steps_in(e) for e in range(last_epoch + 1)],
+        per = (self.plan.steps if self.rounds is not None else
+               [self.plan.steps_in(e) for e in range(last_epoch + 1)])
+        counts = {("steps_per_round" if self.rounds is not None else "steps_per_epoch"): per,
                   "processes": self.d.world,
                   "best_is_initial": best_is_initial, "final_eval": self.last_eval,
-                  "loss_positions": self.loss_positions.to_json()}
+                  "loss_positions": self.loss_positions.to_json() if self.loss_positions else None}
         record = TrainRecord(
             ttt_steps=self.ttt.num_steps, aux_layer_ids=list(self.store.aux_layers), steps=self.step,
             best_step=best["step"], best_expected_accept_length=best["expected_accept_length"],
@@ -585,6 +643,11 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
             return done
         if cfg.force and d.main and wd.stage_dir("train").exists():
             shutil.rmtree(wd.stage_dir("train"))
+            # Over windows, training from scratch needs every round again: stage 02 re-extracts
+            # the ones deleted once no round counts as trained.
+            wdir = windows_dir(wd.store(), cfg.windows_dir)
+            if read_plan(wd.store()) is not None and (wdir / PROGRESS_JSON).is_file():
+                (wdir / PROGRESS_JSON).unlink()
         barrier()  # no rank may read a checkpoint rank 0 is deleting
         return Trainer(cfg, wd, src, device, d).fit()
     finally:

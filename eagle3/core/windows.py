@@ -1,0 +1,327 @@
+"""Windows of the store: more data than the disk holds, extracted and trained in turns.
+
+Stage 02 with `--disk-budget BYTES` writes this module's files; stage 04 reads them and
+deletes each window once a checkpoint covers it; `python -m eagle3.tools.window_loop`
+drives both on one box. File names (all inside the store folder `WORK/02_hidden_states/`,
+the window folders inside `--windows-dir` when given, e.g. a shared mount):
+
+    windows.json                the plan: the train split shuffled once with `seed`, cut into
+                                windows that each fit the budget (sample indices of stage 01's
+                                train split, tokens and planned bytes of each), the held-out
+                                split's bytes, the number of extraction passes. Written once;
+                                a rerun with other settings is refused.
+    windows/window-NNNNN/       round N's store: round N holds window N % W of extraction pass
+                                N // W (W windows), as a store of its own (store.json,
+                                index.json, train-*.safetensors in window order).
+    windows/window-NNNNN/window.json  written last, once every file is complete: the round,
+                                its counts, and each file's bytes and checksum. A folder
+                                without it is being written and is never trained on.
+    windows/progress.json       rounds trained: written by stage 04 after the checkpoint that
+                                covers them, before it deletes their folders.
+    windows/.deleting-window-NNNNN/  a folder being deleted (renamed first, so a kill during
+                                the deletion never leaves a folder that looks complete).
+
+The held-out split is extracted once, into the store folder itself, and kept.
+
+The budget covers the store on disk at its peak: the held-out files plus
+`windows_in_budget` windows (one on one box, where extraction and training take turns),
+each counted with `store.bytes_to_write` (for fp8 the bf16 partial files that exist while
+it is written).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from eagle3.core import store
+from eagle3.core.atomic import write_json
+from eagle3.core.errors import PipelineError
+from eagle3.core.manifest import sha256_json
+
+log = logging.getLogger(__name__)
+
+PLAN_JSON = "windows.json"
+WINDOWS_DIR = "windows"
+COMPLETE_JSON = "window.json"
+PROGRESS_JSON = "progress.json"
+_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "PB": 10 ** 15,
+          "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
+
+
+def parse_bytes(text: str | int, what: str = "--disk-budget") -> int:
+    """'2TB' -> 2e12, '500GB', '1.5TiB', '123456' (bytes). Decimal units as disks are sold."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = m.group(2).upper() if m else None
+    if not m or unit not in _UNITS:
+        raise PipelineError(f"{what} {text!r} is not a size: write bytes or a number with a unit, e.g. 2TB, "
+                            f"500GB, 1.5TiB ({', '.join(u for u in _UNITS if u)}).")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def human(n: int) -> str:
+    """Bytes in the largest decimal unit that keeps a number >= 1: '1.93 TB', '2.80 MB'."""
+    for unit, size in (("PB", 10 ** 15), ("TB", 10 ** 12), ("GB", 10 ** 9), ("MB", 10 ** 6), ("KB", 10 ** 3)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{n} B"
+
+
+def round_name(r: int) -> str:
+    return f"window-{r:05d}"
+
+
+def round_of(name: str) -> int | None:
+    m = re.fullmatch(r"window-(\d+)", name)
+    return int(m.group(1)) if m else None
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _file_sizes(lengths: list[int], spf: int, H: int, A: int, dtype: str) -> int:
+    files = [(len(lengths[a:a + spf]), sum(lengths[a:a + spf])) for a in range(0, len(lengths), spf)]
+    return store.bytes_to_write(files, H, A, dtype, engines=1) if files else 0
+
+
+class _FileBound:
+    """An upper bound of `store.file_bytes(S, T)` in O(1): the header at its longest (as if T
+    were 10**12 tokens, so every offset has the most digits) plus T times the bytes per token."""
+
+    BIG = 10 ** 12
+
+    def __init__(self, H: int, A: int, dtype: str):
+        self.H, self.A, self.dtype = H, A, dtype
+        self.per_token = store.bytes_per_token(H, A, dtype)
+        self._head: dict[int, int] = {}
+
+    def __call__(self, S: int, T: int) -> int:
+        if S not in self._head:
+            self._head[S] = store.file_bytes(S, self.BIG, self.H, self.A, self.dtype) - self.BIG * self.per_token
+        return self._head[S] + T * self.per_token
+
+
+def cut_windows(order: list[int], lengths: list[int], capacity: int, *, spf: int, H: int, A: int,
+                dtype: str) -> list[list[int]]:
+    """Consecutive runs of `order` whose store (files of `spf` samples) fits `capacity` bytes.
+
+    Greedy: a sample joins the current window while the window's bytes (its files, plus for
+    fp8 the two largest bf16 partial files written before them: `store.bytes_to_write`)
+    stay within the capacity, each file counted by an upper bound of its size (`_FileBound`),
+    so a plan of 600K samples takes a second, and the window's exact bytes stay below it.
+    """
+    size = _FileBound(H, A, dtype)
+    scaled = store.encoding_named(dtype).scaled
+    partial = _FileBound(H, A, "bf16") if scaled else None
+    windows: list[list[int]] = []
+    cur: list[int] = []
+    closed, top2 = 0, [0, 0]  # bytes of the window's full files; its two largest partial files
+    S = T = 0  # the open file's samples and tokens
+
+    def total(S: int, T: int) -> int:
+        out = closed + (size(S, T) if S else 0)
+        if scaled:
+            out += sum(sorted(top2 + [partial(S, T) if S else 0], reverse=True)[:2])
+        return out
+
+    for i in order:
+        n = lengths[i]
+        if total(S + 1, T + n) > capacity:
+            if cur:
+                windows.append(cur)
+                cur, closed, top2, S, T = [], 0, [0, 0], 0, 0
+            if total(1, n) > capacity:
+                raise PipelineError(
+                    f"--disk-budget leaves {capacity:,} bytes per window, less than one sample of {n:,} tokens "
+                    f"needs ({total(1, n):,} bytes); raise --disk-budget.")
+        cur.append(i)
+        S, T = S + 1, T + n
+        if S == spf:
+            closed += size(S, T)
+            if scaled:
+                top2 = sorted(top2 + [partial(S, T)], reverse=True)[:2]
+            S = T = 0
+    if cur:
+        windows.append(cur)
+    return windows
+
+
+@dataclass
+class WindowPlan:
+    seed: int
+    disk_budget: int
+    windows_in_budget: int
+    passes: int
+    store_dtype: str
+    bytes_per_token: int
+    held_out_bytes: int
+    window_capacity: int
+    windows: list[dict]  # {"samples": [...], "tokens": int, "bytes": int}
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.windows)
+
+    @property
+    def rounds(self) -> int:
+        """Windows extracted over the whole run: every window once per extraction pass."""
+        return self.passes * self.num_windows
+
+    def window_of(self, r: int) -> dict:
+        return self.windows[r % self.num_windows]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The store's planned peak on disk: held-out plus the largest windows the budget admits."""
+        sizes = sorted((w["bytes"] for w in self.windows), reverse=True)
+        return self.held_out_bytes + sum(sizes[:self.windows_in_budget])
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+    @property
+    def fingerprint(self) -> str:
+        return sha256_json(self.to_json())
+
+    def summary(self) -> str:
+        toks = [w["tokens"] for w in self.windows]
+        return (f"{self.num_windows} window(s) x {self.passes} extraction pass(es) = {self.rounds} rounds; tokens per "
+                f"window {min(toks):,}-{max(toks):,}; largest window {human(max(w['bytes'] for w in self.windows))}; "
+                f"held-out {human(self.held_out_bytes)}; planned peak {human(self.peak_bytes)} of the "
+                f"{human(self.disk_budget)} budget")
+
+
+def make_plan(train_lengths: list[int], eval_lengths: list[int], *, disk_budget: int, seed: int, passes: int,
+              windows_in_budget: int, spf: int, H: int, A: int, dtype: str) -> WindowPlan:
+    """Shuffle the train split once (seeded) and cut it into windows that fit the budget."""
+    held = _file_sizes(eval_lengths, spf, H, A, dtype)
+    capacity = (disk_budget - held) // windows_in_budget
+    if capacity <= 0:
+        raise PipelineError(f"--disk-budget {disk_budget:,} bytes does not even hold the held-out split "
+                            f"({held:,} bytes, kept for the whole run); raise --disk-budget.")
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(train_lengths), generator=g).tolist()
+    cut = cut_windows(order, train_lengths, capacity, spf=spf, H=H, A=A, dtype=dtype)
+    windows = [{"samples": w, "tokens": int(sum(train_lengths[i] for i in w)),
+                "bytes": _file_sizes([train_lengths[i] for i in w], spf, H, A, dtype)} for w in cut]
+    return WindowPlan(seed=seed, disk_budget=disk_budget, windows_in_budget=windows_in_budget, passes=passes,
+                      store_dtype=dtype, bytes_per_token=store.bytes_per_token(H, A, dtype), held_out_bytes=held,
+                      window_capacity=capacity, windows=windows)
+
+
+def read_plan(store_dir: Path) -> WindowPlan | None:
+    p = Path(store_dir) / PLAN_JSON
+    if not p.is_file():
+        return None
+    return WindowPlan(**json.loads(p.read_text()))
+
+
+def write_or_check_plan(store_dir: Path, plan: WindowPlan) -> None:
+    """Write the plan once; a later run must plan the same windows (else the trained rounds mean others)."""
+    old = read_plan(store_dir)
+    if old is None:
+        write_json(Path(store_dir) / PLAN_JSON, plan.to_json())
+        return
+    if old.fingerprint != plan.fingerprint:
+        diff = [k for k in plan.to_json() if k != "windows" and old.to_json()[k] != plan.to_json()[k]]
+        raise PipelineError(f"{Path(store_dir) / PLAN_JSON} holds another window plan ({', '.join(diff) or 'windows'} "
+                            f"differ): this run's windows would not be the ones trained so far. Rerun with the "
+                            f"settings it was made with, or pass --force to stage 02 to start over.")
+
+
+# --------------------------------------------------------------------------- window folders
+
+
+def windows_dir(store_dir: Path, override: str | Path | None) -> Path:
+    return Path(override) if override else Path(store_dir) / WINDOWS_DIR
+
+
+def read_complete(d: Path) -> dict | None:
+    try:
+        return json.loads((Path(d) / COMPLETE_JSON).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def window_problem(d: Path, *, verify_checksums: bool) -> str | None:
+    """None when the round's folder is complete and whole (and its checksums hold, when asked)."""
+    done = read_complete(d)
+    if done is None:
+        return f"{d} has no {COMPLETE_JSON} (not finished)"
+    for e in done["files"]:
+        problem = store.file_problem(Path(d), e, verify_checksum=verify_checksums)
+        if problem:
+            return problem
+    return None
+
+
+def write_complete(d: Path, info: dict) -> None:
+    write_json(Path(d) / COMPLETE_JSON, info)
+
+
+def read_progress(wdir: Path) -> dict:
+    try:
+        return json.loads((Path(wdir) / PROGRESS_JSON).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {"trained_rounds": 0}
+
+
+def write_progress(wdir: Path, trained_rounds: int, checkpoint: str, step: int) -> None:
+    Path(wdir).mkdir(parents=True, exist_ok=True)
+    write_json(Path(wdir) / PROGRESS_JSON, {"trained_rounds": trained_rounds, "checkpoint": checkpoint,
+                                            "step": step})
+
+
+def delete_round(wdir: Path, r: int) -> bool:
+    """Delete round r's folder: renamed first (one atomic step: it no longer looks like a
+    window), then removed. True when something was deleted."""
+    d = Path(wdir) / round_name(r)
+    gone = Path(wdir) / f".deleting-{round_name(r)}"
+    if d.exists():
+        os.replace(d, gone) if not gone.exists() else shutil.rmtree(d)
+    if gone.exists():
+        shutil.rmtree(gone)
+        return True
+    return False
+
+
+def sweep(wdir: Path, trained_rounds: int) -> list[int]:
+    """Delete every folder of a round already trained, and leftovers of a killed deletion."""
+    wdir = Path(wdir)
+    if not wdir.is_dir():
+        return []
+    done = []
+    for p in sorted(wdir.iterdir()):
+        name = p.name.removeprefix(".deleting-")
+        r = round_of(name)
+        if r is not None and (r < trained_rounds or p.name.startswith(".deleting-")):
+            delete_round(wdir, r)
+            done.append(r)
+    return done
+
+
+def present_rounds(wdir: Path) -> list[int]:
+    """Rounds with a folder (complete or being written), in order."""
+    if not Path(wdir).is_dir():
+        return []
+    return sorted(r for r in (round_of(p.name) for p in Path(wdir).iterdir()) if r is not None)
+
+
+def dir_bytes(d: Path) -> int:
+    """Bytes of the files under d (what the store holds on disk right now)."""
+    total = 0
+    for root, _, files in os.walk(d):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total

@@ -1,0 +1,215 @@
+"""Stage 04 over windows of the store: one schedule, one optimizer, one step counter.
+
+When stage 02 ran with `--disk-budget` (its plan `02_hidden_states/windows.json`, format
+in eagle3/core/windows.py), the train split arrives round by round, each round a store
+folder of its own, and is deleted once trained. This module maps the run's global step
+to (round, step in round) and opens, checks and deletes the rounds' folders; `Trainer`
+(run.py) calls it. It reads stage 01's train split (lengths and loss masks: the schedule
+is known before any window is extracted) and the rounds' folders; writes
+`windows/progress.json` and deletes rounds.
+
+The schedule: round r trains `--epochs` epochs over its window's samples, packed and
+shuffled as data.py packs a split (`EpochPlan`), with a seed of its own (the run's seed and
+r). Its steps are counted from stage 01's lengths, so the run's length, and with it the one
+learning-rate schedule, is known at step 0. Samples whose stage-01 mask gives no position
+a loss inside --max-seq-len stay out (as `loss_positions` leaves samples out of a whole
+store; a sample whose every masked position falls outside the draft vocabulary stays in
+and adds nothing). A sample stage 02 rejected for NaN/Inf is dropped from its micro-batch.
+
+Deletion. At the last step of round r the trainer saves a checkpoint whatever
+--save-every says; only then `covered` writes `progress.json` (rounds trained, the
+checkpoint) and deletes the round's folder (renamed first, then removed), never with
+--keep-windows. A run killed between the checkpoint and the deletion deletes the round on
+its next start (`sweep`), from the checkpoint it resumes: the checkpoint decides what is
+trained, never the folder's presence.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+
+from eagle3.core import store, windows
+from eagle3.core.dataset import load_split
+from eagle3.core.errors import PipelineError
+from eagle3.core.store import HiddenStateStore
+from eagle3.core.workdir import WorkDir
+from eagle3.stages.s04_train.data import Batching, EpochPlan
+
+log = logging.getLogger(__name__)
+
+# Tests kill the run with SIGKILL at a named point (eagle3/stages/s04_train/windows.py's
+# `_kill_point`): "covered:R" right after the checkpoint covering round R is on disk.
+KILL_ENV = "EAGLE3_KILL_AT"
+_ROUND_KEYS = ("num_samples", "round", "window")
+
+
+def _kill_point(name: str) -> None:
+    if os.environ.get(KILL_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def trainable_samples(wd: WorkDir, max_seq_len: int, assistant_only: bool) -> tuple[list[int], np.ndarray]:
+    """Stage 01's train split: (lengths, whether each sample has a position that can carry loss)."""
+    ds = load_split(wd.dataset("train")).with_format("numpy")
+    lengths = [int(n) for n in ds["num_tokens"]]
+    if not assistant_only:
+        return lengths, np.array([min(n, max_seq_len) > 2 for n in lengths], dtype=bool)
+    ok = np.array([bool(np.asarray(m[2:max_seq_len]).any()) for m in ds["loss_mask"]], dtype=bool)
+    return lengths, ok
+
+
+class RoundSchedule:
+    """Global step -> (round, step in round); each round's micro-batches as window positions."""
+
+    def __init__(self, plan: windows.WindowPlan, lengths: list[int], trainable: np.ndarray, batching: Batching, *,
+                 rank: int, world: int, grad_accum: int, epochs: int):
+        self.plan, self.epochs = plan, epochs
+        self.plans: list[EpochPlan] = []
+        self.starts: list[int] = []
+        self.steps: list[int] = []
+        start = 0
+        for r in range(plan.rounds):
+            samples = plan.window_of(r)["samples"]
+            b = Batching(batching.batch_tokens, batching.max_seq_len, batching.seed + 1_000_003 * (r + 1),
+                         packed=batching.packed)
+            keep = [k for k, i in enumerate(samples) if trainable[i]]
+            ep = EpochPlan([lengths[i] for i in samples], b, rank=rank, world=world, grad_accum=grad_accum,
+                           samples=keep)
+            n = ep.steps_for_epochs(epochs)
+            self.plans.append(ep)
+            self.starts.append(start)
+            self.steps.append(n)
+            start += n
+        self.total = start
+
+    def locate(self, step: int) -> tuple[int, int]:
+        for r in range(len(self.steps)):
+            if step < self.starts[r] + self.steps[r]:
+                return r, step - self.starts[r]
+        raise AssertionError((step, self.total))
+
+    def end(self, r: int) -> int:
+        """The global step count once round r is trained."""
+        return self.starts[r] + self.steps[r]
+
+    def rounds_done(self, step: int) -> int:
+        return sum(1 for r in range(len(self.steps)) if self.end(r) <= step)
+
+    def micro_batches(self, step: int) -> tuple[int, list[list[int]]]:
+        r, s = self.locate(step)
+        return r, self.plans[r].micro_batches(s)
+
+    def position(self, step: int) -> dict:
+        """A checkpoint's data position: the round of the last step and its steps done."""
+        if step == 0:
+            return {"epoch": 0, "batch_in_epoch": 0}
+        r, s = self.locate(step - 1)
+        return {"epoch": r, "batch_in_epoch": s + 1}
+
+
+class Rounds:
+    """The rounds' folders as the trainer meets them: open in order, delete once covered."""
+
+    def __init__(self, wd: WorkDir, main: HiddenStateStore, schedule: RoundSchedule, *, windows_dir: str | None,
+                 keep: bool, wait_s: float, main_rank: bool):
+        self.wd, self.main, self.schedule = wd, main, schedule
+        self.dir = windows.windows_dir(wd.store(), windows_dir)
+        self.keep, self.wait_s, self.main_rank = keep, wait_s, main_rank
+        self.current: int | None = None
+        self.split = None
+        self.index_of: list[int | None] = []  # window position -> index in the round's split (None: rejected)
+
+    def _open(self, r: int) -> bool:
+        d = self.dir / windows.round_name(r)
+        if windows.read_complete(d) is None:
+            return False  # not extracted yet, or still being written
+        # Rank 0 reads every file once to check it (the other ranks check sizes): a round
+        # its writer called complete and whose bytes differ is damaged, not late.
+        problem = windows.window_problem(d, verify_checksums=self.main_rank)
+        if problem:
+            raise PipelineError(f"stage 04: round {r} is damaged ({problem}); rerun `python "
+                                f"{WorkDir.script('extract')} --window {r}` with your --config and --disk-budget: it "
+                                f"checks every file of the round and redoes the damaged ones.")
+        index = json.loads((d / store.INDEX_JSON).read_text())
+        ours = {k: v for k, v in index["identity"].items() if k not in _ROUND_KEYS}
+        theirs = {k: v for k, v in self.main.index["identity"].items() if k not in _ROUND_KEYS}
+        if ours != theirs or index["identity"].get("round") != r:
+            diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+            raise PipelineError(f"stage 04: {d} was extracted for another store or round (differs in {diff or 'round'} "
+                                f"from {self.wd.store() / store.INDEX_JSON}); delete it and rerun stage 02 with "
+                                f"--window {r}.")
+        # The checksums were verified just now (window_problem, rank 0): the reader checks sizes only.
+        st = HiddenStateStore(d, index, None, verify="off", needed_by="stage 04 (train)")
+        self.split = st.split("train")
+        mapping, k = [], 0
+        for e in self.split.files:
+            rejected = set(e["rejected"])
+            for j in range(e["num_samples"]):
+                mapping.append(None if j in rejected else k)
+                k += j not in rejected
+        self.index_of, self.current = mapping, r
+        log.info("stage 04: training on round %d (%s, %d samples, steps %d..%d)", r, d, len(mapping),
+                 self.schedule.starts[r], self.schedule.end(r))
+        return True
+
+    def ensure(self, step: int) -> bool:
+        """Open the round of `step`; False when it is not extracted (after --window-wait-s)."""
+        r, _ = self.schedule.locate(step)
+        if self.current == r:
+            return True
+        self.split, self.current = None, None
+        deadline = time.monotonic() + self.wait_s
+        while not self._open(r):
+            if time.monotonic() >= deadline:
+                d = self.dir / windows.round_name(r)
+                log.warning("stage 04: round %d is not extracted yet (%s has no complete %s): stopping at step %d "
+                            "of %d. Run `python %s --window %d` (same --config and --disk-budget), then rerun "
+                            "this command; `python -m eagle3.tools.window_loop` does both in turn.", r, d,
+                            windows.COMPLETE_JSON, step, self.schedule.total, WorkDir.script("extract"), r)
+                return False
+            time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+        return True
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        r, micro = self.schedule.micro_batches(step)
+        assert r == self.current, (r, self.current)
+        out = []
+        for idx in micro:
+            kept = [self.index_of[i] for i in idx if self.index_of[i] is not None]
+            if not kept:
+                raise PipelineError(f"stage 04: every sample of a micro-batch of step {step} (round {r}) was rejected "
+                                    f"by stage 02 for NaN/Inf; fix the target's dtype (stage 02 --dtype float32) "
+                                    f"and re-extract.")
+            out.append(kept)
+        return out
+
+    def is_end(self, step: int) -> bool:
+        return self.schedule.rounds_done(step) > self.schedule.rounds_done(step - 1)
+
+    def covered(self, step: int, checkpoint: Path) -> None:
+        """A checkpoint at `step` is on disk: record the rounds it covers, then delete them."""
+        if not self.main_rank:
+            return
+        done = self.schedule.rounds_done(step)
+        _kill_point(f"covered:{done - 1}")
+        windows.write_progress(self.dir, done, checkpoint.name, step)
+        if self.current is not None and self.current < done:
+            self.split, self.current = None, None  # drop the mappings before the files go
+        if self.keep:
+            return
+        for r in windows.sweep(self.dir, done):
+            log.info("stage 04: round %d deleted (covered by %s)", r, checkpoint)
+
+    def resumed(self, step: int, checkpoint: Path) -> None:
+        """After a resume at `step`: the rounds its checkpoint covers are trained, whatever
+        the last run managed to record or delete before it stopped."""
+        if step and self.main_rank and self.schedule.rounds_done(step) > windows.read_progress(self.dir)["trained_rounds"]:
+            self.covered(step, checkpoint)
+        elif self.main_rank and not self.keep:
+            windows.sweep(self.dir, windows.read_progress(self.dir)["trained_rounds"])

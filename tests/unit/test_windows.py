@@ -1,0 +1,77 @@
+"""The window plan (eagle3/core/windows.py): sizes, the one shuffle, deletions that survive a kill."""
+import pytest
+
+from eagle3.core import store, windows
+from eagle3.core.errors import PipelineError
+
+
+def test_parse_bytes_reads_decimal_and_binary_units_and_names_a_bad_value():
+    assert windows.parse_bytes("2TB") == 2 * 10 ** 12
+    assert windows.parse_bytes("500GB") == 500 * 10 ** 9
+    assert windows.parse_bytes("1.5 TiB") == int(1.5 * 2 ** 40)
+    assert windows.parse_bytes("123456") == 123456
+    with pytest.raises(PipelineError, match=r"--disk-budget '2 parsecs' is not a size"):
+        windows.parse_bytes("2 parsecs")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_every_window_fits_its_share_of_the_budget_and_the_windows_cover_the_split_once(dtype):
+    lengths = [(37 * i) % 300 + 20 for i in range(500)]  # tokens per sample
+    H, A, spf = 64, 3, 8
+    held = [50] * 20
+    budget = 3_000_000
+    plan = windows.make_plan(lengths, held, disk_budget=budget, seed=7, passes=2, windows_in_budget=2, spf=spf,
+                             H=H, A=A, dtype=dtype)
+    assert plan.num_windows >= 4 and plan.rounds == 2 * plan.num_windows
+    everything = [i for w in plan.windows for i in w["samples"]]
+    assert sorted(everything) == list(range(len(lengths)))  # each sample once
+    assert everything != list(range(len(lengths)))  # shuffled
+    for w in plan.windows:
+        files = [(len(w["samples"][a:a + spf]), sum(lengths[i] for i in w["samples"][a:a + spf]))
+                 for a in range(0, len(w["samples"]), spf)]
+        assert w["bytes"] == store.bytes_to_write(files, H, A, dtype)  # the files stage 02 writes
+        assert w["bytes"] <= plan.window_capacity
+        assert w["tokens"] == sum(lengths[i] for i in w["samples"])
+    assert plan.peak_bytes <= budget
+    assert plan.window_of(plan.num_windows + 1) == plan.windows[1]  # round W+1 = window 1 of pass 1
+    same = windows.make_plan(lengths, held, disk_budget=budget, seed=7, passes=2, windows_in_budget=2, spf=spf,
+                             H=H, A=A, dtype=dtype)
+    assert same.fingerprint == plan.fingerprint
+    other = windows.make_plan(lengths, held, disk_budget=budget, seed=8, passes=2, windows_in_budget=2, spf=spf,
+                              H=H, A=A, dtype=dtype)
+    assert other.windows[0]["samples"] != plan.windows[0]["samples"]
+
+
+def test_a_budget_below_the_held_out_split_or_one_sample_is_refused():
+    with pytest.raises(PipelineError, match="does not even hold the held-out split"):
+        windows.make_plan([100] * 10, [100] * 10, disk_budget=1000, seed=0, passes=1, windows_in_budget=1, spf=4,
+                          H=64, A=3, dtype="bf16")
+    one = store.bytes_to_write([(1, 100)], 64, 3)
+    with pytest.raises(PipelineError, match="less than one sample"):
+        windows.make_plan([100, 5000], [], disk_budget=one + 10, seed=0, passes=1, windows_in_budget=1, spf=4,
+                          H=64, A=3, dtype="bf16")
+
+
+def test_the_plan_is_written_once_and_another_plan_is_refused(tmp_path):
+    a = windows.make_plan([100] * 40, [], disk_budget=10 ** 7, seed=0, passes=1, windows_in_budget=1, spf=4, H=64,
+                          A=3, dtype="bf16")
+    b = windows.make_plan([100] * 40, [], disk_budget=10 ** 6, seed=0, passes=1, windows_in_budget=1, spf=4, H=64,
+                          A=3, dtype="bf16")
+    windows.write_or_check_plan(tmp_path, a)
+    windows.write_or_check_plan(tmp_path, a)
+    assert windows.read_plan(tmp_path).fingerprint == a.fingerprint
+    with pytest.raises(PipelineError, match="disk_budget"):
+        windows.write_or_check_plan(tmp_path, b)
+
+
+def test_a_deletion_killed_half_way_never_leaves_a_complete_looking_round_and_is_finished_by_sweep(tmp_path):
+    for r in range(3):
+        d = tmp_path / windows.round_name(r)
+        d.mkdir()
+        (d / "train-00000.safetensors").write_bytes(b"x" * 10)
+        windows.write_complete(d, {"round": r, "files": []})
+    # A deletion killed after its rename: the folder is gone under its own name.
+    (tmp_path / windows.round_name(0)).rename(tmp_path / f".deleting-{windows.round_name(0)}")
+    assert windows.present_rounds(tmp_path) == [1, 2]
+    assert windows.sweep(tmp_path, trained_rounds=2) == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [windows.round_name(2)]
