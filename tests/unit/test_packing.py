@@ -116,6 +116,7 @@ class _S:
         self.aux = torch.full((n, 6), float(base)).bfloat16()
         self.final = torch.full((n, 2), float(base)).bfloat16()
         self.target_argmax = torch.arange(base, base + n, dtype=torch.int32)
+        self.scale_log2 = None  # decoded states, as the store reader hands them to the loader
 
     @property
     def num_tokens(self) -> int:
