@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 from pathlib import Path
 
 from eagle3.core.atomic import atomic_path
@@ -229,7 +230,7 @@ def train_on_chats(model, tok, steps: int, seed: int = 0, chats: Path = DEMO_CHA
 
 def save_target(kind: str, model, tok, out: Path, recipe: dict, report: dict | None = None) -> None:
     """Write the folder atomically: a half-built target is never mistaken for one."""
-    from safetensors.torch import save_file
+    from safetensors.torch import load_file, save_file
 
     with atomic_path(out) as tmp:
         tok.save_pretrained(tmp)
@@ -243,7 +244,16 @@ def save_target(kind: str, model, tok, out: Path, recipe: dict, report: dict | N
             }
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
             (tmp / "preprocessor_config.json").write_text(json.dumps(TINY_PREPROCESSOR, indent=2, sort_keys=True))
-            state = {f"language_model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+            # The checkpoint's names, as save_pretrained writes them (transformers 5 fuses the routed
+            # experts in memory, `experts.down_proj` [E, ...]; a checkpoint, Kimi-K2.5's too, keeps
+            # one `experts.<e>.down_proj.weight` per expert, which is what vLLM's loader maps), nested
+            # under `language_model.` as Kimi-K2.5's are.
+            plain = tmp / "text-model"
+            model.save_pretrained(plain, safe_serialization=True)
+            state = {}
+            for shard in sorted(plain.glob("*.safetensors")):
+                state.update({f"language_model.{k}": v.contiguous() for k, v in load_file(shard).items()})
+            shutil.rmtree(plain)
             save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         else:
             model.save_pretrained(tmp, safe_serialization=True)
@@ -258,6 +268,8 @@ def build_tiny_target(kind: str, out: Path | str, seed: int = 0, force: bool = F
     out = Path(out)
     marker = out / MARKER
     recipe = {"kind": kind, "seed": seed, "train_steps": train_steps}
+    if kind == "kimi_k25":  # a folder of the fused in-memory expert names is rebuilt
+        recipe["expert_names"] = "per-expert"
     if train_steps:  # a changed recipe must rebuild a trained target, not reuse the old one
         recipe["train"] = TRAIN_RECIPE
     if marker.is_file() and not force and json.loads(marker.read_text()).get("recipe") == recipe:

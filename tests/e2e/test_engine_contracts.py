@@ -363,3 +363,18 @@ def test_too_few_visible_gpus_are_refused_before_any_engine_starts(monkeypatch):
                                                 r"--data-parallel-size 2 x --tensor-parallel-size 2 needs 4"):
             parallel.use_gpu_group(rank, tensor_parallel_size=2, data_parallel_size=2)
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2"
+
+
+def test_llvmlite_guard_lets_vllms_cpu_kernel_scan_pass_the_kimi_module():
+    """vLLM 0.32's CPU worker scans every module namespace for Triton kernels to override
+    (triton_utils/dispatcher.py `_rebind_kernels`, `vars(value).get("kernel")`); the Kimi class's
+    module loads numba and so llvmlite, whose `ffi.lib` proxy answers `__dict__` with a function
+    wrapper. Guarded, the scan passes and llvmlite's library still answers (docs/KIMI_K25.md)."""
+    import vllm.model_executor.models.kimi_k25  # noqa: F401 - imports numba, and so llvmlite
+    from llvmlite import binding
+    from vllm.triton_utils import dispatcher
+
+    assert vllm_engine.guard_llvmlite_proxy() and vllm_engine.guard_llvmlite_proxy()  # idempotent
+    dispatcher._rebind_kernels([])
+    assert not hasattr(binding.ffi.lib, "__dict__")
+    assert binding.get_host_cpu_name()

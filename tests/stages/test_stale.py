@@ -189,7 +189,7 @@ def cli(script: str, wd: WorkDir, target: Path, *flags: str) -> subprocess.Compl
 
 def test_real_stages_record_the_manifests_they_read(pipeline):
     expected = {"prepare": [], "extract": ["prepare"], "vocab": ["prepare"], "train": ["extract", "prepare", "vocab"],
-                "export": ["extract", "train", "vocab"]}
+                "export": ["extract", "prepare", "train", "vocab"]}  # the model card describes stage 01's data
     for stage, ups in expected.items():
         m = read_manifest(pipeline, stage, needed_by="test")
         assert sorted(m.consumed) == ups, stage

@@ -26,17 +26,21 @@ from eagle3.core.cpu import bf16_fused_attention_ok
 from eagle3.core.errors import PipelineError
 from eagle3.core.store import FileLayout, write_sample_states
 from eagle3.core.target import TargetInfo
-from eagle3.core.target_head import PREFIXES, resolve_file, weight_map
+from eagle3.core.target_head import PREFIXES, weight_map
 
 log = logging.getLogger(__name__)
 
 
 
 def _load_nested_text_model(info: TargetInfo, dtype: torch.dtype, trust_remote_code: bool):
-    """The text model of a multimodal checkpoint, from `text_config` and prefixed weights."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The text model of a multimodal checkpoint, from `text_config` and prefixed weights.
 
+    transformers loads it itself, with the prefix mapped away (`key_mapping`), so its own
+    conversions apply: a checkpoint keeps one `experts.<e>.down_proj.weight` per routed expert
+    (Kimi-K2.5's do), which transformers 5 fuses into `experts.down_proj` in memory."""
+    import re
+
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     text = dict(info.text_config)
     model_type = text.pop("model_type", None)
@@ -44,26 +48,17 @@ def _load_nested_text_model(info: TargetInfo, dtype: torch.dtype, trust_remote_c
         raise PipelineError(f"{info.source}/config.json [{info.text_config_key}] has no model_type; cannot "
                             f"build its text model.")
     cfg = AutoConfig.for_model(model_type, **text)
-    # Built on the CPU, not the meta device: rotary buffers are not in the checkpoint.
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, trust_remote_code=trust_remote_code)
-    wanted = set(model.state_dict())
     wmap = weight_map(info.source)
     prefix = next((p for p in PREFIXES if p and any(k.startswith(p) for k in wmap)), None)
     if prefix is None:
         raise PipelineError(f"{info.source}: no weights under any of {PREFIXES[1:]}; cannot find the text model.")
-    state, by_file = {}, {}
-    for name, fname in wmap.items():
-        if name.startswith(prefix) and name[len(prefix):] in wanted:
-            by_file.setdefault(fname, []).append(name)
-    for fname, names in by_file.items():
-        with safe_open(str(resolve_file(info.source, fname)), "pt") as f:
-            for n in names:
-                state[n[len(prefix):]] = f.get_tensor(n).to(dtype)
-    missing = sorted(wanted - set(state))
+    model, loading = AutoModelForCausalLM.from_pretrained(
+        info.source, config=cfg, dtype=dtype, trust_remote_code=trust_remote_code,
+        key_mapping={f"^{re.escape(prefix)}": ""}, output_loading_info=True)
+    missing = sorted(loading.get("missing_keys") or [])
     if missing:
         raise PipelineError(f"{info.source}: the text model's weights {missing[:5]} are not under "
                             f"{prefix!r} in the checkpoint.")
-    model.load_state_dict(state, strict=True)
     return model
 
 
