@@ -47,7 +47,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.core.stages import STAGE
+from eagle3.core.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END  # noqa: E402
+from eagle3.core.stages import STAGE  # noqa: E402
 from eagle3.core.workdir import WorkDir  # noqa: E402
 
 
@@ -112,9 +113,10 @@ def _equal_files(names: Callable[[str], bool]):
 
 
 def _not_volatile(rel: str) -> bool:
-    # manifests carry a timestamp; datasets' state.json a random fingerprint; reports name the work dir
+    # manifests carry a timestamp; datasets' state.json a random fingerprint; reports and the
+    # model card (README.md, whose serve commands name the exported folder) name the work dir
     name = rel.rsplit("/", 1)[-1]
-    return name not in ("manifest.json", "state.json", "export_report.json", "export_report.md")
+    return name not in ("manifest.json", "state.json", "export_report.json", "export_report.md", "README.md")
 
 
 def _train_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
@@ -327,13 +329,24 @@ def _reap(pgid: int) -> None:
         pass
 
 
+def _input_bytes(p: Path, rel: str) -> bytes:
+    """A copied input's bytes, but for the one section a later stage writes by design: stage 06's
+    table in the exported model card, between its markers (eagle3/core/model_card.py)."""
+    data = p.read_bytes()
+    if rel != CARD_NAME:
+        return data
+    text = data.decode()
+    begin, end = text.find(EVALUATE_BEGIN), text.find(EVALUATE_END)
+    return (text[:begin] + text[end:]).encode() if 0 <= begin < end else data
+
+
 def _inputs_changed(wd: WorkDir, ref: WorkDir, stages: tuple[str, ...]) -> list[str]:
     """The upstream stages' folders (copied from the reference) must come out of the trial as they went in."""
     bad = []
     for s in stages:
         d, rd = wd.stage_dir(s), ref.stage_dir(s)
-        mine = {_rel(p, d): p.read_bytes() for p in d.rglob("*") if p.is_file()}
-        theirs = {_rel(p, rd): p.read_bytes() for p in rd.rglob("*") if p.is_file()}
+        mine = {_rel(p, d): _input_bytes(p, _rel(p, d)) for p in d.rglob("*") if p.is_file()}
+        theirs = {_rel(p, rd): _input_bytes(p, _rel(p, rd)) for p in rd.rglob("*") if p.is_file()}
         if mine != theirs:
             changed = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
             bad.append(f"{d}: input files changed by the stage: {changed[:5]}")

@@ -136,7 +136,11 @@ class Rounds:
             raise PipelineError(f"stage 04: round {r} is damaged ({problem}); rerun `python "
                                 f"{WorkDir.script('extract')} --window {r}` with your --config and --disk-budget: it "
                                 f"checks every file of the round and redoes the damaged ones.")
+        # The round's identity is its store.json, which its index.json names by hash (eagle3/core/store).
+        need, script = "stage 04 (train)", f"{WorkDir.script('extract')} --window {r}"
         index = json.loads((d / store.INDEX_JSON).read_text())
+        identity = store.read_identity(d, needed_by=need, fix=f"delete {d} and rerun `python {script}`")
+        index = {**index, "identity": store.index_identity(index, identity, d, needed_by=need, script=script)}
         ours = {k: v for k, v in index["identity"].items() if k not in _ROUND_KEYS}
         theirs = {k: v for k, v in self.main.index["identity"].items() if k not in _ROUND_KEYS}
         if ours != theirs or index["identity"].get("round") != r:
