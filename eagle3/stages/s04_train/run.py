@@ -368,8 +368,8 @@ class Trainer:
         """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics)."""
         b = to_device(batch, self.device)  # an encoded fp8 batch is decoded there
         amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
-        probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
-                                             lm_head_weight=self.lm_rows, target_argmax=amax)  # [B, T, V_d]
+        probs = target_draft_distribution(self.local_ids, target_hidden=b["final"],
+                                          lm_head_weight=self.lm_rows)  # [B, T, V_d]
         if self.cfg.loss_on == "all":
             # Stage 02 takes the full-vocab argmax next to assistant tokens only; elsewhere
             # the argmax over the draft rows stands in (padding stays masked either way).
