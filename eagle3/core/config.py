@@ -31,13 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.stages import STAGES
+from eagle3.core.stages import STAGE, STAGES
 
 log = logging.getLogger(__name__)
-
-# The stage sections of a YAML file are the registry's keys (eagle3/core/stages.py);
-# each section's class is imported when a YAML file is read.
-STAGE_CONFIGS: dict[str, str] = {s.key: f"{s.package}.config:{s.config_class}" for s in STAGES}
 
 
 def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = True,
@@ -243,17 +239,18 @@ def data_sources(data: list[str] | str, section: str) -> list[str]:
 
 
 def stage_configs() -> dict[str, type | None]:
-    """Section -> config class for every registered stage (None: its module is not in this tree)."""
+    """Section -> config class for every stage of the registry (eagle3/core/stages.py), imported
+    when a YAML file is read (None: its module is not in this tree)."""
     out: dict[str, type | None] = {}
-    for section, where in STAGE_CONFIGS.items():
-        module, _, name = where.partition(":")
+    for stage in STAGES:
+        module = f"{stage.package}.config"
         try:
-            out[section] = getattr(importlib.import_module(module), name)
+            out[stage.key] = getattr(importlib.import_module(module), stage.config_class)
         except ModuleNotFoundError as e:
             if not (e.name and module.startswith(e.name)):
                 raise  # the stage exists but one of its imports is missing: a real error
-            log.debug("stage section `%s`: %s not importable (%s)", section, module, e)
-            out[section] = None
+            log.debug("stage section `%s`: %s not importable (%s)", stage.key, module, e)
+            out[stage.key] = None
     return out
 
 
@@ -325,14 +322,14 @@ def build_config(cls, section: str, yaml_path: Path | str | None = None, overrid
         data = load_yaml(yaml_path)
         check_yaml_keys(data, yaml_path)
         check_lengths(data, yaml_path)
-        top = {k: v for k, v in data.items() if k in names and k not in STAGE_CONFIGS}
+        top = {k: v for k, v in data.items() if k in names and k not in STAGE}
         values.update(top)
         where.update({k: f"{yaml_path} (top level)" for k in top})
         sec = data.get(section) or {}
         if not isinstance(sec, dict):
             raise PipelineError(f"{yaml_path}: section `{section}` must be a mapping.")
         unknown = sorted(set(sec) - names)
-        if unknown:  # a stage not (yet) in STAGE_CONFIGS
+        if unknown:  # a stage not (yet) in the registry
             raise PipelineError(
                 f"{yaml_path}: unknown key(s) {unknown} in section `{section}`{closest(unknown[0], names)}; "
                 f"valid keys are {sorted(names)}.")

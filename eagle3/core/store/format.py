@@ -105,7 +105,6 @@ FINALIZE_CHUNK_ELEMS = 1 << 24  # aux+final elements per finalize step (~64 MB a
 _ALIGN = 64  # data section starts at a multiple of this (safetensors allows header padding)
 _ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.bfloat16: "BF16",
               torch.float8_e4m3fn: "F8_E4M3"}
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_HEADROOM_BITS = 8  # scaled magnitudes stay below 2**8 <= 448, e4m3's largest value
 SCALE_LOG2_MIN, SCALE_LOG2_MAX = -126, 126  # 2**e and 2**-e are both normal float32 numbers
