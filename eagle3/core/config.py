@@ -1,23 +1,32 @@
 """Stage configs: dataclasses filled from a YAML file and command-line flags.
 
-Each stage owns one dataclass (e.g. `PrepareConfig` in eagle3/stages/s01_prepare/run.py). A YAML
-file in configs/ has shared top-level keys (`work_dir`, `target_model`, ...) and one
-section per stage (`prepare:`, `extract:`, `vocab:`, `train:`, `export:`); a stage's
-config takes the shared keys that are its fields, then its section, then flags.
-Relative paths are relative to the directory the command runs in.
+Each stage owns one dataclass in its package's `config.py` (e.g. `PrepareConfig` in
+eagle3/stages/s01_prepare/config.py), named by the stage registry (eagle3/core/stages.py).
+It subclasses `StageConfig` (work_dir, target_model, trust_remote_code, force) or, for
+the stages that run target engines and can split their work over boxes (00 and 02),
+`ShardedStageConfig`. A YAML file in configs/ has shared top-level keys (`work_dir`,
+`target_model`, ...) and one section per stage of the registry (`generate:`, `prepare:`,
+`extract:`, `vocab:`, `train:`, `export:`, `evaluate:`). `build_config` gives a stage's
+config the top-level keys that are its fields, then its section, then the overrides
+(the flags eagle3/core/cli.py generates from the same dataclass; None means not given),
+converts each value to its field's type (`coerce`), and refuses a missing required
+setting naming its flag. Paths are kept as written: a relative one is relative to the
+directory the command runs in.
 
 Fields carry metadata: `help` for the CLI, `identity=False` for knobs that do not
 change a stage's output (worker counts, --force), so they stay out of the
 manifest's parameters and changing them does not redo a finished stage, and the
 allowed values, declared once with the field (`choices=("vllm", "hf")`, `min=1`,
 `gt=0`, `lt=1`, `max=1`): `build_config` checks them naming the file, key and value,
-`--help` shows them, and a stage's `__post_init__` calls `check_params` so a config
+`--help` shows them, and `StageConfig.__post_init__` calls `check_params` so a config
 built in code is held to the same rules.
 
 A YAML file cannot mislead: a key no stage reads, a section no stage owns, or a key
 its section's stage does not have is refused with the closest valid name (a misspelt
-`vocab:` section would otherwise train with the default vocabulary size). The
-sections are the stages of the registry in eagle3/core/stages.py.
+`vocab:` section would otherwise train with the default vocabulary size), and so is a
+`generate.max_new_tokens` longer than `prepare.max_length` or `train.max_seq_len` keep
+(`check_lengths`). Also here: the dtype names stages accept (`dtype_name`, `torch_dtype`)
+and a stage's `data` setting as a list (`data_sources`).
 """
 from __future__ import annotations
 

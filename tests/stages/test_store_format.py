@@ -208,7 +208,7 @@ def test_files_of_another_encoding_are_refused_by_the_reader(tmp_path):
     entry = _finalize(partial, "fp8")
     split = store.HiddenStateStore(tmp_path, _index([entry], "bf16"), None, needed_by="stage 04 (train)").split("train")
     with pytest.raises(PipelineError, match=r"stage 04 \(train\): .*train-00000\.safetensors holds fp8 states "
-                                            r"\(float8_e4m3fn\), the store's index .*index\.json says bf16 "
+                                            r"\(float8_e4m3fn\), the store's identity .*store\.json says bf16 "
                                             r"\(bfloat16\).*--store-dtype"):
         split[0]
     unknown = _index([entry], "fp8")

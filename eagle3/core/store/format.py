@@ -41,8 +41,8 @@ each tensor concatenated over the samples, read by memory map):
     valid           int8  [S]     0 = rejected for NaN/Inf (its data is zeroed, mask 0)
 
 aux and final are stored in one of two encodings, chosen per store by stage 02's
-`store_dtype` and recorded in store.json, index.json, the manifest and every file's
-header (`dtype`, `scale`):
+`store_dtype` and recorded in store.json (the identity), stage 02's manifest and every
+file's header (`dtype`, `scale`):
 
     bf16  bfloat16 values as they are (the reference). Bytes per token:
           2*A*H + 2*H + 4 + 4 + 1 = 2H(A+1) + 9; A = 3, H = 7168: 57,353 B.
@@ -135,7 +135,7 @@ class Encoding:
     """How a store file holds aux and final (the module docstring says why fp8 is scaled so)."""
 
     name: str  # stage 02's `store_dtype` value
-    dtype: str  # recorded as `dtype` in store.json, index.json, the manifest and file headers
+    dtype: str  # recorded as `dtype` in store.json, stage 02's manifest and file headers
     scale: str  # the scale scheme in words, recorded beside it ("none": values as they are)
 
     @property

@@ -155,7 +155,9 @@ def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
     vocab_m = read_manifest(wd, "vocab", needed_by="stage 04 (train)")
     store = HiddenStateStore.open(wd, needed_by="stage 04 (train)",
                                   tokenizer_fingerprint=prep.tokenizer_fingerprint,
-                                  hidden_size=info.hidden_size, expected_from=str(wd.manifest("prepare")))
+                                  hidden_size=info.hidden_size,
+                                  expected_from={"tokenizer_fingerprint": str(wd.manifest("prepare")),
+                                                 "hidden_size": f"{cfg.target_model}'s config (--target-model)"})
     if store.vocab_size != info.vocab_size:
         raise PipelineError(f"the store was extracted from a target with vocab {store.vocab_size}, "
                             f"{cfg.target_model} has {info.vocab_size}; pass the same --target-model as stage 02.")
