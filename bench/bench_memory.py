@@ -261,8 +261,9 @@ def train_steps(dev: torch.device, steps: int, dry_run: bool, K: int):
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
-        probs, amax = target_draft_distribution(torch.arange(c.draft_vocab_size, device=dev), target_hidden=final,
-                                                lm_head_weight=lm_rows, target_argmax=torch.roll(ids, -1, 1))
+        probs = target_draft_distribution(torch.arange(c.draft_vocab_size, device=dev), target_hidden=final,
+                                          lm_head_weight=lm_rows)
+        amax = torch.roll(ids, -1, 1).long()  # what stage 02 would store: every position in the draft vocab
         with torch.autocast(dev.type, dtype=torch.bfloat16):
             out = model(aux, ids, embed, probs, amax, torch.ones_like(ids), None, pos, seg)
         opt.zero_grad(set_to_none=True)

@@ -94,8 +94,8 @@ def run(attention: str, k: int, batches: list[list[int]], packed: bool, warmup: 
     for i, lengths in enumerate(todo):
         batch = make_batch(lengths, packed, draft_ids, g)
         t0 = time.perf_counter()
-        probs, amax = target_draft_distribution(torch.arange(V_D), target_hidden=batch["final"],
-                                                lm_head_weight=lm_rows, target_argmax=batch["target_argmax"])
+        probs = target_draft_distribution(torch.arange(V_D), target_hidden=batch["final"], lm_head_weight=lm_rows)
+        amax = batch["target_argmax"].long()
         out = model(batch["aux"], batch["input_ids"], embed, probs, amax, batch["loss_mask"],
                     batch["attention_mask"], batch["position_ids"], batch["segment_ids"])
         opt.zero_grad(set_to_none=True)

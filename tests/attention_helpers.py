@@ -7,9 +7,10 @@ Float64 throughout; two different computations are compared with `TOL64`.
 from __future__ import annotations
 
 import torch
+from fixtures import draft_labels
 
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.ttt import TTTConfig, target_draft_distribution, ttt_loss
+from eagle3.core.ttt import TTTConfig, ttt_loss
 
 V_T, V_D, H = 40, 16, 32
 TOL64 = dict(rtol=1e-9, atol=1e-10)
@@ -42,7 +43,7 @@ def batch(seed: int, B: int, T: int, dtype=torch.double):
 def loss_and_grads(m: Eagle3Drafter, b, K: int, **kw):
     input_ids, aux, embed, logits, loss_mask = b
     aux = aux.clone().requires_grad_()
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    probs, argmax = draft_labels(m.draft_ids(), logits)
     m.zero_grad()
     out = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, TTTConfig(num_steps=K), **kw)
     out.loss.backward()

@@ -10,6 +10,7 @@
   template and special-token ids come from eagle3/tools/kimi_k25_tokenizer.py
   (`kimi_k25_tokenizer`, `save_kimi_k25_target`).
 - `kill_after_entries`: a stage-02 command killed -9 part way.
+- `draft_labels`: `ttt_loss`'s labels from a small target's full logits.
 
 Tests in tests/unit, tests/stages and tests/e2e import this as a top-level module
 (tests/conftest.py puts tests/ on sys.path); no test module imports another.
@@ -82,6 +83,18 @@ def copy_stages(base: Path, dest: Path, stages=("prepare", "extract", "vocab")) 
     for key in stages:
         shutil.copytree(WorkDir(base).stage_dir(key), WorkDir(dest).stage_dir(key))
     return dest
+
+
+def draft_labels(draft_ids, logits):
+    """`ttt_loss`'s labels from full-vocab target logits [B, T, V_t], as stage 04 gets them from
+    the store: the softmax over the draft rows (in at least fp32) and the full-vocab argmax.
+    The tests' small targets give logits; stage 04 gives `target_draft_distribution` the
+    normed hidden state and the stored argmax."""
+    import torch
+
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    probs = torch.softmax(logits[..., draft_ids].to(acc), dim=-1)  # [B, T, V_t] -> [B, T, V_d]
+    return probs, logits.argmax(dim=-1)  # [B, T, V_t] -> [B, T]
 
 
 def kill_after_entries(cmd: list[str], store_dir: Path, entries: int = 2, timeout_s: float = 120) -> None:

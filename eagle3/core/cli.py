@@ -51,12 +51,6 @@ def make_parser(cls, description: str | None) -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(cls, section: str, argv: list[str] | None = None, description: str | None = None):
-    args = make_parser(cls, description).parse_args(argv)
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-    return build_config(cls, section, args.config, overrides), args
-
-
 def run_stage(cls, section: str, fn: Callable[[Any], Any], description: str | None = None,
               argv: list[str] | None = None) -> None:
     try:

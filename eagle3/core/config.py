@@ -1,23 +1,32 @@
 """Stage configs: dataclasses filled from a YAML file and command-line flags.
 
-Each stage owns one dataclass (e.g. `PrepareConfig` in eagle3/stages/s01_prepare/run.py). A YAML
-file in configs/ has shared top-level keys (`work_dir`, `target_model`, ...) and one
-section per stage (`prepare:`, `extract:`, `vocab:`, `train:`, `export:`); a stage's
-config takes the shared keys that are its fields, then its section, then flags.
-Relative paths are relative to the directory the command runs in.
+Each stage owns one dataclass in its package's `config.py` (e.g. `PrepareConfig` in
+eagle3/stages/s01_prepare/config.py), named by the stage registry (eagle3/core/stages.py).
+It subclasses `StageConfig` (work_dir, target_model, trust_remote_code, force) or, for
+the stages that run target engines and can split their work over boxes (00 and 02),
+`ShardedStageConfig`. A YAML file in configs/ has shared top-level keys (`work_dir`,
+`target_model`, ...) and one section per stage of the registry (`generate:`, `prepare:`,
+`extract:`, `vocab:`, `train:`, `export:`, `evaluate:`). `build_config` gives a stage's
+config the top-level keys that are its fields, then its section, then the overrides
+(the flags eagle3/core/cli.py generates from the same dataclass; None means not given),
+converts each value to its field's type (`coerce`), and refuses a missing required
+setting naming its flag. Paths are kept as written: a relative one is relative to the
+directory the command runs in.
 
 Fields carry metadata: `help` for the CLI, `identity=False` for knobs that do not
 change a stage's output (worker counts, --force), so they stay out of the
 manifest's parameters and changing them does not redo a finished stage, and the
 allowed values, declared once with the field (`choices=("vllm", "hf")`, `min=1`,
 `gt=0`, `lt=1`, `max=1`): `build_config` checks them naming the file, key and value,
-`--help` shows them, and a stage's `__post_init__` calls `check_params` so a config
+`--help` shows them, and `StageConfig.__post_init__` calls `check_params` so a config
 built in code is held to the same rules.
 
 A YAML file cannot mislead: a key no stage reads, a section no stage owns, or a key
 its section's stage does not have is refused with the closest valid name (a misspelt
-`vocab:` section would otherwise train with the default vocabulary size). The
-sections are the stages of the registry in eagle3/core/stages.py.
+`vocab:` section would otherwise train with the default vocabulary size), and so is a
+`generate.max_new_tokens` longer than `prepare.max_length` or `train.max_seq_len` keep
+(`check_lengths`). Also here: the dtype names stages accept (`dtype_name`, `torch_dtype`)
+and a stage's `data` setting as a list (`data_sources`).
 """
 from __future__ import annotations
 
@@ -31,13 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.stages import STAGES
+from eagle3.core.stages import STAGE, STAGES
 
 log = logging.getLogger(__name__)
-
-# The stage sections of a YAML file are the registry's keys (eagle3/core/stages.py);
-# each section's class is imported when a YAML file is read.
-STAGE_CONFIGS: dict[str, str] = {s.key: f"{s.package}.config:{s.config_class}" for s in STAGES}
 
 
 def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = True,
@@ -243,17 +248,18 @@ def data_sources(data: list[str] | str, section: str) -> list[str]:
 
 
 def stage_configs() -> dict[str, type | None]:
-    """Section -> config class for every registered stage (None: its module is not in this tree)."""
+    """Section -> config class for every stage of the registry (eagle3/core/stages.py), imported
+    when a YAML file is read (None: its module is not in this tree)."""
     out: dict[str, type | None] = {}
-    for section, where in STAGE_CONFIGS.items():
-        module, _, name = where.partition(":")
+    for stage in STAGES:
+        module = f"{stage.package}.config"
         try:
-            out[section] = getattr(importlib.import_module(module), name)
+            out[stage.key] = getattr(importlib.import_module(module), stage.config_class)
         except ModuleNotFoundError as e:
             if not (e.name and module.startswith(e.name)):
                 raise  # the stage exists but one of its imports is missing: a real error
-            log.debug("stage section `%s`: %s not importable (%s)", section, module, e)
-            out[section] = None
+            log.debug("stage section `%s`: %s not importable (%s)", stage.key, module, e)
+            out[stage.key] = None
     return out
 
 
@@ -325,14 +331,14 @@ def build_config(cls, section: str, yaml_path: Path | str | None = None, overrid
         data = load_yaml(yaml_path)
         check_yaml_keys(data, yaml_path)
         check_lengths(data, yaml_path)
-        top = {k: v for k, v in data.items() if k in names and k not in STAGE_CONFIGS}
+        top = {k: v for k, v in data.items() if k in names and k not in STAGE}
         values.update(top)
         where.update({k: f"{yaml_path} (top level)" for k in top})
         sec = data.get(section) or {}
         if not isinstance(sec, dict):
             raise PipelineError(f"{yaml_path}: section `{section}` must be a mapping.")
         unknown = sorted(set(sec) - names)
-        if unknown:  # a stage not (yet) in STAGE_CONFIGS
+        if unknown:  # a stage not (yet) in the registry
             raise PipelineError(
                 f"{yaml_path}: unknown key(s) {unknown} in section `{section}`{closest(unknown[0], names)}; "
                 f"valid keys are {sorted(names)}.")

@@ -157,68 +157,30 @@ def _shift_left(x: Tensor, n: int) -> Tensor:
     return torch.cat([x[:, n:], pad], dim=1)  # [B, T - n, ...] + [B, n, ...] -> [B, T, ...]
 
 
-def chunked_argmax(hidden: Tensor, lm_head_weight: Tensor, chunk_size: int = 256) -> Tensor:
-    """Full-vocab argmax of `hidden @ lm_head_weight.T` without all logits at once.
-
-    hidden [B, T, H], lm_head_weight [V, H] -> [B, T] int64. Only a [B, chunk, V]
-    block of logits exists at a time, in the weight's dtype (what the serving
-    engine's greedy sampling sees).
-    """
-    out = []
-    for s in range(0, hidden.shape[1], chunk_size):
-        logits = hidden[:, s:s + chunk_size].to(lm_head_weight.dtype) @ lm_head_weight.T  # [B, c, H] -> [B, c, V]
-        out.append(logits.argmax(dim=-1))  # [B, c, V] -> [B, c]
-    return torch.cat(out, dim=1)  # -> [B, T]
-
-
 @torch.no_grad()
-def target_draft_distribution(
-    draft_ids: Tensor,
-    *,
-    target_hidden: Tensor | None = None,
-    lm_head_weight: Tensor | None = None,
-    target_logits: Tensor | None = None,
-    target_argmax: Tensor | None = None,
-    chunk_size: int = 256,
-) -> tuple[Tensor, Tensor]:
-    """The target's distribution over the draft vocab, and its full-vocab argmax.
+def target_draft_distribution(draft_ids: Tensor, *, target_hidden: Tensor, lm_head_weight: Tensor,
+                              chunk_size: int = 256) -> Tensor:
+    """The target's distribution over the draft vocab: row p is its prediction of token p + 1.
 
-    Row p of both outputs is the target's prediction of token p + 1.
-    draft_ids [V_d]: target id of each draft row (`drafter.draft_ids()`).
-    Give either `target_hidden [B, T, H]` (after the target's final norm, i.e. what
-    its lm_head reads) with `lm_head_weight [V_t, H]`, or `target_logits [B, T, V_t]`
-    (small cases and tests; it is already the full-vocab tensor).
-    `target_argmax [B, T]`: pass it when stage 02 stored it; then only the V_d draft
-    rows of the lm_head are multiplied. Without it, the full-vocab logits are made
-    one chunk of `chunk_size` positions at a time, and the same chunk also gives
-    the draft rows, so no full-sequence full-vocab tensor ever exists.
-    Returns probs [B, T, V_d] (float32, or float64 for float64 inputs) and argmax [B, T] int64 (target ids).
+    draft_ids [V_d]: the rows of `lm_head_weight` [V, H] that are the draft vocab (stage 04
+    passes the draft rows themselves, V = V_d, and `arange(V_d)`). `target_hidden [B, T, H]`
+    is the target's state after its final norm, i.e. what its lm_head reads. The full-vocab
+    argmax is not made here: stage 02 stored it (eagle3/core/target_head.py `argmax`), so only
+    the V_d draft rows are multiplied, `chunk_size` positions at a time.
+    Returns probs [B, T, V_d] (float32, or float64 for float64 inputs).
     """
-    if target_logits is not None:
-        assert target_hidden is None and lm_head_weight is None, "pass target_logits OR target_hidden + lm_head_weight"
-        probs = torch.softmax(_at_least_fp32(target_logits[..., draft_ids]), dim=-1)  # [B, T, V_t] -> [B, T, V_d]
-        argmax = target_argmax if target_argmax is not None else target_logits.argmax(dim=-1)  # -> [B, T]
-        return probs, argmax.long()
-    assert target_hidden is not None and lm_head_weight is not None, "needs target_hidden + lm_head_weight"
     # stage 04 checks the store's hidden size against the target whose lm_head rows it reads
     assert target_hidden.shape[-1] == lm_head_weight.shape[-1], (
         f"hidden width {target_hidden.shape[-1]} does not match the lm_head {tuple(lm_head_weight.shape)}")
-    argmax = []
     B, T = target_hidden.shape[:2]
     acc = torch.promote_types(lm_head_weight.dtype, torch.float32)
-    probs_t = target_hidden.new_empty((B, T, len(draft_ids)), dtype=acc)  # filled chunk by chunk (no cat copy)
-    w_draft = lm_head_weight[draft_ids] if target_argmax is not None else None  # [V_t, H] -> [V_d, H]
+    probs = target_hidden.new_empty((B, T, len(draft_ids)), dtype=acc)  # filled chunk by chunk (no cat copy)
+    w_draft = lm_head_weight[draft_ids]  # [V, H] -> [V_d, H]
     for s in range(0, T, chunk_size):
         h = target_hidden[:, s:s + chunk_size].to(lm_head_weight.dtype)  # [B, c, H]
-        if w_draft is None:
-            logits = h @ lm_head_weight.T  # [B, c, H] -> [B, c, V_t], one chunk only
-            argmax.append(logits.argmax(dim=-1))  # [B, c, V_t] -> [B, c]
-            draft_logits = logits[..., draft_ids]  # [B, c, V_t] -> [B, c, V_d]
-        else:
-            draft_logits = h @ w_draft.T  # [B, c, H] -> [B, c, V_d]
-        probs_t[:, s:s + chunk_size] = torch.softmax(_at_least_fp32(draft_logits), dim=-1)
-    argmax_t = target_argmax.long() if target_argmax is not None else torch.cat(argmax, dim=1)  # -> [B, T]
-    return probs_t, argmax_t
+        draft_logits = h @ w_draft.T  # [B, c, H] -> [B, c, V_d]
+        probs[:, s:s + chunk_size] = torch.softmax(_at_least_fp32(draft_logits), dim=-1)
+    return probs
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Stage 03 writes `d2t` as offsets: draft position i predicts target id `i + d2t[i]`.
 Training, export, evaluation and the engines' rules all read it back through
-`target_ids`, so the convention has one spelling. Its files (03_vocab/d2t.*, t2d.*) are
+`target_ids`, so the convention has one spelling. Its files (03_vocab/d2t.pt, t2d.pt) are
 written by `save_mapping` and read by `load_mapping`, nowhere else.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.core.atomic import save_numpy, save_torch
+from eagle3.core.atomic import save_torch
 from eagle3.core.errors import PipelineError
 from eagle3.core.workdir import WorkDir
 
@@ -77,18 +77,20 @@ def compare_mappings(a: VocabMapping, b: VocabMapping) -> dict[str, Any]:
 
 
 def save_mapping(wd: WorkDir, d2t: np.ndarray, t2d: np.ndarray) -> list:
-    """Write stage 03's mapping: .pt for torch readers, .npy for anything else. Returns the files."""
+    """Write stage 03's mapping (03_vocab/d2t.pt, t2d.pt, torch tensors). Returns the files.
+
+    One copy: every reader goes through `load_mapping`, and the engines never read these
+    files (stage 05 writes d2t and t2d into the drafter's safetensors)."""
     import torch
 
-    save_numpy(wd.d2t("npy"), d2t)
-    save_numpy(wd.t2d("npy"), t2d)
-    save_torch(wd.d2t("pt"), torch.from_numpy(np.asarray(d2t)))
-    save_torch(wd.t2d("pt"), torch.from_numpy(np.asarray(t2d)))
-    return [wd.d2t("pt"), wd.d2t("npy"), wd.t2d("pt"), wd.t2d("npy")]
+    save_torch(wd.d2t(), torch.from_numpy(np.asarray(d2t)))
+    save_torch(wd.t2d(), torch.from_numpy(np.asarray(t2d)))
+    return [wd.d2t(), wd.t2d()]
 
 
 def load_mapping(wd: WorkDir):
-    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) as torch tensors, as stage 03 wrote them."""
+    """(d2t int64 [draft_vocab], t2d bool [target_vocab]) as torch tensors, as stage 03 wrote them
+    (stages 04 and 05, tools/forecast.py, and tools/diagnose's compare-vocab on a work dir)."""
     import torch
 
     for f in (wd.d2t(), wd.t2d()):

@@ -5,7 +5,7 @@ Layout (one folder per stage, each finished by a manifest written last):
     WORK/00_generate/       chunks/chunk-NNNNN.jsonl (+ .json): chats with the target's own answers
     WORK/01_dataset/        train/ eval/ (datasets Arrow), token_freq_{split}.npy
     WORK/02_hidden_states/  the hidden-state store (see eagle3/core/store/format.py)
-    WORK/03_vocab/          d2t.pt d2t.npy t2d.pt t2d.npy
+    WORK/03_vocab/          d2t.pt t2d.pt
     WORK/04_train/          checkpoints/, metrics.jsonl
     WORK/05_export/         config.json model.safetensors export_report.json
     WORK/06_evaluate/       results.json evaluate.png untrained_drafter/ runs/ logs/
@@ -85,11 +85,11 @@ class WorkDir:
         return self.stage_dir("extract")
 
     # -- stage 03: vocab -----------------------------------------------------
-    def d2t(self, suffix: str = "pt") -> Path:
-        return self.stage_dir("vocab") / f"d2t.{suffix}"
+    def d2t(self) -> Path:
+        return self.stage_dir("vocab") / "d2t.pt"
 
-    def t2d(self, suffix: str = "pt") -> Path:
-        return self.stage_dir("vocab") / f"t2d.{suffix}"
+    def t2d(self) -> Path:
+        return self.stage_dir("vocab") / "t2d.pt"
 
     # -- stage 04: train -----------------------------------------------------
     def checkpoints(self) -> Path:

@@ -36,6 +36,7 @@ from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import record_of, stage_run
 from eagle3.core.store import HiddenStateStore
+from eagle3.core.train_outputs import read_train_metrics
 from eagle3.core.vocab_map import load_mapping
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.config import TrainConfig
@@ -535,22 +536,12 @@ def link_upstream(src: WorkDir, dest: Path) -> None:
 
 
 def _tokens_seen(wd: WorkDir) -> int | None:
-    """Loss-carrying positions summed over the train lines of metrics.jsonl (each window's
-    step-0 valid count), or None when the file is absent."""
-    import json
-
-    path = wd.train_metrics()
-    if not path.is_file():
+    """Loss-carrying positions summed over the train rows of metrics.jsonl (each window's
+    step-0 valid count; eagle3/core/train_outputs.py `read_train_metrics`, the file's one
+    reader), or None when the file is absent."""
+    if not wd.train_metrics().is_file():
         return None
-    total = 0
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("split") == "train":
-            total += int(rec.get("num_valid", 0))
-    return total
+    return sum(int(row.get("num_valid", 0)) for row in read_train_metrics(wd) if row.get("split") == "train")
 
 
 def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None = None,

@@ -26,7 +26,6 @@ the same ones.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -40,6 +39,7 @@ from eagle3.core.atomic import atomic_path
 from eagle3.core.config import torch_dtype
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
+from eagle3.core.manifest import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,6 @@ TARGETS = {
         gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
 }
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _installed_gguf(spec: TargetSpec) -> Path | None:

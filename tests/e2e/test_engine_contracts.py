@@ -288,7 +288,7 @@ def test_evaluation_worker_on_a_gpu_box(cuda_vllm, monkeypatch):
     monkeypatch.setattr(evaluate_engine, "_fix_cpu_sampled_verification", no_cpu_fix)
     cfg = EvaluateConfig(work_dir=Path("w"), target_model="some/target")
     req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=64)), "drafter": "some/drafter",
-           "num_speculative_tokens": 3, "max_new_tokens": 4, "prompts": [], "groups": [[]],
+           "num_speculative_tokens": 3, "max_new_tokens": 4, "prompts": [],
            "temperatures": [], "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
     out = evaluate_engine.serve_and_measure(req)
     (engine,) = seen

@@ -190,7 +190,7 @@ def test_histogram_counts_follow_chain_drafting():
 def test_acceptance_over_prompts_with_interval_and_per_category():
     hists = [[2, 1, 0, 1], [0, 0, 1, 3], [4, 0, 0, 0]]  # accepted 4, 11, 0 over 4 steps each
     p = {"temperature": 0.7, "wall_s": 2.0, "tokens": [[1] * 9, [1] * 16, [1] * 5],
-         "counters": counters(12, [6, 5, 4]), "histograms": hists, "group_counters": None}
+         "counters": counters(12, [6, 5, 4]), "histograms": hists}
     f = acceptance_figures(p, K, ["math", "code", "math"])
     assert f["acceptance_length"] == pytest.approx(1 + 15 / 12)
     assert f["acceptance_per_position"] == pytest.approx([6 / 12, 5 / 12, 4 / 12])
@@ -202,12 +202,6 @@ def test_acceptance_over_prompts_with_interval_and_per_category():
     assert math_["acceptance_length"] == pytest.approx(1 + 4 / 8) and math_["prompts"] == 2
     assert math_["acceptance_per_position"] == pytest.approx([2 / 8, 1 / 8, 1 / 8])
     assert code["acceptance_length"] == pytest.approx(1 + 11 / 4) and code["ci95"] is None  # one prompt
-    # An engine without per-request histograms: one pass per category, its counters.
-    q = {**p, "histograms": None, "group_counters": [counters(8, [2, 1, 1]), counters(4, [4, 4, 3])]}
-    g = acceptance_figures(q, K, ["math", "code", "math"])
-    assert g["acceptance_length"] == f["acceptance_length"] and g["ci95"] is None
-    assert {n: b["acceptance_length"] for n, b in g["by_category"].items()} == \
-        {n: b["acceptance_length"] for n, b in f["by_category"].items()}
 
 
 def test_ratio_interval_shrinks_with_more_prompts_and_matches_a_bootstrap():
@@ -509,7 +503,7 @@ def test_per_token_expansion_used_for_sampled_verification():
 def spec_pass(temperature: float, tokens: list[list[int]]) -> dict:
     """One acceptance pass of a drafter run as `serve_and_measure` returns it (4 steps, 6 accepted)."""
     return {"temperature": temperature, "wall_s": 1.0, "tokens": tokens, "counters": counters(4, [3, 2, 1]),
-            "histograms": None, "group_counters": None}
+            "histograms": None}
 
 
 def test_run_figures_compare_greedy_outputs_with_plain_and_check_the_teacher():
@@ -594,7 +588,7 @@ def test_worker_shuts_the_engine_down_when_a_pass_fails(monkeypatch):
     monkeypatch.setattr(engine, "_start_engine", lambda *a: llm)
     settings = engine.engine_request(EngineConfig(model="some/target", max_model_len=64))
     req = {**settings, "drafter": None, "num_speculative_tokens": K, "max_new_tokens": 4, "prompts": [[1, 2]],
-           "groups": [[0]], "temperatures": [0.0], "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
+           "temperatures": [0.0], "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
     with pytest.raises(RuntimeError, match="pass failed"):
         engine.serve_and_measure(req)
     assert calls == [1]

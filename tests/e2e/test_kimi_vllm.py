@@ -146,7 +146,7 @@ def test_stage_06_serves_the_plain_target_and_refuses_a_drafter_in_one_line(kimi
                (HiddenStateStore.open(wd, needed_by="test").split("eval")[i].input_ids for i in range(2))]
     req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=128)), "drafter": None,
            "num_speculative_tokens": 3, "max_new_tokens": 8, "warmup_prompts": 0, "timed_passes": 1,
-           "groups": [[0, 1]], "prompts": prompts, "temperatures": [0.0], "timing_indices": []}
+           "prompts": prompts, "temperatures": [0.0], "timing_indices": []}
     assert req["language_model_only"] is True
     out = evaluate_engine.run_engine("plain", req, WorkDir(tmp_path / "wd6"), cfg)
     (acc,) = out["acceptance"]

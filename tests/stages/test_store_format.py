@@ -208,7 +208,7 @@ def test_files_of_another_encoding_are_refused_by_the_reader(tmp_path):
     entry = _finalize(partial, "fp8")
     split = store.HiddenStateStore(tmp_path, _index([entry], "bf16"), None, needed_by="stage 04 (train)").split("train")
     with pytest.raises(PipelineError, match=r"stage 04 \(train\): .*train-00000\.safetensors holds fp8 states "
-                                            r"\(float8_e4m3fn\), the store's index .*index\.json says bf16 "
+                                            r"\(float8_e4m3fn\), the store's identity .*store\.json says bf16 "
                                             r"\(bfloat16\).*--store-dtype"):
         split[0]
     unknown = _index([entry], "fp8")
@@ -401,11 +401,12 @@ def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path,
 def test_diagnose_store_size_matches_the_stores_written(stores, prepared, tiny_llama, tmp_path, monkeypatch, capsys):
     from eagle3.core.manifest import read_manifest
     from eagle3.tools import diagnose
+    from eagle3.tools.diagnose.store_size import store_size
 
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump({"work_dir": str(prepared), "target_model": str(tiny_llama),
                                    "extract": {"backend": "hf", "samples_per_file": 4}}))
-    r = diagnose.store_size(str(cfg), store_dtype="fp8")
+    r = store_size(str(cfg), store_dtype="fp8")
     assert r["store_dtype"] == "fp8" and r["hidden_size"] == 256 and r["aux_layers"] == [2, 4, 5] and r["ok"]
     for name in ("bf16", "fp8"):
         m = read_manifest(WorkDir(stores[name]), "extract", needed_by="test")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 
 import torch
+from fixtures import draft_labels
 
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.ttt import TTTConfig, target_draft_distribution, ttt_loss
+from eagle3.core.ttt import TTTConfig, ttt_loss
 
 
 def test_overfits_one_batch():
@@ -23,7 +24,7 @@ def test_overfits_one_batch():
     input_ids = torch.randint(0, VT, (B, T))
     target_logits = 4 * torch.randn(B, T, VT)
     target_logits[..., :VD] += 2  # most argmaxes in the (identity) draft vocab, some not
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=target_logits)
+    probs, argmax = draft_labels(m.draft_ids(), target_logits)
     mask = torch.ones(B, T)
     tcfg = TTTConfig(num_steps=K)
     opt = torch.optim.Adam(m.parameters(), lr=3e-3)

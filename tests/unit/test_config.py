@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.core.cli import make_parser, parse_config
+from eagle3.core.cli import make_parser
 from eagle3.core.config import allowed_text, build_config, check_yaml_keys, identity_params, load_yaml, stage_configs
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s01_prepare.config import PrepareConfig
@@ -18,11 +18,17 @@ from eagle3.stages.s06_evaluate.config import EvaluateConfig
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def from_flags(cls, section: str, argv: list[str]):
+    """The config a stage's script builds from these flags (eagle3/core/cli.py `run_stage`)."""
+    args = make_parser(cls, None).parse_args(argv)
+    return build_config(cls, section, args.config, {f.name: getattr(args, f.name) for f in fields(cls)})
+
+
 def test_yaml_shared_keys_section_and_flags(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("work_dir: w\ntarget_model: t\nprepare:\n  data: a.jsonl\n  max_length: 100\n"
                  "vocab:\n  draft_vocab_size: 64\n")
-    cfg, _ = parse_config(PrepareConfig, "prepare", ["--config", str(y), "--max-length", "200", "--strict"])
+    cfg = from_flags(PrepareConfig, "prepare", ["--config", str(y), "--max-length", "200", "--strict"])
     assert cfg.data == ["a.jsonl"] and cfg.max_length == 200 and cfg.strict and cfg.work_dir == Path("w")
     v = build_config(VocabConfig, "vocab", y)
     assert v.draft_vocab_size == 64 and v.target_model == "t"
@@ -90,7 +96,7 @@ def test_every_registered_stage_and_every_shipped_config_is_valid():
 ])
 def test_choices_and_ranges_are_checked_naming_where_the_value_came_from(flag, value, message):
     with pytest.raises(PipelineError, match=message):
-        parse_config(ExtractConfig, "extract", ["--work-dir", "w", "--target-model", "t", flag, value])
+        from_flags(ExtractConfig, "extract", ["--work-dir", "w", "--target-model", "t", flag, value])
 
 
 def test_choices_and_ranges_in_a_yaml_name_the_file_and_section(tmp_path):

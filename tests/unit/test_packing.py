@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import draft_labels
 
 from eagle3.core.batching import group_by_padded_tokens, pack_greedy, padding_share
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.ttt import TTTConfig, target_draft_distribution, ttt_loss
+from eagle3.core.ttt import TTTConfig, ttt_loss
 from eagle3.stages.s04_train.data import Batching, collate_packed, epoch_batches
 
 V_T, V_D, H = 40, 16, 32
@@ -40,7 +41,7 @@ def samples(seed: int = 0):
 
 
 def loss_and_grads(m: Eagle3Drafter, embed, s: dict, K: int, checkpoint: bool = False, **kw):
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=s["logits"][None])
+    probs, argmax = draft_labels(m.draft_ids(), s["logits"][None])
     m.zero_grad()
     out = ttt_loss(m, s["aux"][None], s["input_ids"][None], embed, probs, argmax, s["loss_mask"][None],
                    TTTConfig(num_steps=K, checkpoint_steps=checkpoint), **kw)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fixtures import draft_labels
 
 import eagle3.core.ttt as ttt_module
 from eagle3.core.errors import PipelineError
 from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
-from eagle3.core.ttt import TTTConfig, TTTModel, chunked_argmax, soft_cross_entropy, target_draft_distribution, ttt_loss
+from eagle3.core.ttt import TTTConfig, TTTModel, soft_cross_entropy, target_draft_distribution, ttt_loss
 
 V_T, V_D, H = 50, 20, 32
 
@@ -35,24 +36,21 @@ def test_ttt_config_validation():
         TTTConfig(step_decay=1.5)
 
 
-def test_chunked_argmax_and_draft_distribution_match_full_logits():
+def test_draft_distribution_matches_full_logits():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 37, 16, generator=g)
     w = torch.randn(101, 16, generator=g)
     full = hidden @ w.T  # [2, 37, 101]
-
-    def assert_top(arg):  # chunks are other matmul shapes: equal up to rounding, so a near-tie may flip
-        torch.testing.assert_close(full.gather(-1, arg[..., None])[..., 0], full.amax(-1), rtol=1e-5, atol=1e-5)
-
-    assert_top(chunked_argmax(hidden, w, chunk_size=8))
     draft_ids = torch.tensor(sorted(torch.randperm(101, generator=g)[:30].tolist()))
     want = torch.softmax(full[..., draft_ids], -1)
-    for kw in ({}, {"target_argmax": full.argmax(-1)}):
-        probs, arg = target_draft_distribution(draft_ids, target_hidden=hidden, lm_head_weight=w,
-                                               chunk_size=5, **kw)
+    # chunks of 5 positions (the last one short) and one chunk: other matmul shapes, equal up to rounding
+    for chunk in (5, 256):
+        probs = target_draft_distribution(draft_ids, target_hidden=hidden, lm_head_weight=w, chunk_size=chunk)
         torch.testing.assert_close(probs, want)
-        assert_top(arg)
-    probs, arg = target_draft_distribution(draft_ids, target_logits=full)
+    # stage 04's call: the draft rows themselves, indexed by arange(V_d)
+    probs = target_draft_distribution(torch.arange(30), target_hidden=hidden, lm_head_weight=w[draft_ids])
+    torch.testing.assert_close(probs, want)
+    probs, arg = draft_labels(draft_ids, full)
     torch.testing.assert_close(probs, want)
     assert torch.equal(arg, full.argmax(-1))
 
@@ -100,7 +98,7 @@ def test_loss_and_metrics_match_explicit_loops():
     m = tiny_drafter(2, draft_ids)
     B, T = input_ids.shape
     K, decay = 3, 0.7
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    probs, argmax = draft_labels(m.draft_ids(), logits)
     out = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, TTTConfig(num_steps=K, step_decay=decay))
 
     # Independent: teacher-forced embeddings by hand, labels from the raw target logits.
@@ -151,7 +149,7 @@ def test_out_of_draft_vocab_and_unmasked_positions_carry_no_loss():
     draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(3)
     m = tiny_drafter(4, draft_ids)
     cfg = TTTConfig(num_steps=2)
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    probs, argmax = draft_labels(m.draft_ids(), logits)
     base = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, cfg)
     # Rewriting the labels of rows whose argmax is outside the draft vocab changes nothing.
     outside = ~m.t2d[argmax]
@@ -209,7 +207,7 @@ def test_ttt_model_forward_is_ttt_loss():
     draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(7)
     m = tiny_drafter(8, draft_ids)
     cfg = TTTConfig(num_steps=2)
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    probs, argmax = draft_labels(m.draft_ids(), logits)
     a = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, cfg)
     b = TTTModel(m, cfg)(aux, input_ids, embed, probs, argmax, loss_mask)
     assert a.loss.item() == b.loss.item() and a.metrics == b.metrics
@@ -220,7 +218,7 @@ def test_gradients_reach_every_weight_and_not_the_embedding():
     draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(5)
     m = tiny_drafter(6, draft_ids)
     embed.requires_grad_(False)
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    probs, argmax = draft_labels(m.draft_ids(), logits)
     ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, TTTConfig(num_steps=3)).loss.backward()
     for name, p in m.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name

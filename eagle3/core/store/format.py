@@ -41,8 +41,8 @@ each tensor concatenated over the samples, read by memory map):
     valid           int8  [S]     0 = rejected for NaN/Inf (its data is zeroed, mask 0)
 
 aux and final are stored in one of two encodings, chosen per store by stage 02's
-`store_dtype` and recorded in store.json, index.json, the manifest and every file's
-header (`dtype`, `scale`):
+`store_dtype` and recorded in store.json (the identity), stage 02's manifest and every
+file's header (`dtype`, `scale`):
 
     bf16  bfloat16 values as they are (the reference). Bytes per token:
           2*A*H + 2*H + 4 + 4 + 1 = 2H(A+1) + 9; A = 3, H = 7168: 57,353 B.
@@ -105,7 +105,6 @@ FINALIZE_CHUNK_ELEMS = 1 << 24  # aux+final elements per finalize step (~64 MB a
 _ALIGN = 64  # data section starts at a multiple of this (safetensors allows header padding)
 _ST_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.bfloat16: "BF16",
               torch.float8_e4m3fn: "F8_E4M3"}
-_TORCH_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_HEADROOM_BITS = 8  # scaled magnitudes stay below 2**8 <= 448, e4m3's largest value
 SCALE_LOG2_MIN, SCALE_LOG2_MAX = -126, 126  # 2**e and 2**-e are both normal float32 numbers
@@ -136,7 +135,7 @@ class Encoding:
     """How a store file holds aux and final (the module docstring says why fp8 is scaled so)."""
 
     name: str  # stage 02's `store_dtype` value
-    dtype: str  # recorded as `dtype` in store.json, index.json, the manifest and file headers
+    dtype: str  # recorded as `dtype` in store.json, stage 02's manifest and file headers
     scale: str  # the scale scheme in words, recorded beside it ("none": values as they are)
 
     @property

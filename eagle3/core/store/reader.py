@@ -1,6 +1,6 @@
 """The store's read side: `HiddenStateStore.open`, the one reader of the store.
 
-Stage 04, `tools/diagnose.py`, `tools/check_stores.py` and `tools/forecast.py` open the
+Stage 04, `tools/diagnose/probe_hidden.py`, `tools/check_stores.py` and `tools/forecast.py` open the
 store with `HiddenStateStore.open(wd, needed_by=...)`: it checks stage 02's manifest,
 the identity (store.json, eagle3/core/store/format.py) against what the caller expects
 and the index against the identity, then memory-maps each file when it is first read
@@ -13,7 +13,7 @@ import json
 import mmap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -67,13 +67,13 @@ class Sample:
 
 class _MappedFile:
     def __init__(self, path: Path, checksum: str | None = None, needed_by: str = "the reader",
-                 encoding: Encoding = BF16, index_path: Path | None = None):
+                 encoding: Encoding = BF16, identity_path: Path | None = None):
         self.path = path
         self.layout, self.meta = FileLayout.read(path)
         if self.layout.encoding != encoding:
             raise PipelineError(
                 f"{needed_by}: {path} holds {self.layout.encoding.name} states ({self.layout.encoding.dtype}), "
-                f"the store's index {index_path or path.parent / INDEX_JSON} says {encoding.name} "
+                f"the store's identity {identity_path or path.parent / STORE_JSON} says {encoding.name} "
                 f"({encoding.dtype}): files of two stores were mixed (e.g. copied from a box that ran another "
                 f"--store-dtype). Run every box with the same --store-dtype, then rerun `python "
                 f"{WorkDir.script('extract')}` with it: it redoes the files of the other store.")
@@ -123,7 +123,7 @@ class SplitView:
             checksum = self._entries[file_no]["checksum"] if self.store.verify_mode == "lazy" else None
             self._files[file_no] = _MappedFile(self.store.dir / file_name(self.split, file_no), checksum,
                                                self.store.needed_by, self.store.encoding,
-                                               self.store.dir / INDEX_JSON)
+                                               self.store.dir / STORE_JSON)
         return self._files[file_no]
 
     def location(self, i: int) -> tuple[str, int, int]:
@@ -271,7 +271,7 @@ class HiddenStateStore:
         encoding = encoding_of(ident)
         if encoding is None:
             raise PipelineError(
-                f"{needed_by}: {self.dir / INDEX_JSON} records stored states of dtype {ident.get('dtype')!r} with "
+                f"{needed_by}: {self.dir / STORE_JSON} records stored states of dtype {ident.get('dtype')!r} with "
                 f"scale {ident.get('scale', 'none')!r}; this code reads "
                 f"{', '.join(f'{e.name} ({e.dtype})' for e in ENCODINGS.values())}. Run the code that wrote the "
                 f"store, or rerun `python {WorkDir.script('extract')} --force --store-dtype fp8` (or bf16).")
@@ -310,14 +310,16 @@ class HiddenStateStore:
     @classmethod
     def open(cls, wd: WorkDir, *, needed_by: str, aux_layers: Sequence[int] | None = None,
              tokenizer_fingerprint: str | None = None, hidden_size: int | None = None,
-             allow_missing: bool = False, expected_from: str = "your config",
+             allow_missing: bool = False, expected_from: str | Mapping[str, str] = "your config",
              verify: str = "lazy") -> "HiddenStateStore":
         """Check stage 02's manifest and the expected values, then map the store.
 
         `aux_layers`, `tokenizer_fingerprint`, `hidden_size`: what the caller expects
-        (None: accept the store's); a mismatch raises naming both values. A store with
-        missing files (a box of a multi-box run not finished or not copied here) is
-        refused unless `allow_missing`.
+        (None: accept the store's); a mismatch raises naming both values and where each
+        comes from: the store's from its identity (store.json, not the manifest), the
+        expected one from `expected_from` (one label for all, or one per argument name).
+        A store with missing files (a box of a multi-box run not finished or not copied
+        here) is refused unless `allow_missing`.
 
         `verify`: when the xxh3 checksums of the index are compared with the files.
         "lazy" (default): each file when it is first mapped, before any of its tensors
@@ -338,17 +340,20 @@ class HiddenStateStore:
                                 f"code reads {STORE_FORMAT}; rerun `python {script} --force`.")
         ident = read_identity(store_dir, needed_by=needed_by, fix=f"rerun `python {script} --force`")
         index = {**index, "identity": index_identity(index, ident, store_dir, needed_by=needed_by, script=script)}
-        fix = f"rerun `python {script} --force` with the settings you want, or change {expected_from}"
         ours = str(store_dir / STORE_JSON)
+
+        def same(what: str, have, want, key: str) -> None:
+            theirs = expected_from if isinstance(expected_from, str) else expected_from[key]
+            check_same(what, have, want, ours_from=ours, theirs_from=theirs,
+                       fix=f"rerun `python {script} --force` with the settings you want, or change {theirs}")
+
         if aux_layers is not None:
-            check_same("aux layer ids", list(ident["aux_layers"]), list(aux_layers),
-                       ours_from=ours, theirs_from=expected_from, fix=fix)
+            same("aux layer ids", list(ident["aux_layers"]), list(aux_layers), "aux_layers")
         if tokenizer_fingerprint is not None:
-            check_same("tokenizer fingerprint", ident["tokenizer_fingerprint"], tokenizer_fingerprint,
-                       ours_from=ours, theirs_from=expected_from, fix=fix)
+            same("tokenizer fingerprint", ident["tokenizer_fingerprint"], tokenizer_fingerprint,
+                 "tokenizer_fingerprint")
         if hidden_size is not None:
-            check_same("target hidden size", int(ident["hidden_size"]), int(hidden_size),
-                       ours_from=ours, theirs_from=expected_from, fix=fix)
+            same("target hidden size", int(ident["hidden_size"]), int(hidden_size), "hidden_size")
         if verify not in cls.VERIFY_MODES:
             raise PipelineError(f"verify={verify!r}: choose one of {', '.join(cls.VERIFY_MODES)}.")
         store = cls(store_dir, index, m, verify=verify, needed_by=needed_by)

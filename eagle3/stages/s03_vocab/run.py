@@ -2,9 +2,9 @@
 
 Reads stage 01's assistant-token frequencies and writes
 
-    03_vocab/d2t.pt, d2t.npy   int64 [draft_vocab]: offsets, target_id = i + d2t[i]
-    03_vocab/t2d.pt, t2d.npy   bool  [target_vocab]: True for chosen ids
-    03_vocab/manifest.json     with coverage on the train AND the held-out split
+    03_vocab/d2t.pt          int64 [draft_vocab]: offsets, target_id = i + d2t[i]
+    03_vocab/t2d.pt          bool  [target_vocab]: True for chosen ids
+    03_vocab/manifest.json   with coverage on the train AND the held-out split
 
 Run: `python 03_build_vocab_mapping.py --config configs/tiny-llama.yaml`.
 """

@@ -155,7 +155,9 @@ def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
     vocab_m = read_manifest(wd, "vocab", needed_by="stage 04 (train)")
     store = HiddenStateStore.open(wd, needed_by="stage 04 (train)",
                                   tokenizer_fingerprint=prep.tokenizer_fingerprint,
-                                  hidden_size=info.hidden_size, expected_from=str(wd.manifest("prepare")))
+                                  hidden_size=info.hidden_size,
+                                  expected_from={"tokenizer_fingerprint": str(wd.manifest("prepare")),
+                                                 "hidden_size": f"{cfg.target_model}'s config (--target-model)"})
     if store.vocab_size != info.vocab_size:
         raise PipelineError(f"the store was extracted from a target with vocab {store.vocab_size}, "
                             f"{cfg.target_model} has {info.vocab_size}; pass the same --target-model as stage 02.")
@@ -368,8 +370,8 @@ class Trainer:
         """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics)."""
         b = to_device(batch, self.device)  # an encoded fp8 batch is decoded there
         amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
-        probs, _ = target_draft_distribution(self.local_ids, target_hidden=b["final"],
-                                             lm_head_weight=self.lm_rows, target_argmax=amax)  # [B, T, V_d]
+        probs = target_draft_distribution(self.local_ids, target_hidden=b["final"],
+                                          lm_head_weight=self.lm_rows)  # [B, T, V_d]
         if self.cfg.loss_on == "all":
             # Stage 02 takes the full-vocab argmax next to assistant tokens only; elsewhere
             # the argmax over the draft rows stands in (padding stays masked either way).

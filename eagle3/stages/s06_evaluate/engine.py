@@ -120,16 +120,6 @@ def _fix_cpu_sampled_verification() -> bool:
 
 # --------------------------------------------------------------------------- one engine run (worker side)
 
-def _per_request_metrics_supported() -> bool:
-    """Per-request acceptance histograms (vLLM >= 0.32): per-category figures and the
-    interval over prompts from one pass. Older engines: one pass per category."""
-    import dataclasses
-
-    from vllm.engine.arg_utils import EngineArgs
-
-    return "per_request_spec_decode_metrics" in {f.name for f in dataclasses.fields(EngineArgs)}
-
-
 def refuse_drafter_on_cpu_mla(target: str, text_config: dict) -> None:
     """One line, before any engine starts, where vLLM's CPU build cannot serve a drafter: an
     MLA target (DeepSeek-V3, Kimi-K2/K2.5: `kv_lora_rank` in the text config).
@@ -174,32 +164,23 @@ def _start_engine(engine: EngineConfig):
 
 
 def _acceptance_pass(llm, prompts: list[dict], temp: float, req: dict, per_request: bool) -> dict:
-    """Every prompt at once at one temperature: outputs, the pass's counters and each request's
-    histogram (an engine without histograms: one generate call and counter diff per category)."""
+    """Every prompt at once at one temperature: outputs, the pass's counters and, for a drafter
+    run, each request's histogram of accepted drafts."""
     from vllm import SamplingParams
 
     K, seed = req["num_speculative_tokens"], req["seed"]
     # A seed per request: its samples do not depend on what else is in the batch.
     sps = [SamplingParams(temperature=temp, max_tokens=req["max_new_tokens"], seed=seed + i)
            for i in range(len(prompts))]
-    by_group = bool(req["drafter"]) and not per_request
-    groups = req["groups"] if by_group else [list(range(len(prompts)))]
-    outs: list[Any] = [None] * len(prompts)
-    group_counters = []
     t1 = time.perf_counter()
     before = _metric_totals(llm)
-    for g in groups:
-        b = _metric_totals(llm)
-        for i, o in zip(g, llm.generate([prompts[i] for i in g], [sps[i] for i in g], use_tqdm=True)):
-            outs[i] = o
-        group_counters.append(counter_diff(_metric_totals(llm), b))
+    outs = llm.generate(prompts, sps, use_tqdm=True)
     wall_s = time.perf_counter() - t1
     log.info("acceptance pass at temperature %g: %d prompts in %.1f s", temp, len(prompts), wall_s)
     return {"temperature": temp, "wall_s": wall_s, "counters": counter_diff(_metric_totals(llm), before),
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-            "histograms": [_histogram(o, K) for o in outs] if per_request else None,
-            "group_counters": group_counters if by_group else None}
+            "histograms": [_histogram(o, K) for o in outs] if per_request else None}
 
 
 def _timing_pass(llm, prompts: list[dict], greedy, K: int, per_request: bool) -> dict:
@@ -258,7 +239,9 @@ def serve_and_measure(req: dict) -> dict:
     from vllm.platforms import current_platform
 
     on_cpu = vllm_engine.on_cpu()  # vLLM's platform: the one seam every stage asks
-    per_request = bool(req["drafter"]) and _per_request_metrics_supported()
+    # Per-request acceptance histograms (every vLLM we support, >= 0.32, has them): the
+    # per-category figures and the interval over prompts come from one pass.
+    per_request = bool(req["drafter"])
     engine = vllm_engine.for_platform(run_engine_config(req, per_request))  # the settings it runs with, for results
     t0 = time.perf_counter()
     llm = _start_engine(engine)

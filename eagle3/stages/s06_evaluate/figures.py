@@ -4,13 +4,18 @@ No engine, no disk: the tests feed these fabricated engine results. The engine s
 (eagle3/stages/s06_evaluate/engine.py, `serve_and_measure`) returns, per engine run:
 
     acceptance  one pass per sampling temperature over ALL prompts, many sequences at once:
-                output tokens, vLLM's spec-decode counters for the pass, and (vLLM >= 0.32)
-                each request's histogram of accepted draft tokens per verification step
-                (`hist[j]` = steps that accepted j drafts), or, from an older vLLM, the
-                counters of one pass per category
+                output tokens, vLLM's spec-decode counters for the pass, and, in a run
+                with a drafter, each request's histogram of accepted draft tokens per
+                verification step (`hist[j]` = steps that accepted j drafts; vLLM's
+                per-request spec-decode metrics), which give the interval over prompts
+                and the per-category figures
     timing      greedy passes over a subset, one request at a time (single stream):
                 per request wall seconds, engine timestamps of its first and last token,
-                tokens, and the pass's counters
+                tokens and (with a drafter) histogram, and the pass's counters
+
+run.py calls `run_figures` (every run's results -> its acceptance and timing figures) and
+`teacher_check`; report.py `summarise` combines the runs' figures with the paired
+speedup and break-even intervals, the verdicts and the timing checks defined here.
 
 Definitions (docs/CONVENTIONS.md, section 5, for the training-time side):
     acceptance length     L = 1 + accepted draft tokens / verification steps
@@ -38,7 +43,6 @@ from typing import Any
 import numpy as np
 
 DRAFTS = "vllm:spec_decode_num_drafts"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
@@ -102,8 +106,7 @@ def acceptance_block(steps: int, accepted: int, per_pos: list[int], K: int) -> d
 
 def acceptance_figures(p: dict, K: int, prompt_categories: list[str | None]) -> dict[str, Any]:
     """One acceptance pass of a speculative run: overall (from the engine's counters), the
-    95% interval over prompts and per category (from per-request histograms, else from
-    per-category counters)."""
+    95% interval over prompts and per category (from the per-request histograms)."""
     c = p["counters"]
     out = acceptance_block(int(c.get(DRAFTS, 0)), int(c.get(ACCEPTED, 0)),
                            [int(x) for x in (c.get(ACCEPTED_PER_POS) or [0] * K)], K)
@@ -122,13 +125,6 @@ def acceptance_figures(p: dict, K: int, prompt_categories: list[str | None]) -> 
                                      [sum(pp[k] for _, _, pp in sel) for k in range(K)], K)
             block["prompts"] = len(sel)
             block["ci95"] = ratio_interval([a for _, a, _ in sel], [s for s, _, _ in sel])
-            out["by_category"][name] = block
-    elif p.get("group_counters") is not None:
-        for name, gc in zip(names, p["group_counters"]):
-            block = acceptance_block(int(gc.get(DRAFTS, 0)), int(gc.get(ACCEPTED, 0)),
-                                     [int(x) for x in (gc.get(ACCEPTED_PER_POS) or [0] * K)], K)
-            block["prompts"] = sum(cat == name for cat in prompt_categories)
-            block["ci95"] = None
             out["by_category"][name] = block
     return out
 

@@ -298,12 +298,10 @@ def _plan_runs(wd: WorkDir, cfg: EvaluateConfig, drafter_dir: Path,
 
 def _base_request(cfg: EvaluateConfig, prompts: list[Prompt], max_model_len: int) -> dict[str, Any]:
     """What every engine run is asked; each run adds its drafter, temperatures and timed prompts."""
-    cats = [p.category for p in prompts]
-    groups = [[i for i, c in enumerate(cats) if c == n] for n in categories(prompts)]
     return {**engine_request(cfg.engine_config(max_model_len=max_model_len)),
             "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens,
             "warmup_prompts": cfg.warmup_prompts,
-            "timed_passes": cfg.timed_passes, "groups": groups or [list(range(len(prompts)))],
+            "timed_passes": cfg.timed_passes,
             "prompts": [p.prompt_ids for p in prompts]}
 
 
@@ -328,7 +326,7 @@ def _results(raw: dict[str, dict], cfg: EvaluateConfig, prompts: list[Prompt], p
     first = next(iter(raw.values()))
     engine = {"name": "vllm", "version": first["vllm_version"], "platform": first["platform"],
               "enforce_eager": first["enforce_eager"]}
-    settings = {**{k: v for k, v in base_req.items() if k not in ("prompts", "groups")},
+    settings = {**{k: v for k, v in base_req.items() if k != "prompts"},
                 "temperatures": cfg.temperature, "timing_prompts": cfg.timing_prompts, "timing_indices": timed,
                 "drafter": str(drafter_dir), "baseline_untrained": cfg.baseline_untrained}
     return summarise(runs, K, cfg.temperature, expectation, prompt_info, settings, engine, teacher)
