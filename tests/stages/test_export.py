@@ -231,11 +231,14 @@ def test_export_refuses_layers_the_sglang_deepseek_rule_reads_differently(tmp_pa
     wd = make_work_dir(tmp_path / "w", m, layers=[3, 4, 5])
     with pytest.raises(PipelineError, match="allow-engine-mismatch") as e:
         export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
-    assert "would capture [2, 3, 4] instead of [3, 4, 5]" in str(e.value)
+    assert "captures [2, 3, 4], but the drafter was trained on [3, 4, 5]" in str(e.value)
+    assert not wd.manifest("export").exists()
     out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target), allow_engine_mismatch=True))
     r = json.loads((wd.export_dir() / REPORT_JSON).read_text())
     assert r["layers"]["captured"] == {"vllm": [3, 4, 5], "vllm-v2": [3, 4, 5], "sglang": [3, 4, 5],
                                         "sglang-deepseek": [2, 3, 4]}
+    (problem,) = r["layers"]["problems"]  # let through, and reported once: under "layers"
+    assert "captures [2, 3, 4]" in problem and not any("captures" in f for f in r["findings"])
     assert (out / WEIGHTS_NAME).is_file()
     # The same layers on a Llama target are fine for every engine that serves it.
     wd2 = make_work_dir(tmp_path / "w2", m, layers=[3, 4, 5])

@@ -17,7 +17,9 @@ Run: `python 05_export_drafter.py --config configs/tiny-llama.yaml`.
 
 Stage 04's checkpoint is read through eagle3/core/train_outputs.py `read_checkpoint` (a
 `TrainCheckpoint`). Its aux layer ids were checked against the store and the target where
-stage 04 started; here they are compared once with the store's (`checked_checkpoint`).
+stage 04 started; here they are compared once with the store's (`checked_checkpoint`), and
+what each engine would capture is judged once, by the drafter folder's writer
+(eagle3/core/drafter_io.py `save_drafter_dir`).
 """
 from __future__ import annotations
 
@@ -34,8 +36,7 @@ from eagle3.core.atomic import atomic_path, write_json
 from eagle3.core.config import identity_params
 from eagle3.core.dataset import load_token_freq
 from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
-from eagle3.core.engine_rules import (D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for,
-                                      translation_problems)
+from eagle3.core.engine_rules import CAPTURE_TOPIC, D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for
 from eagle3.core.errors import PipelineError
 from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest,
                                   read_record, record_of, sha256_file, sha256_json, write_manifest)
@@ -269,20 +270,6 @@ def checked_checkpoint(x: ExportInputs) -> tuple[DrafterConfig, TrainCheckpoint]
     return dc, ckpt
 
 
-def layer_problems(layers: list[int], family: str | None, allow_engine_mismatch: bool) -> list[str]:
-    """Why some engine serving this target family would capture other layers (refused unless allowed)."""
-    problems = translation_problems(layers, family)
-    if problems:
-        msg = (f"aux layers {layers} cannot be written so that every engine serving this {family}-family "
-               "target captures them: " + "; ".join(problems) + ". Layer choices starting at 2 (the default "
-               f"[2, N//2, N-3]) work everywhere; re-extract (stage 02) with such ids, or pass "
-               f"--allow-engine-mismatch if you serve only with an engine that reads them right.")
-        if not allow_engine_mismatch:
-            raise PipelineError(msg)
-        log.warning("%s", msg)
-    return problems
-
-
 def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, ckpt: TrainCheckpoint, problems: list[str],
                  findings: list) -> dict:
     """The export report: what was written, the layers each engine captures, coverage, quality."""
@@ -316,7 +303,8 @@ def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, ckpt: TrainCh
         "expected_accept_length": {"value": eal, "source": eal_src},
         "tensors": tensors,
         "files": {name: sha256_file(x.out_dir / name) for name in (CONFIG_NAME, WEIGHTS_NAME)},
-        "findings": [f.line() for f in findings if f.level != "info"],
+        # Layer capture is reported once, under "layers".
+        "findings": [f.line() for f in findings if f.level != "info" and f.topic != CAPTURE_TOPIC],
     }
 
 
@@ -357,7 +345,6 @@ def export_drafter(cfg: ExportConfig) -> Path:
         return x.out_dir
     dc, ckpt = checked_checkpoint(x)
     state = ckpt.model
-    problems = layer_problems(x.layers, x.facts.family, cfg.allow_engine_mismatch)
 
     hf = hf_config_from_drafter_config(dc, x.layers, max_position_embeddings=x.info.max_position_embeddings,
                                        dtype=cfg.dtype)
@@ -366,6 +353,9 @@ def export_drafter(cfg: ExportConfig) -> Path:
     _check_out_dir(x.out_dir, x.wd.export_dir(), cfg.force)
     findings = save_drafter_dir(x.out_dir, state, hf, dtype=cfg.dtype, include_embed_tokens=cfg.include_embed_tokens,
                                 overwrite=True, target=x.facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
+    # The engines that would capture other layers (let through by --allow-engine-mismatch):
+    # the writer's answer, the one place that asks.
+    problems = [f.message for f in findings if f.topic == CAPTURE_TOPIC and f.level != "info"]
 
     report = build_report(x, cfg, dc, hf, ckpt, problems, findings)
     reach = trained_reach(x, hf)
