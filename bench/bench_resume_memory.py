@@ -5,7 +5,7 @@
 Writes a checkpoint shaped like stage 04's (fp32 weights and two AdamW moments, 12
 bytes per parameter; Kimi-K2.5's drafter makes ~11.6 GB) under a temporary folder, then,
 for each way of loading, starts `--ranks` processes that load it at the same moment
-with eagle3/stages/s04_train/checkpoint.py's reader (`load_checkpoint`, memory-mapped)
+with the checkpoint's one reader (eagle3/core/train_outputs.py `read_checkpoint`, memory-mapped)
 or with a plain `torch.load`, read every tensor once (what copying them to a GPU does)
 and, while all of them still hold it, report from /proc/self/smaps_rollup how much the
 load added to their anonymous (private) memory and to their Pss, the resident memory
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.stages.s04_train.checkpoint import load_checkpoint  # noqa: E402
+from eagle3.core.train_outputs import TrainCheckpoint, read_checkpoint  # noqa: E402
 
 GIB = 2**30
 
@@ -39,7 +39,7 @@ def rollup() -> dict[str, float]:
 def rank(path: str, mapped: bool, barrier, results) -> None:
     torch.set_num_threads(1)
     before = rollup()
-    ckpt = load_checkpoint(Path(path)) if mapped else torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = read_checkpoint(Path(path)).to_file() if mapped else torch.load(path, map_location="cpu", weights_only=True)
     total = 0.0
     for group in (ckpt["model"], *ckpt["optimizer"]["state"].values()):
         for t in group.values():
@@ -59,8 +59,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "step_00000002.pt"
         w = torch.randn(n)
-        torch.save({"step": 2, "model": {"w": w}, "optimizer": {"state": {0: {"exp_avg": torch.randn(n),
-                                                                              "exp_avg_sq": torch.rand(n)}}}}, path)
+        ckpt = TrainCheckpoint(
+            model={"w": w}, drafter_config={}, aux_layers=[2, 4, 5],
+            optimizer={"state": {0: {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n)}}}, scheduler={},
+            step=2, epoch=0, batch_in_epoch=2, rng=[{"torch": torch.get_rng_state()}], train_config={},
+            identity="bench", best={"expected_accept_length": -1.0, "step": None}, eval={})
+        torch.save(ckpt.to_file(), path)
+        del ckpt
         del w
         size = path.stat().st_size / GIB
         print(f"checkpoint {size:.2f} GiB, {a.ranks} ranks loading it at once")
@@ -75,7 +80,7 @@ def main() -> None:
                 proc.join()
             anon = [g[0] for g in got]
             pss = sum(g[1] for g in got)
-            print(f"{'memory-mapped (load_checkpoint)' if mapped else 'read whole (torch.load)':32s} added anonymous "
+            print(f"{'memory-mapped (read_checkpoint)' if mapped else 'read whole (torch.load)':32s} added anonymous "
                   f"memory per rank {min(anon):.2f}-{max(anon):.2f} GiB, added Pss of all ranks {pss:.2f} GiB "
                   f"({pss / size:.2f} x the file)")
 

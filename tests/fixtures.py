@@ -279,3 +279,16 @@ def make_tokenizer(spec: dict):
     bpe.train_from_iterator(CORPUS, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=spec["bos"], eos_token=spec["eot"],
                                    chat_template=spec["template"])
+
+
+def train_checkpoint(model: dict, drafter_config: dict, **fields):
+    """A stage 04 checkpoint record (eagle3/core/train_outputs.py) holding `model` and
+    `drafter_config`, every other field a plausible value unless given in `fields`."""
+    import torch
+
+    from eagle3.core.train_outputs import TrainCheckpoint
+
+    base = dict(model=model, drafter_config=drafter_config, aux_layers=[2, 4, 5], optimizer={"state": {}},
+                scheduler={}, step=2, epoch=0, batch_in_epoch=2, rng=[{"torch": torch.get_rng_state()}],
+                train_config={}, identity="x", best={"expected_accept_length": -1.0, "step": None}, eval={})
+    return TrainCheckpoint(**{**base, **fields})

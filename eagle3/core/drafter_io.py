@@ -356,8 +356,13 @@ def save_drafter_dir(out_dir: Path | str, state_dict: Mapping[str, torch.Tensor]
                     if f.level == "error" and f.topic == CAPTURE_TOPIC else f for f in findings]
     bad = errors(findings)
     if bad:
+        hint = ""
+        if any(f.topic == CAPTURE_TOPIC for f in bad):
+            hint = ("\nLayer ids starting at 2 (the default [2, N//2, N-3]) are captured alike by every engine: "
+                    "re-extract (stage 02) with such ids, or pass --allow-engine-mismatch if you serve only with an "
+                    "engine that reads them right.")
         raise PipelineError(f"refusing to write {out_dir}: the drafter would fail or misbehave in an engine:\n  "
-                            + "\n  ".join(f.line() for f in bad))
+                            + "\n  ".join(f.line() for f in bad) + hint)
     for f in findings:
         if f.level == "warning":
             log.warning("%s: %s", out_dir, f.line())

@@ -46,7 +46,8 @@ nested = layers - 1. The nested ids then select the same layers under all three
 rules exactly when the first layer is 2 (nested first id 1); both vLLM runners read
 the top-level ids. Layer 1 would need a
 nested 0, which the DeepSeek rule does not shift (it would capture the embeddings);
-`translation_problems` says so for the target at hand.
+`check_drafter` says so for the target at hand: the one answer to "will every engine
+capture these layers", which the drafter folder's writer asks before it writes.
 
 Tensor names (convention 6) and what each engine does with a name:
 
@@ -301,22 +302,6 @@ def layer_range_problems(layers: list[int], num_target_layers: int | None) -> li
     if layers != sorted(set(layers)):
         out.append(f"ids {layers} are not distinct and ascending: both engines capture in layer order "
                    f"and drop duplicates, so fc would read the states in another order or too few of them")
-    return out
-
-
-def translation_problems(layers: list[int], family: str | None) -> list[str]:
-    """Why `aux_layer_config(layers)` would make some applicable engine capture other layers."""
-    cfg = aux_layer_config(layers)
-    out = []
-    for rule in rules_for(family):
-        got = captured_layers(rule, cfg, None)
-        if got != layers:
-            why = ""
-            if rule == SGLANG_DEEPSEEK:
-                why = (" (that rule adds one only when the first nested id is 1, i.e. the first layer is 2"
-                       + ("; layer 1 needs nested id 0, which it never shifts" if layers and layers[0] == 1 else "")
-                       + ")")
-            out.append(f"{RULES[rule].split(':')[0]} would capture {got} instead of {layers}{why}")
     return out
 
 
@@ -681,8 +666,12 @@ class _Check:
             else:
                 level = "warning" if old_sglang else "error"
             label = "SGLang before PR #25454 (releases before 0.5.13)" if old_sglang else RULES[rule].split(":")[0]
+            why = ""
+            if rule == SGLANG_DEEPSEEK:
+                why = (" (that rule adds one only when the first nested id is 1, i.e. the first layer is 2"
+                       + ("; layer 1 needs nested id 0, which it never shifts" if ref and ref[0] == 1 else "") + ")")
             self.add(level, VLLM if rule in (VLLM, VLLM_V2) else SGLANG, CAPTURE_TOPIC,
-                     f"{label} captures {got}, but the drafter was trained on {ref} ({where})"
+                     f"{label} captures {got}, but the drafter was trained on {ref} ({where}){why}"
                      + ("" if target else "; pass --target-config to know whether this rule applies")
                      + (f"; serve with SGLang >= {SGLANG_DEEPSEEK_RULE_FROM} (the supported minimum, "
                         f"{_minimum('sglang')}, is later)" if old_sglang else ""))

@@ -44,10 +44,12 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def validate_aux_layers(ids: list[int], num_layers: int, source: str = "aux_layers") -> list[int]:
-    """Distinct, ascending, 1 <= k < N (convention 1); raise naming the fix."""
+def validate_aux_layers(ids: list[int], num_layers: int, source: str = "aux_layers",
+                        fix: str = "use ids") -> list[int]:
+    """Distinct, ascending, 1 <= k < N (convention 1); raise naming the fix (`fix`: its
+    opening, for a caller whose ids come from a file rather than a flag)."""
     ids = [int(i) for i in ids]
-    fix = (f"use ids in [1, {num_layers - 1}] for this {num_layers}-layer target, "
+    fix = (f"{fix} in [1, {num_layers - 1}] for this {num_layers}-layer target, "
            f"e.g. the default {default_aux_layers(num_layers)}")
     if not ids:
         raise PipelineError(f"{source} is empty; {fix}.")

@@ -1,4 +1,4 @@
-"""A resume loads its checkpoint memory-mapped (eagle3/stages/s04_train/checkpoint.py:load_checkpoint),
+"""A resume loads its checkpoint memory-mapped (eagle3/core/train_outputs.py:read_checkpoint),
 so the ranks of a torchrun resume share one copy of the file instead of holding one each,
 and the resumed run is still bitwise the unbroken one.
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fixtures import copy_stages
+from fixtures import copy_stages, train_checkpoint
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.workdir import WorkDir
@@ -53,33 +53,33 @@ def mapped_share(obj, path: Path) -> tuple[int, int]:
 def test_a_checkpoint_is_loaded_mapped_from_its_file(tmp_path):
     wd = WorkDir(tmp_path)
     g = torch.Generator().manual_seed(0)
-    ckpt = {"step": 2, "identity": "x", "model": {"w": torch.randn(256, 64, generator=g), "d2t": torch.arange(8)},
-            "optimizer": {"state": {0: {"step": torch.tensor(2.0), "exp_avg": torch.randn(256, 64, generator=g)}}},
-            "rng": [{"torch": torch.get_rng_state()}]}
+    ckpt = train_checkpoint({"w": torch.randn(256, 64, generator=g), "d2t": torch.arange(8)}, {},
+                            optimizer={"state": {0: {"step": torch.tensor(2.0),
+                                                     "exp_avg": torch.randn(256, 64, generator=g)}}})
     path = checkpoint.save_checkpoint(wd, ckpt, keep=2, is_best=False)
     plain = torch.load(path, map_location="cpu", weights_only=True)
     assert mapped_share(plain, path) == (0, 5)  # the check tells a plain load from a mapped one
-    loaded = checkpoint.load_checkpoint(path)
-    assert mapped_share(loaded, path) == (5, 5)
-    assert torch.equal(loaded["model"]["w"], ckpt["model"]["w"])
-    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], ckpt["optimizer"]["state"][0]["exp_avg"])
+    loaded = checkpoint.read_checkpoint(path)
+    assert mapped_share(loaded.to_file(), path) == (5, 5)
+    assert torch.equal(loaded.model["w"], ckpt.model["w"])
+    assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], ckpt.optimizer["state"][0]["exp_avg"])
     # writes go to private pages, never to the file
-    loaded["model"]["w"].zero_()
-    assert torch.equal(torch.load(path, map_location="cpu", weights_only=True)["model"]["w"], ckpt["model"]["w"])
+    loaded.model["w"].zero_()
+    assert torch.equal(torch.load(path, map_location="cpu", weights_only=True)["model"]["w"], ckpt.model["w"])
 
 
 def test_a_mapped_resume_equals_the_unbroken_run(tmp_path, stages_123, tiny_llama, monkeypatch):
     """Killed after step 3, resumed from step 2's mapped file; keep_checkpoints=1 deletes that
     file at step 4 while the resumed optimizer still holds pages of it."""
     seen = []
-    real = checkpoint.load_checkpoint
+    real = checkpoint.read_checkpoint
 
     def spy(path):
         ckpt = real(path)
-        seen.append(mapped_share(ckpt, path))
+        seen.append(mapped_share(ckpt.to_file(), path))
         return ckpt
 
-    monkeypatch.setattr(checkpoint, "load_checkpoint", spy)
+    monkeypatch.setattr(checkpoint, "read_checkpoint", spy)
     a, b = copy_stages(stages_123, tmp_path / "a"), copy_stages(stages_123, tmp_path / "b")
     cfg = dict(target_model=str(tiny_llama), device="cpu", max_steps=4, batch_tokens=512, max_seq_len=256, ttt_steps=2,
                warmup_steps=1, learning_rate=2e-3, log_every=1, eval_every=1000, save_every=2, keep_checkpoints=1)
@@ -102,6 +102,6 @@ def test_a_mapped_resume_equals_the_unbroken_run(tmp_path, stages_123, tiny_llam
 def test_a_file_torch_cannot_map_is_refused_by_name(tmp_path):
     """torch maps only the zipfile format (torch.save's default, what save_checkpoint writes)."""
     path = tmp_path / "step_00000002.pt"
-    torch.save({"step": 2}, path, _use_new_zipfile_serialization=False)
+    torch.save(train_checkpoint({}, {}).to_file(), path, _use_new_zipfile_serialization=False)
     with pytest.raises(PipelineError, match="cannot read checkpoint .*step_00000002.pt.*zipfile.*--force"):
-        checkpoint.load_checkpoint(path)
+        checkpoint.read_checkpoint(path)

@@ -149,18 +149,3 @@ def test_rng_state_reads_and_restores_only_this_ranks_gpu(monkeypatch):
     assert calls == [("set", "cuda:1", 1)]  # rank 1 takes its own entry, onto its own GPU
     # a CPU run has no GPU entry
     assert checkpoint.rng_state(torch.device("cpu")).keys() == {"torch"}
-
-
-def test_a_checkpoint_of_the_earlier_format_restores_this_ranks_gpu(monkeypatch):
-    calls = []
-
-    def set_rng_state(state, device="cuda"):
-        calls.append((str(device), int(state[0])))
-
-    monkeypatch.setattr(torch.cuda, "set_rng_state", set_rng_state)
-    cpu_state = torch.get_rng_state()
-    old = {"torch": cpu_state, "cuda": [torch.tensor([i], dtype=torch.uint8) for i in range(4)]}
-    torch.manual_seed(3)
-    checkpoint.set_rng_state(old, 2, 4, torch.device("cuda", 2))
-    assert calls == [("cuda:2", 2)]
-    assert torch.equal(torch.get_rng_state(), cpu_state)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fixtures import train_checkpoint
 
-from eagle3.core.train_outputs import read_training_checkpoint
 from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
                                     hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
 from eagle3.core.errors import PipelineError
@@ -83,30 +83,19 @@ def test_export_then_reload_gives_identical_logits(tmp_path, dtype):
     assert torch.equal(logits_of(m2), logits_of(m))
 
 
-def test_training_checkpoint_reader(tmp_path):
-    m = random_drafter()
-    p = tmp_path / "ckpt.pt"
-    wrapped = {f"module.{k}": v for k, v in m.state_dict().items()}  # as DDP saves it
-    torch.save({"model": wrapped, "drafter_config": m.config.to_dict(), "step": 7, "optimizer": {}, "eval": {}}, p)
-    cfg, state, meta = read_training_checkpoint(p)
-    assert cfg == m.config.to_dict() and set(state) == set(m.state_dict()) and meta == {"step": 7, "eval": {}}
-    torch.save({"weights": 1}, tmp_path / "other.pt")
-    with pytest.raises(PipelineError, match="not a stage 04 checkpoint"):
-        read_training_checkpoint(tmp_path / "other.pt")
-    with pytest.raises(PipelineError, match="does not exist"):
-        read_training_checkpoint(tmp_path / "missing.pt")
-
-
 def test_expected_accept_length_is_only_taken_at_the_checkpoints_own_step():
     from eagle3.stages.s05_export.run import expected_accept_length
 
-    assert expected_accept_length({"step": 5, "eval": {"expected_accept_length": 2.5}}, None)[0] == 2.5
+    def at(step, evaluated, best):
+        return expected_accept_length(train_checkpoint({}, {}, step=step, eval=evaluated, best=best), None)[0]
+
+    unevaluated = {"expected_accept_length": -1.0, "step": None}
+    assert at(5, {"expected_accept_length": 2.5}, unevaluated) == 2.5
     # A step checkpoint saved without evaluation must not borrow the best step's figure.
     best = {"expected_accept_length": 2.9, "step": 4}
-    assert expected_accept_length({"step": 5, "eval": {}, "best": best}, None)[0] is None
-    assert expected_accept_length({"step": 4, "eval": {}, "best": best}, None)[0] == 2.9
-    assert expected_accept_length({"step": 0, "eval": {}, "best": {"expected_accept_length": -1.0, "step": 0}},
-                                  None)[0] is None  # stage 04's "not evaluated yet"
+    assert at(5, {}, best) is None
+    assert at(4, {}, best) == 2.9
+    assert at(0, {}, {"expected_accept_length": -1.0, "step": 0}) is None  # stage 04's "not evaluated yet"
 
 
 # -- the stage ----------------------------------------------------------------------------
@@ -135,12 +124,11 @@ def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None,
                                         hidden_size=256, num_layers=8, vocab_size=V, store_dtype="bf16", complete=True,
                                         missing_files=0, missing_shard_indices=[]))
     wd.checkpoints().mkdir(parents=True, exist_ok=True)
-    # Stage 04's format (eagle3/stages/s04_train/checkpoint.py), the parts stage 05 reads.
+    # Stage 04's format (eagle3/core/train_outputs.py TrainCheckpoint).
     ev = metrics if metrics is not None else {"expected_accept_length": 1.875, "full_acc": [0.5, 0.25, 0.125]}
-    torch.save({"model": m.state_dict(), "drafter_config": m.config.to_dict(), "step": 123,
-                "aux_layers": list(ckpt_layers or layers), "optimizer": {}, "eval": ev,
-                "best": {"expected_accept_length": ev.get("expected_accept_length", -1.0),
-                         "step": 123 if ev else None}},
+    torch.save(train_checkpoint(m.state_dict(), m.config.to_dict(), step=123, aux_layers=list(ckpt_layers or layers),
+                                eval=ev, best={"expected_accept_length": ev.get("expected_accept_length", -1.0),
+                                               "step": 123 if ev else None}).to_file(),
                wd.best_checkpoint())
     # Stage 04's manifest: its record names the best checkpoint (relative to 04_train/).
     write_manifest(wd, "train", params={}, inputs={}, counts={}, outputs=[wd.best_checkpoint()],
@@ -211,7 +199,8 @@ def test_export_refuses_inconsistent_inputs(tmp_path):
     m = random_drafter()
     target = fake_target(tmp_path / "target")
     wd = make_work_dir(tmp_path / "w1", m, ckpt_layers=[2, 4, 6])
-    with pytest.raises(PipelineError, match=r"aux layers mismatch: \[2, 4, 6\] \(.*04_train/manifest.json\)"):
+    with pytest.raises(PipelineError, match=r"aux layers mismatch: \[2, 4, 6\] \(.*best.pt\) vs \[2, 4, 5\] "
+                                            r"\(.*02_hidden_states/manifest.json\)"):
         export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
     # Stage 04's record agrees with stage 02's, the checkpoint itself does not.
     wd = make_work_dir(tmp_path / "w1b", m, ckpt_layers=[2, 4, 6], train_layers=LAYERS)
@@ -242,11 +231,14 @@ def test_export_refuses_layers_the_sglang_deepseek_rule_reads_differently(tmp_pa
     wd = make_work_dir(tmp_path / "w", m, layers=[3, 4, 5])
     with pytest.raises(PipelineError, match="allow-engine-mismatch") as e:
         export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
-    assert "would capture [2, 3, 4] instead of [3, 4, 5]" in str(e.value)
+    assert "captures [2, 3, 4], but the drafter was trained on [3, 4, 5]" in str(e.value)
+    assert not wd.manifest("export").exists()
     out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target), allow_engine_mismatch=True))
     r = json.loads((wd.export_dir() / REPORT_JSON).read_text())
     assert r["layers"]["captured"] == {"vllm": [3, 4, 5], "vllm-v2": [3, 4, 5], "sglang": [3, 4, 5],
                                         "sglang-deepseek": [2, 3, 4]}
+    (problem,) = r["layers"]["problems"]  # let through, and reported once: under "layers"
+    assert "captures [2, 3, 4]" in problem and not any("captures" in f for f in r["findings"])
     assert (out / WEIGHTS_NAME).is_file()
     # The same layers on a Llama target are fine for every engine that serves it.
     wd2 = make_work_dir(tmp_path / "w2", m, layers=[3, 4, 5])

@@ -84,23 +84,32 @@ def test_sglang_deepseek_rule_adds_one_only_when_first_id_is_1():
     assert er.captured_layers(er.SGLANG_DEEPSEEK, zero, 61) == [0, 29, 57]  # layer 0 = the embeddings
 
 
+def capture_problems(layers: list[int], family: str | None, num_layers: int = 61) -> list[str]:
+    """The layer-capture errors `check_drafter` finds in the config the pipeline writes for
+    `layers` (its one answer to "will every engine capture these layers"); family None: no target."""
+    target = None if family is None else er.TargetFacts(num_layers=num_layers, hidden_size=64, vocab_size=100,
+                                                        max_position_embeddings=4096, family=family)
+    return [f.message for f in er.check_drafter(er.aux_layer_config(layers), {}, target)
+            if f.topic == er.CAPTURE_TOPIC and f.level == "error"]
+
+
 def test_default_layers_translate_for_every_engine_and_family():
     for n in (8, 16, 32, 61, 80):
         layers = default_aux_layers(n)
         for family in ("llama", "deepseek", None):
-            assert er.translation_problems(layers, family) == [], (n, family)
+            assert capture_problems(layers, family, n) == [], (n, family)
 
 
 def test_layer_1_cannot_be_expressed_for_the_deepseek_rule():
-    assert er.translation_problems([1, 30, 58], "llama") == []  # old rule: nested 0 + 1 = 1
-    problems = er.translation_problems([1, 30, 58], "deepseek")
-    assert len(problems) == 1 and "nested id 0" in problems[0] and "[0, 29, 57]" in problems[0]
+    assert capture_problems([1, 30, 58], "llama") == []  # old rule: nested 0 + 1 = 1
+    problems = capture_problems([1, 30, 58], "deepseek")
+    assert len(problems) == 1 and "nested id 0" in problems[0] and "captures [0, 29, 57]" in problems[0]
 
 
 def test_first_layer_other_than_2_breaks_only_the_deepseek_rule():
-    assert er.translation_problems([3, 30, 58], "llama") == []
-    (p,) = er.translation_problems([3, 30, 58], "deepseek")
-    assert "[2, 29, 57]" in p
+    assert capture_problems([3, 30, 58], "llama") == []
+    (p,) = capture_problems([3, 30, 58], "deepseek")
+    assert "captures [2, 29, 57], but the drafter was trained on [3, 30, 58]" in p
 
 
 def test_layer_range_problems():

@@ -45,9 +45,10 @@ from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerpri
                                   sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig, Eagle3Drafter
 from eagle3.core.records import TrainRecord
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.target import TargetInfo, read_target_info
+from eagle3.core.store import STORE_JSON, HiddenStateStore
+from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
 from eagle3.core.target_head import load_embedding, load_lm_head
+from eagle3.core.train_outputs import TrainCheckpoint
 from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution
 from eagle3.core.vocab_map import load_mapping, target_ids
 from eagle3.core.windows import PROGRESS_JSON, read_plan, windows_dir
@@ -161,6 +162,11 @@ def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
     if store.vocab_size != info.vocab_size:
         raise PipelineError(f"the store was extracted from a target with vocab {store.vocab_size}, "
                             f"{cfg.target_model} has {info.vocab_size}; pass the same --target-model as stage 02.")
+    # The aux layer ids, once, before any work: the drafter is built for the store's ids and
+    # every checkpoint records them, so stage 05 takes them as checked against the target.
+    validate_aux_layers(store.aux_layers, info.num_layers,
+                        source=f"the aux layer ids of {store.dir / STORE_JSON} for {cfg.target_model}",
+                        fix="pass the same --target-model as stage 02, or rerun stage 02 with --force and ids")
     d2t, t2d = load_mapping(wd)
     if t2d.shape[0] != info.vocab_size:
         raise PipelineError(f"{wd.t2d()} covers {t2d.shape[0]} target ids, {cfg.target_model} has "
@@ -498,17 +504,16 @@ class Trainer:
                      f" | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | {m['tokens_per_s']:.0f} tok/s"))
         self.new_window()
 
-    def state_dict(self, rng: list[dict]) -> dict:
-        """Everything a resume needs (the keys are listed in eagle3/stages/s04_train/checkpoint.py);
-        `rng`: every rank's generator states, gathered by `save`."""
-        return {
-            "model": self.drafter.state_dict(), "drafter_config": self.dcfg.to_dict(),
-            "aux_layers": self.store.aux_layers, "optimizer": self.opt.state_dict(),
-            "scheduler": self.sched.state_dict(), "step": self.step, **self.data_position(self.step),
-            "rng": rng,
-            "train_config": json.loads(json.dumps(self.src.params, default=str)), "identity": self.src.identity,
-            "best": self.best,
-        }
+    def state_dict(self, rng: list[dict], evaluated: dict) -> TrainCheckpoint:
+        """Everything a resume needs (eagle3/core/train_outputs.py `TrainCheckpoint`); `rng`:
+        every rank's generator states, gathered by `save`; `evaluated`: the held-out metrics
+        at this step ({} when not evaluated here)."""
+        return TrainCheckpoint(
+            model=self.drafter.state_dict(), drafter_config=self.dcfg.to_dict(), aux_layers=self.store.aux_layers,
+            optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step,
+            **self.data_position(self.step), rng=rng,
+            train_config=json.loads(json.dumps(self.src.params, default=str)), identity=self.src.identity,
+            best=self.best, eval=evaluated)
 
     def data_position(self, step: int) -> dict:
         """Where the data stands after `step` steps (what a checkpoint records beside the
@@ -522,16 +527,17 @@ class Trainer:
         epoch, b = self.plan.locate(step - 1)
         return {"epoch": epoch, "batch_in_epoch": b + 1}
 
-    def load_state_dict(self, ckpt: dict) -> None:
-        self.drafter.load_state_dict(ckpt["model"])
-        self.opt.load_state_dict(ckpt["optimizer"])
-        self.sched.load_state_dict(ckpt["scheduler"])
-        set_rng_state(ckpt["rng"], self.d.rank, self.d.world, self.device)
-        self.step, self.best = ckpt["step"], ckpt["best"]
+    def load_state_dict(self, ckpt: TrainCheckpoint) -> None:
+        self.drafter.load_state_dict(ckpt.model)
+        self.opt.load_state_dict(ckpt.optimizer)
+        self.sched.load_state_dict(ckpt.scheduler)
+        set_rng_state(ckpt.rng, self.d.rank, self.d.world, self.device)
+        self.step, self.best = ckpt.step, ckpt.best
         ours = self.data_position(self.step)
-        theirs = {k: ckpt.get(k) for k in ours}
+        theirs = {"epoch": ckpt.epoch, "batch_in_epoch": ckpt.batch_in_epoch}
         if theirs != ours:
-            # Written by a version that counted every epoch's steps from epoch 0's packing.
+            # Another process count packs other steps (the count is not part of the
+            # identity): the same step number stands elsewhere in the data.
             log.warning("the checkpoint at step %d records data position %s, this code's schedule puts step %d at "
                         "%s: the rest of the run reads this schedule's batches, not the ones the interrupted run "
                         "would have read (pass --force to train from scratch instead)", self.step, theirs,
@@ -542,7 +548,7 @@ class Trainer:
         # metrics make is_best the same on all), and each rank's own RNG state is written.
         rng = rng_states_of_all_ranks(self.device)
         if self.d.main:  # the ranks hold the same weights (DDP)
-            ckpt = {**self.state_dict(rng), "eval": self.last_eval if is_best else {}}
+            ckpt = self.state_dict(rng, self.last_eval if is_best else {})
             save_checkpoint(self.wd, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best)
 
     def resume(self) -> None:

@@ -15,8 +15,11 @@ writes (docs/CONVENTIONS.md §6 and §7)
 
 Run: `python 05_export_drafter.py --config configs/tiny-llama.yaml`.
 
-Stage 04's checkpoint is read through eagle3/core/train_outputs.py `read_training_checkpoint`;
-the rest works on (drafter config dict, state dict, metadata).
+Stage 04's checkpoint is read through eagle3/core/train_outputs.py `read_checkpoint` (a
+`TrainCheckpoint`). Its aux layer ids were checked against the store and the target where
+stage 04 started; here they are compared once with the store's (`checked_checkpoint`), and
+what each engine would capture is judged once, by the drafter folder's writer
+(eagle3/core/drafter_io.py `save_drafter_dir`).
 """
 from __future__ import annotations
 
@@ -33,18 +36,17 @@ from eagle3.core.atomic import atomic_path, write_json
 from eagle3.core.config import identity_params
 from eagle3.core.dataset import load_token_freq
 from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
-from eagle3.core.engine_rules import (D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for,
-                                      translation_problems)
+from eagle3.core.engine_rules import CAPTURE_TOPIC, D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
+from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest,
                                   read_record, record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.core.model import DrafterConfig
 from eagle3.core.positions import position_reach, reach_line
 from eagle3.core.model_card import CARD_NAME, hub_id, target_license
 from eagle3.core.records import ExportRecord, TrainRecord
-from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
+from eagle3.core.target import TargetInfo, read_target_info
 from eagle3.core.target_head import load_embedding
-from eagle3.core.train_outputs import read_training_checkpoint
+from eagle3.core.train_outputs import TrainCheckpoint, read_checkpoint
 from eagle3.core.vocab_map import coverage, load_mapping, target_ids
 from eagle3.core.workdir import MANIFEST_NAME, WorkDir
 from eagle3.stages.s05_export.card import card_text, write_card
@@ -73,34 +75,21 @@ def resolve_checkpoint(wd: WorkDir, checkpoint: Path | None) -> tuple[Path, Mani
     return wd.stage_dir("train") / record_of(train_m).best_checkpoint, train_m  # relative to 04_train/
 
 
-def check_trained_layers(layers: list[int], extract_m: Manifest, train_m: Manifest | None) -> None:
-    """Stage 04's aux layer ids (its record) must be the ones stage 02 extracted (`layers`):
-    they differ only when stage 02 was rerun since (and --allow-stale let it through)."""
-    if train_m is None:
-        return
-    check_same("aux layers", record_of(train_m).aux_layer_ids, layers, ours_from=str(train_m.path),
-               theirs_from=str(extract_m.path),
-               fix="the drafter was trained on another extraction; rerun stage 04 on this one, or export in the "
-                   "work dir it was trained in")
-
-
-def expected_accept_length(meta: dict, train_m: Manifest | None) -> tuple[float | None, str]:
+def expected_accept_length(ckpt: TrainCheckpoint, train_m: Manifest | None) -> tuple[float | None, str]:
     """Held-out expected accept length (convention 5) of this checkpoint, and where it came from.
 
     Only a number measured at the checkpoint's own step counts: a step checkpoint that
     was not evaluated reports None rather than the best run's figure.
     """
-    step = meta.get("step")
+    step = ckpt.step
 
     def valid(v) -> bool:  # stage 04 starts its "best" at -1 before the first evaluation
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1.0
+        return v is not None and v >= 1.0
 
-    ev = meta.get("eval") if isinstance(meta.get("eval"), dict) else {}
-    if valid(ev.get("expected_accept_length")):
-        return float(ev["expected_accept_length"]), f"checkpoint eval at step {step}"
-    best = meta.get("best") if isinstance(meta.get("best"), dict) else {}
-    if best.get("step") == step and valid(best.get("expected_accept_length")):
-        return float(best["expected_accept_length"]), f"checkpoint best (step {step})"
+    if valid(ckpt.eval.get("expected_accept_length")):
+        return float(ckpt.eval["expected_accept_length"]), f"checkpoint eval at step {step}"
+    if ckpt.best["step"] == step and valid(ckpt.best["expected_accept_length"]):
+        return float(ckpt.best["expected_accept_length"]), f"checkpoint best (step {step})"
     train: TrainRecord | None = record_of(train_m) if train_m is not None else None
     if train is not None and train.best_step == step and valid(train.best_expected_accept_length):
         return float(train.best_expected_accept_length), f"{train_m.path} (best step {step})"
@@ -244,9 +233,7 @@ def export_inputs(cfg: ExportConfig) -> ExportInputs:
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     extract_m = read_manifest(wd, "extract", needed_by=STAGE_SCRIPT)
     layers = list(record_of(extract_m).aux_layer_ids)  # convention 1
-    validate_aux_layers(layers, info.num_layers, source=f"aux layers of {extract_m.path}")
     ckpt_path, train_m = resolve_checkpoint(wd, cfg.checkpoint)
-    check_trained_layers(layers, extract_m, train_m)
     out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else wd.export_dir()
     params = {**identity_params(cfg), "out_dir": str(out_dir)}
     inputs = {"checkpoint": sha256_file(ckpt_path) if ckpt_path.is_file() else str(ckpt_path),
@@ -256,44 +243,34 @@ def export_inputs(cfg: ExportConfig) -> ExportInputs:
                         params, inputs)
 
 
-def checked_checkpoint(x: ExportInputs):
-    """(DrafterConfig, state dict, metadata) of the checkpoint, refused when it was trained for
-    another target or on other layers than stage 02 extracted."""
+def checked_checkpoint(x: ExportInputs) -> tuple[DrafterConfig, TrainCheckpoint]:
+    """The checkpoint and its drafter's config, refused when it was trained for another target
+    or on other layers than the store now holds.
 
-    drafter_cfg, state, meta = read_training_checkpoint(x.ckpt_path)
-    dc = DrafterConfig.from_dict(drafter_cfg)  # validates the sizes
+    Stage 04 checked the store's aux layer ids against the target where it started and
+    recorded them in the checkpoint; they differ from stage 02's record only when stage 02
+    was rerun since, or --checkpoint names another work dir's file. The layer count and
+    the ids against this target are the writer's checks (`hf_config_from_drafter_config`,
+    `save_drafter_dir`)."""
+    ckpt = read_checkpoint(x.ckpt_path)
+    dc = DrafterConfig.from_dict(ckpt.drafter_config)  # validates the sizes
     fix = "export with the target the drafter was trained for (--target-model), or retrain (stage 04)"
     for what, ours, theirs in (("target hidden size", dc.target_hidden_size, x.info.hidden_size),
-                               ("target vocab size", dc.target_vocab_size, x.info.vocab_size),
-                               ("number of aux layers", dc.num_aux_layers, len(x.layers))):
+                               ("target vocab size", dc.target_vocab_size, x.info.vocab_size)):
         if ours != theirs:
             raise PipelineError(f"{what} mismatch: {ours} ({x.ckpt_path} drafter_config) vs {theirs} "
-                                f"({x.info.source} / {x.extract_m.path}); {fix}.")
-    if meta.get("aux_layers") is not None and [int(k) for k in meta["aux_layers"]] != x.layers:
-        raise PipelineError(f"aux layers mismatch: {list(meta['aux_layers'])} ({x.ckpt_path}) vs {x.layers} "
+                                f"({x.info.source}); {fix}.")
+    if list(ckpt.aux_layers) != x.layers:
+        raise PipelineError(f"aux layers mismatch: {list(ckpt.aux_layers)} ({x.ckpt_path}) vs {x.layers} "
                             f"({x.extract_m.path}); the checkpoint was trained on another extraction; export in "
-                            f"the work dir it was trained in.")
+                            f"the work dir it was trained in, or rerun stage 04 on this one.")
     if dc.max_position_embeddings < x.info.max_position_embeddings:
         log.info("raising max_position_embeddings from %d (drafter) to the target's %d: SGLang refuses a "
                  "shorter draft context", dc.max_position_embeddings, x.info.max_position_embeddings)
-    return dc, state, meta
+    return dc, ckpt
 
 
-def layer_problems(layers: list[int], family: str | None, allow_engine_mismatch: bool) -> list[str]:
-    """Why some engine serving this target family would capture other layers (refused unless allowed)."""
-    problems = translation_problems(layers, family)
-    if problems:
-        msg = (f"aux layers {layers} cannot be written so that every engine serving this {family}-family "
-               "target captures them: " + "; ".join(problems) + ". Layer choices starting at 2 (the default "
-               f"[2, N//2, N-3]) work everywhere; re-extract (stage 02) with such ids, or pass "
-               f"--allow-engine-mismatch if you serve only with an engine that reads them right.")
-        if not allow_engine_mismatch:
-            raise PipelineError(msg)
-        log.warning("%s", msg)
-    return problems
-
-
-def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, meta: dict, problems: list[str],
+def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, ckpt: TrainCheckpoint, problems: list[str],
                  findings: list) -> dict:
     """The export report: what was written, the layers each engine captures, coverage, quality."""
     from safetensors import safe_open
@@ -302,13 +279,13 @@ def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, meta: dict, p
         saved = {n: st.get_slice(n) for n in st.keys()}
         tensors = {n: {"shape": list(s.get_shape()), "dtype": s.get_dtype()} for n, s in saved.items()}
         d2t = st.get_tensor(D2T) if D2T in saved else None
-    eal, eal_src = expected_accept_length(meta, x.train_m)
+    eal, eal_src = expected_accept_length(ckpt, x.train_m)
     info = x.info
     return {
         "out_dir": str(x.out_dir),
         "dtype": cfg.dtype,
         "include_embed_tokens": cfg.include_embed_tokens,
-        "checkpoint": {"path": str(x.ckpt_path), "sha256": x.inputs["checkpoint"], "step": meta.get("step")},
+        "checkpoint": {"path": str(x.ckpt_path), "sha256": x.inputs["checkpoint"], "step": ckpt.step},
         "target": {"source": info.source, "architecture": info.architecture, "family": x.facts.family,
                    "num_layers": info.num_layers, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
                    "max_position_embeddings": info.max_position_embeddings},
@@ -326,7 +303,8 @@ def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, meta: dict, p
         "expected_accept_length": {"value": eal, "source": eal_src},
         "tensors": tensors,
         "files": {name: sha256_file(x.out_dir / name) for name in (CONFIG_NAME, WEIGHTS_NAME)},
-        "findings": [f.line() for f in findings if f.level != "info"],
+        # Layer capture is reported once, under "layers".
+        "findings": [f.line() for f in findings if f.level != "info" and f.topic != CAPTURE_TOPIC],
     }
 
 
@@ -365,8 +343,8 @@ def export_drafter(cfg: ExportConfig) -> Path:
     if already_complete(x.wd, "export", x.params, x.inputs, force=cfg.force,
                         intact=lambda m: _drafter_intact(x.out_dir, m)):
         return x.out_dir
-    dc, state, meta = checked_checkpoint(x)
-    problems = layer_problems(x.layers, x.facts.family, cfg.allow_engine_mismatch)
+    dc, ckpt = checked_checkpoint(x)
+    state = ckpt.model
 
     hf = hf_config_from_drafter_config(dc, x.layers, max_position_embeddings=x.info.max_position_embeddings,
                                        dtype=cfg.dtype)
@@ -375,8 +353,11 @@ def export_drafter(cfg: ExportConfig) -> Path:
     _check_out_dir(x.out_dir, x.wd.export_dir(), cfg.force)
     findings = save_drafter_dir(x.out_dir, state, hf, dtype=cfg.dtype, include_embed_tokens=cfg.include_embed_tokens,
                                 overwrite=True, target=x.facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
+    # The engines that would capture other layers (let through by --allow-engine-mismatch):
+    # the writer's answer, the one place that asks.
+    problems = [f.message for f in findings if f.topic == CAPTURE_TOPIC and f.level != "info"]
 
-    report = build_report(x, cfg, dc, hf, meta, problems, findings)
+    report = build_report(x, cfg, dc, hf, ckpt, problems, findings)
     reach = trained_reach(x, hf)
     if reach is not None:
         report["positions"] = reach
