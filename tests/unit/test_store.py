@@ -147,6 +147,9 @@ def test_truncated_and_corrupted_files_are_detected(tmp_path, store_dtype):
     path.write_bytes(bytes(data))
     assert "corrupted" in store.file_problem(tmp_path, entry, verify_checksum=True)
     assert store.file_problem(tmp_path, entry, verify_checksum=False) is None  # same size
+    path.write_bytes(bytes(data) + b"\0")  # grew: e.g. appended to after its entry was written
+    assert store.file_problem(tmp_path, entry, verify_checksum=False) == (
+        f"{path} has {entry['bytes'] + 1} bytes, its index entry says {entry['bytes']} (truncated?)")
     path.write_bytes(bytes(data[:-100]))
     assert "truncated" in store.file_problem(tmp_path, entry, verify_checksum=False)
     path.unlink()
