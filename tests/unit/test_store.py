@@ -2,8 +2,9 @@
 
 No model here: files are filled with known tensors, finalized with a known norm and
 argmax, and read back. The stage-level behaviour (resume, shards, validation by
-the next reader) is in test_extract.py; what is particular to the fp8 encoding in
-test_store_format.py. The integrity tests here run for both encodings (`ENCODINGS`).
+the next reader) is in tests/stages/test_extract.py; what is particular to the fp8
+encoding in test_store_encodings.py (synthetic files) and tests/stages/test_store_format.py
+(stage 02). The integrity tests here run for both encodings (`ENCODINGS`).
 """
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ H, A = 32, 3
 DiskUsage = namedtuple("DiskUsage", "total used free")
 IDENTITY = "e" * 64  # the length of stage 02's identity hash (sha256 hex)
 
-# --------------------------------------------------------------------------- unit: the quantiser
+
+# --------------------------------------------------------------------------- the quantiser
 
 
 def test_fp8_scales_are_powers_of_two_that_never_saturate():
@@ -88,7 +89,7 @@ def test_config_choices_are_the_store_encodings():
     assert STORE_DTYPES == tuple(store.ENCODINGS)
 
 
-# --------------------------------------------------------------------------- unit: fp8 files
+# --------------------------------------------------------------------------- fp8 files
 
 
 def _norm(x):
@@ -234,7 +235,7 @@ def test_require_free_space_names_both_numbers_and_the_fixes(tmp_path, monkeypat
     store.require_free_space(tmp_path, files, 576, 3, "bf16")
 
 
-# --------------------------------------------------------------------------- unit: values and checksums
+# --------------------------------------------------------------------------- values and checksums
 
 
 def test_fp8_decode_gives_code_times_two_to_the_scale_on_both_paths():
