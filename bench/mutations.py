@@ -59,6 +59,7 @@ ENGINE_RULES = ("tests/unit/test_engine_rules.py",)
 STORE = ("tests/unit/test_store.py", "tests/unit/test_store_encodings.py", "tests/unit/test_store_identity.py")
 MANIFEST = ("tests/unit/test_manifest.py", "tests/unit/test_records.py")
 CONFIG = ("tests/unit/test_config.py",)
+VOCAB_MAP = ("tests/unit/test_vocab_map.py", "tests/unit/test_vocab_selection.py")
 VLLM_RULES = ("tests/e2e/test_vllm_layer_rules.py",)
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -112,6 +113,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("coerce: an unknown string becomes a bool", "eagle3/core/config.py",
              "                    return False\n                raise ValueError(value)\n",
              "                    return False\n", CONFIG),
+    Mutation("vocab_map: numpy offsets read as target ids", "eagle3/core/vocab_map.py",
+             "return np.arange(d2t.size, dtype=np.int64) + d2t.reshape(-1).astype(np.int64)",
+             "return d2t.reshape(-1).astype(np.int64)", VOCAB_MAP),
+    Mutation("vocab_map: compare_mappings ignores a length difference", "eagle3/core/vocab_map.py",
+             " + abs(a.draft_vocab_size - b.draft_vocab_size)", "", VOCAB_MAP),
+    Mutation("vocab_map: coverage of nothing counted is 0", "eagle3/core/vocab_map.py",
+             'if total else float("nan")', "if total else 0.0", VOCAB_MAP),
     Mutation("layer rules: vLLM V1 takes an empty top-level list", "eagle3/core/engine_rules.py",
              "ids = [int(k) for k in top] if top else (nested or None)",
              "ids = [int(k) for k in top] if top is not None else (nested or None)", VLLM_RULES, "e2e"),
