@@ -20,7 +20,8 @@ stops the run before any test: the list must move with the code. The unmutated c
 mean nothing). Bytecode is off: a same-length edit within a second could else be read
 from a stale .pyc.
 
-`--first-only` stops at step 1 (quick, while writing a test). `--all-unit` runs step 2
+`--first-only` stops at step 1 (quick, while writing a test); `--why` prints each
+failure's one-line reason. `--all-unit` runs step 2
 for e2e mutations too (does the quick tier catch them?). `--together` applies every
 selected mutation at once and runs tests/unit once: a cheap check that the tier misses
 them all (one mutation may in principle hide another's failure, so the one-at-a-time
@@ -158,6 +159,8 @@ def substitute(text: str, m: Mutation) -> str:
 
 
 FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
+SUMMARY = re.compile(r"^(?:FAILED|ERROR) .*$", re.M)
+SHOW_WHY = False  # --why: also print pytest's one-line reason of each failure
 
 
 def pytest(tree: Path, paths: list[str]) -> tuple[list[str], int]:
@@ -170,6 +173,9 @@ def pytest(tree: Path, paths: list[str]) -> tuple[list[str], int]:
     if r.returncode not in (0, 1):  # 2-5: interrupted, internal error, usage error, nothing collected
         raise HarnessError(f"pytest {' '.join(paths)} exited {r.returncode} in {tree}:\n{r.stdout[-3000:]}"
                            f"{r.stderr[-2000:]}")
+    if SHOW_WHY:
+        for line in SUMMARY.findall(r.stdout):
+            print("    " + line[:400], flush=True)
     return FAILED.findall(r.stdout), r.returncode
 
 
@@ -208,8 +214,11 @@ def main() -> int:
     ap.add_argument("--all-unit", action="store_true",
                     help="after its own files, run tests/unit for every mutation, e2e ones too (does the quick "
                          "tier catch them?)")
+    ap.add_argument("--why", action="store_true", help="print each failure's one-line reason as it happens")
     ap.add_argument("--list", action="store_true", help="print the mutations and exit")
     args = ap.parse_args()
+    global SHOW_WHY
+    SHOW_WHY = args.why
     chosen = [m for m in MUTATIONS if (not args.tier or m.tier == args.tier)
               and (not args.only or any(s.strip() in m.name for s in args.only.split(",")))]
     if args.list:
