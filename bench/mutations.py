@@ -1,7 +1,7 @@
 """Plausible bugs, one at a time, in a copy of the tree: which test catches each?
 
     python bench/mutations.py [--ref REF] [--tier unit|e2e] [--only NAME,...]
-                              [--first-only | --all-unit | --together] [--list]
+                              [--first-only | --all-unit | --together] [--why] [--list]
 
 Each mutation below is an exact text substitution in one file (a check deleted, a
 comparison loosened, an exponent off by one). The harness copies the tree into a
@@ -21,11 +21,11 @@ mean nothing). Bytecode is off: a same-length edit within a second could else be
 from a stale .pyc.
 
 `--first-only` stops at step 1 (quick, while writing a test); `--why` prints each
-failure's one-line reason. `--all-unit` runs step 2
-for e2e mutations too (does the quick tier catch them?). `--together` applies every
-selected mutation at once and runs tests/unit once: a cheap check that the tier misses
-them all (one mutation may in principle hide another's failure, so the one-at-a-time
-rows are the verdict). Exit status: 1 when a mutation survived, 2 on a harness error.
+failure's one-line reason; `--all-unit` runs step 2 for e2e mutations too (does the
+quick tier catch them?). `--together` applies every selected mutation at once and runs
+tests/unit once: a cheap check that the tier misses them all (one mutation may in
+principle hide another's failure, so the one-at-a-time rows are the verdict).
+Exit status: 1 when a mutation survived, 2 on a harness error.
 """
 from __future__ import annotations
 
