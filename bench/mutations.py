@@ -20,8 +20,8 @@ stops the run before any test: the list must move with the code. The unmutated c
 mean nothing). Bytecode is off: a same-length edit within a second could else be read
 from a stale .pyc.
 
-`--first-only` stops at step 1 (quick, while writing a test); `--why` prints each
-failure's one-line reason; `--all-unit` runs step 2 for e2e mutations too (does the
+`--first-only` stops at step 1 (quick, while writing a test); `--why` prints where each
+failure stopped and its first `E` line; `--all-unit` runs step 2 for e2e mutations too (does the
 quick tier catch them?). `--together` applies every selected mutation at once and runs
 tests/unit once: a cheap check that the tier misses them all (one mutation may in
 principle hide another's failure, so the one-at-a-time rows are the verdict).
@@ -159,8 +159,9 @@ def substitute(text: str, m: Mutation) -> str:
 
 
 FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.M)
-SUMMARY = re.compile(r"^(?:FAILED|ERROR) .*$", re.M)
-SHOW_WHY = False  # --why: also print pytest's one-line reason of each failure
+# the first "E   " line of a failure, and the line of the test it stopped at
+WHY = re.compile(r"^(E  .*)$(?:\n.*)*?^(tests/\S+:\d+): ", re.M)
+SHOW_WHY = False  # --why: also print where each failure stopped and its first E line
 
 
 def pytest(tree: Path, paths: list[str]) -> tuple[list[str], int]:
@@ -174,8 +175,8 @@ def pytest(tree: Path, paths: list[str]) -> tuple[list[str], int]:
         raise HarnessError(f"pytest {' '.join(paths)} exited {r.returncode} in {tree}:\n{r.stdout[-3000:]}"
                            f"{r.stderr[-2000:]}")
     if SHOW_WHY:
-        for line in SUMMARY.findall(r.stdout):
-            print("    " + line[:400], flush=True)
+        for e_line, where in WHY.findall(r.stdout):
+            print(f"    {where}  {e_line[:300]}", flush=True)
     return FAILED.findall(r.stdout), r.returncode
 
 
@@ -214,7 +215,7 @@ def main() -> int:
     ap.add_argument("--all-unit", action="store_true",
                     help="after its own files, run tests/unit for every mutation, e2e ones too (does the quick "
                          "tier catch them?)")
-    ap.add_argument("--why", action="store_true", help="print each failure's one-line reason as it happens")
+    ap.add_argument("--why", action="store_true", help="print where each failure stopped and its first E line")
     ap.add_argument("--list", action="store_true", help="print the mutations and exit")
     args = ap.parse_args()
     global SHOW_WHY
