@@ -165,7 +165,9 @@ def test_reads_are_kept_per_work_dir_and_only_upstream_stages_are_recorded(tmp_p
     assert sorted(json.loads(b.manifest("extract").read_text())["consumed"]) == [ORDER[0]]
     # A stage that finds itself complete ends its run: its reads are not carried into the next one.
     read_manifest(b, ORDER[0], needed_by="test")
-    assert completed(b, "extract", {}, {}) is not None
+    done = completed(b, "extract", {}, {})  # the manifest on disk, as written above
+    assert done.path == b.manifest("extract") and done.to_json() == json.loads(b.manifest("extract").read_text())
+    assert done.stage == "extract" and sorted(done.consumed) == [ORDER[0]]
     write_manifest(b, "vocab", params={}, inputs={}, counts={}, outputs=[], record=None)
     assert json.loads(b.manifest("vocab").read_text())["consumed"] == {}
 

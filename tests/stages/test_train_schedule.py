@@ -196,7 +196,14 @@ def test_counts_match_a_token_by_token_count(stages_123):
             by_hand["beyond_max_seq_len"], by_hand["outside_mask"], by_hand["outside_vocab"], by_hand["carrying"])
         assert c.per_sample.tolist() == per_sample
         assert c.positions == sum(max(n - 2, 0) for n in train_split(stages_123).lengths())
-    assert check_loss_positions(c, max_seq_len=40, draft_vocab=128, mapping_from="x") is not None
+    # Cropped at 40 tokens, most answers fall beyond the crop: the warning, with these counts.
+    warning = check_loss_positions(c, max_seq_len=40, draft_vocab=128, mapping_from="x")
+    dropped = c.assistant - c.carrying
+    assert 2 * c.samples_without_loss > c.samples or 2 * dropped > c.assistant
+    assert warning.startswith(f"{c.source}: more than half of the train split carries no loss "
+                              f"({c.samples_without_loss} of {c.samples} samples, {dropped} of {c.assistant} "
+                              f"assistant positions) [{c.summary(40, 128)}]; ")
+    assert warning.endswith("Raise --max-seq-len, or the draft vocabulary in stage 03, to train on more of the data")
 
 
 def test_answers_beyond_max_seq_len_exit_with_one_line_naming_the_store_and_counts(tmp_path, stages_123,

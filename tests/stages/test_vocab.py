@@ -1,4 +1,6 @@
-"""Stage 03: d2t / t2d by docs/CONVENTIONS.md §2, coverage, and refusals."""
+"""Stage 03 on the tiny Llama: the mapping files and both coverages it records, and its refusals.
+The selection and the mapping arithmetic alone: tests/unit/test_vocab_selection.py and
+tests/unit/test_vocab_map.py."""
 import numpy as np
 import pytest
 import torch
@@ -9,34 +11,7 @@ from eagle3.core.manifest import read_manifest, read_record, record_of
 from eagle3.core.vocab_map import coverage
 from eagle3.core.workdir import WorkDir
 from eagle3.stages.s03_vocab.config import VocabConfig
-from eagle3.stages.s03_vocab.run import build_vocab_mapping, mapping_from_ids, select_draft_ids
-
-
-def test_top_k_with_ties_to_lower_id_sorted():
-    freq = np.array([0, 5, 3, 5, 3, 9, 0, 3])
-    # 9@5, 5@1, 5@3, then a tie of 3s at 2, 4, 7 -> lower ids first
-    assert select_draft_ids(freq, 4).tolist() == [1, 2, 3, 5]
-    assert select_draft_ids(freq, 5).tolist() == [1, 2, 3, 4, 5]
-
-
-def test_padding_with_lowest_unused_ids():
-    freq = np.array([0, 0, 7, 0, 1, 0, 0, 2])
-    assert select_draft_ids(freq, 5).tolist() == [0, 1, 2, 4, 7]  # seen {2,4,7} + unused {0,1}
-
-
-def test_mapping_invariants():
-    freq = np.random.default_rng(0).poisson(2.0, size=1000)
-    ids = select_draft_ids(freq, 100)
-    d2t, t2d = mapping_from_ids(ids, 1000)
-    assert d2t.dtype == np.int64 and t2d.dtype == bool
-    assert np.array_equal(d2t + np.arange(100), ids) and np.array_equal(np.flatnonzero(t2d), ids)
-    assert t2d.sum() == 100 and np.all(d2t >= 0) and np.all(np.diff(d2t) >= 0)
-
-
-def test_coverage_hand_computed():
-    freq = np.array([10, 0, 5, 5, 80])
-    t2d = np.array([True, True, False, False, True])
-    assert coverage(freq, t2d) == pytest.approx(90 / 100)
+from eagle3.stages.s03_vocab.run import build_vocab_mapping, select_draft_ids
 
 
 def test_stage_writes_mapping_and_both_coverages(prepared_llama, tiny_llama):

@@ -1,7 +1,7 @@
 """Stage configs from YAML + flags, and the CLI's handling of bad input."""
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import pytest
@@ -155,3 +155,32 @@ def test_one_dtype_spelling_whatever_the_yaml_says(tmp_path):
         assert issubclass(cls, StageConfig), cls
         assert {"work_dir", "target_model", "trust_remote_code", "force"} <= {f.name for f in fields(cls)}
     assert issubclass(ExtractConfig, ShardedStageConfig) and issubclass(GenerateConfig, ShardedStageConfig)
+
+
+# -- coerce: a YAML or flag value becomes the field's type, or is refused -----------------
+
+@dataclass
+class _Knobs:
+    steps: int = 1
+    lr: float = 0.1
+    strict: bool = False
+    layers: list[int] = field(default_factory=list)
+    limit: int | None = None
+
+
+def test_coerce_converts_exact_values_and_refuses_lossy_or_unknown_ones():
+    from eagle3.core.config import coerce
+
+    def c(name, value):
+        return coerce(_Knobs, name, value, "c.yaml")
+
+    assert c("steps", 100.0) == 100 and type(c("steps", 100.0)) is int and c("steps", "7") == 7
+    assert c("lr", "3e-4") == pytest.approx(3e-4) and c("layers", "2, 4,5") == [2, 4, 5]
+    assert [c("strict", v) for v in ("yes", "True", "1", "no", "FALSE", "0", True)] == [True] * 3 + [False] * 3 + [True]
+    assert c("limit", "none") is None and c("limit", "12") == 12
+    # a fractional step count is not rounded away, an unknown word is not a truth value
+    with pytest.raises(PipelineError, match=r"c\.yaml: `steps` = 100\.5 is not a valid <class 'int'>"):
+        c("steps", 100.5)
+    for word in ("maybe", "on", "enabled"):
+        with pytest.raises(PipelineError, match=rf"c\.yaml: `strict` = '{word}' is not a valid <class 'bool'>"):
+            c("strict", word)

@@ -203,3 +203,58 @@ def test_d2t_summary():
     assert s["duplicates"] == 0 and not s["ascending"] and s["out_of_range"] == 0
     s = er.d2t_summary(torch.tensor([5, 5, 8]), 10)  # ids 5, 6, 10
     assert s["out_of_range"] == 1 and s["ascending"]
+
+
+LLAMA_8 = dict(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096, family="llama")
+
+
+def _errors_on(cfg, t, topic, **target):
+    return [f.message for f in er.errors(er.check_drafter(cfg, t, er.TargetFacts(**{**LLAMA_8, **target})))
+            if f.topic == topic]
+
+
+def test_d2t_pointing_outside_the_target_vocab_is_an_error():
+    for bad_id in (100, -1):  # one past the last id; below the first
+        cfg, t = _drafter()
+        ids = er.target_ids(t["d2t"]).clone()
+        ids[-1 if bad_id >= 0 else 0] = bad_id
+        t["d2t"] = ids - torch.arange(16)
+        msgs = _errors_on(cfg, t, "d2t")
+        assert msgs == ["1 target id(s) i + d2t[i] outside [0, 100): the engines index out of bounds"], bad_id
+
+
+def test_two_draft_rows_mapping_to_one_target_id_is_an_error():
+    cfg, t = _drafter()
+    ids = er.target_ids(t["d2t"]).clone()
+    ids[1] = ids[0]
+    t["d2t"] = ids - torch.arange(16)
+    (msg,) = _errors_on(cfg, t, "d2t")
+    assert msg.startswith("1 duplicate target id(s) among i + d2t[i]")
+
+
+def test_a_vocab_size_other_than_the_targets_is_an_error():
+    cfg, t = _drafter()
+    (msg,) = _errors_on(cfg, t, "config", vocab_size=128)
+    assert msg.startswith("vocab_size = 100, the target's is 128")
+
+
+def test_a_hidden_size_other_than_the_targets_is_an_error_for_fc_and_for_the_shared_embedding():
+    cfg, t = _drafter()
+    msgs = _errors_on(cfg, t, "config", hidden_size=96)
+    assert len(msgs) == 2
+    assert msgs[0].startswith("target_hidden_size = 64 (hidden_size when absent) but the target's hidden size is 96")
+    assert msgs[1].startswith("hidden_size 64 != the target's 96 and no embed_tokens")
+    # a drafter of another width that reads aux states of the target's width is right for fc
+    cfg["target_hidden_size"] = 96
+    t["fc.weight"] = torch.zeros(er.expected_shapes(cfg, 3)["fc.weight"], dtype=torch.bfloat16)
+    (msg,) = _errors_on(cfg, t, "config", hidden_size=96)
+    assert msg.startswith("hidden_size 64 != the target's 96 and no embed_tokens")
+
+
+def test_a_context_shorter_than_the_targets_is_an_sglang_error():
+    cfg, t = _drafter()
+    target = er.TargetFacts(**{**LLAMA_8, "max_position_embeddings": 8192})
+    bad = er.errors(er.check_drafter(cfg, t, target))
+    assert [f.engine for f in bad] == ["sglang"]
+    assert bad[0].message.startswith("max_position_embeddings = 4096 < the target's 8192: SGLang refuses")
+    assert not er.errors(er.check_drafter(cfg, t, er.TargetFacts(**{**LLAMA_8, "max_position_embeddings": 4096})))

@@ -139,6 +139,28 @@ def test_a_turn_rendered_unlike_its_own_prompt_is_reported_not_mis_masked():
     assert e.value.reason == "template_not_prefix_stable"
 
 
+def test_a_turn_whose_end_differs_from_the_probed_suffix_is_counted_and_masked_to_its_end():
+    """A template that closes the conversation's last answer with an extra EOS (unlike the
+    probe's two-message render): that turn's end is fuzzy, counted once, and masked to the
+    end of its rendering; the earlier turn keeps the probed end."""
+    spec = dict(TEMPLATES["chatml"])
+    spec["template"] = spec["template"].replace(
+        "message['content'] + '<|im_end|>\n'",
+        "message['content'] + '<|im_end|>' + ('<|endoftext|>' if loop.last and loop.length > 2 "
+        "and message['role'] == 'assistant' else '\n')")
+    assert spec["template"] != TEMPLATES["chatml"]["template"]
+    tok = make_tokenizer(spec)
+    suffix = assistant_suffix(tok)
+    assert tok.decode(suffix) == "<|im_end|>\n" and len(suffix) == 2
+    ids, mask, fuzzy = build_sample(tok, TURNS, suffix)
+    assert fuzzy == 1
+    (a0, b0), (a1, b1) = spans(mask)
+    assert tok.decode(ids[a0:b0].tolist()) == TURNS[1]["content"] + "<|im_end|>"
+    assert tok.decode(ids[a1:b1].tolist()) == TURNS[3]["content"] + "<|im_end|><|endoftext|>" and b1 == len(ids)
+    _, _, fuzzy = build_sample(tok, TURNS[:2], suffix)  # the probe's own shape: no fuzzy end
+    assert fuzzy == 0
+
+
 # -- regenerated answers (stage 00): the generated ids spliced into the template ------------------
 
 from eagle3.core.loss_mask import (Answer, reencode_differs, served_answer, spliced_samples,  # noqa: E402

@@ -2,8 +2,9 @@
 
 No model here: files are filled with known tensors, finalized with a known norm and
 argmax, and read back. The stage-level behaviour (resume, shards, validation by
-the next reader) is in test_extract.py; what is particular to the fp8 encoding in
-test_store_format.py. The integrity tests here run for both encodings (`ENCODINGS`).
+the next reader) is in tests/stages/test_extract.py; what is particular to the fp8
+encoding in test_store_encodings.py (synthetic files) and tests/stages/test_store_format.py
+(stage 02). The integrity tests here run for both encodings (`ENCODINGS`).
 """
 from __future__ import annotations
 
@@ -147,6 +148,9 @@ def test_truncated_and_corrupted_files_are_detected(tmp_path, store_dtype):
     path.write_bytes(bytes(data))
     assert "corrupted" in store.file_problem(tmp_path, entry, verify_checksum=True)
     assert store.file_problem(tmp_path, entry, verify_checksum=False) is None  # same size
+    path.write_bytes(bytes(data) + b"\0")  # grew: e.g. appended to after its entry was written
+    assert store.file_problem(tmp_path, entry, verify_checksum=False) == (
+        f"{path} has {entry['bytes'] + 1} bytes, its index entry says {entry['bytes']} (truncated?)")
     path.write_bytes(bytes(data[:-100]))
     assert "truncated" in store.file_problem(tmp_path, entry, verify_checksum=False)
     path.unlink()

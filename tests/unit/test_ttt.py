@@ -223,3 +223,28 @@ def test_gradients_reach_every_weight_and_not_the_embedding():
     for name, p in m.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert embed.grad is None
+
+
+def test_padding_carries_no_loss_even_where_its_loss_mask_is_one():
+    """A sample padded on the right (attention_mask 0) gives the loss and metrics of the
+    sample alone, although every padded position has loss_mask = 1 and a label in the
+    draft vocab: only `attention_mask` keeps padding out of the loss."""
+    draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(5, B=1, T=12)
+    m = tiny_drafter(6, draft_ids)
+    cfg = TTTConfig(num_steps=3)
+    T0 = 8  # the real sample; positions T0.. are padding
+    logits[0, T0 - 1:, draft_ids] += 50.0  # padded labels (and the last real one) in the draft vocab
+    loss_mask[0, T0:] = 1
+    attention_mask = torch.zeros_like(input_ids)
+    attention_mask[0, :T0] = 1
+    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    padded = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, cfg, attention_mask=attention_mask)
+    alone = ttt_loss(m, aux[:, :T0], input_ids[:, :T0], embed, probs[:, :T0], argmax[:, :T0],
+                     loss_mask[:, :T0], cfg)
+    assert alone.metrics["num_valid"] > 2  # the sample itself carries loss
+    assert padded.metrics["num_valid"] == alone.metrics["num_valid"]
+    # other tensor shapes, so equal up to rounding
+    assert padded.loss.item() == pytest.approx(alone.loss.item(), rel=1e-9)
+    for k in range(cfg.num_steps):
+        assert padded.metrics[f"loss_{k}"] == pytest.approx(alone.metrics[f"loss_{k}"], rel=1e-9)
+        assert padded.metrics[f"full_acc_{k}"] == pytest.approx(alone.metrics[f"full_acc_{k}"])
