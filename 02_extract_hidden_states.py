@@ -2,7 +2,7 @@
 
 Stores, per token, the aux hidden states of the configured layers (default
 [2, N//2, N-3], docs/CONVENTIONS.md §1), the target's final-norm hidden state and
-its argmax, in WORK/02_hidden_states/ (format: eagle3/core/store/format.py).
+its argmax, in WORK/02_hidden_states/ (format: eagle3/artifacts/store/format.py).
 
     python 02_extract_hidden_states.py --config configs/tiny-llama.yaml
     python 02_extract_hidden_states.py --config configs/kimi-k2.5.yaml            # vLLM, TP 8

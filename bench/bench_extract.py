@@ -13,7 +13,7 @@ In one run, on the same prompts (stage 01 on the shipped demo chats, files of
      vLLM's extraction and the connector alone;
 and prints tokens/s, the time ratios to plain prefill (goal: extraction <= 1.15x),
 bytes per token on disk, and the store's read throughput into
-training-shaped batches (zero-copy samples, padded with `eagle3.core.store.collate`).
+training-shaped batches (zero-copy samples, padded with `eagle3.artifacts.store.collate`).
 Both engines are started once (startup not timed) and passes alternate between
 them, so load from other processes hits both alike; figures are medians.
 """
@@ -83,7 +83,7 @@ def finalize_skipped():
     """Stage 02 with each file only renamed, not finalized (no norm, argmax, checksum):
     isolates the cost of vLLM's extraction + the KV connector from the store's
     post-processing, which on a GPU box overlaps the forward on idle CPU cores and GPU 0."""
-    from eagle3.core import store
+    from eagle3.artifacts import store
 
     real = store.finalize_file
     store.finalize_file = lambda partial, final_path, **kw: os.replace(partial, final_path)
@@ -131,8 +131,8 @@ def read_throughput(wd: Path, batch_tokens: int, epochs: int = 3) -> tuple[float
     """Tokens/s from the store into padded [B, T, 3H] batches, shuffled order; and the token count."""
     import random
 
-    from eagle3.core.store import HiddenStateStore, collate
-    from eagle3.core.workdir import WorkDir
+    from eagle3.artifacts.store import HiddenStateStore, collate
+    from eagle3.artifacts.workdir import WorkDir
 
     split = HiddenStateStore.open(WorkDir(wd), needed_by="bench").split("train")
     lengths = split.lengths()
@@ -163,11 +163,11 @@ def main() -> None:
     a = ap.parse_args()
     setup_logging()
 
-    from eagle3.core import store
+    from eagle3.artifacts import store
     from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.core.workdir import WorkDir
+    from eagle3.artifacts.workdir import WorkDir
     from eagle3.stages.s02_extract.run import (split_lengths, box_files, check_store_identity, plan_files, validate,
-                                    write_results)
+                                               write_results)
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)

@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eagle3.artifacts.manifest import record_of  # noqa: E402
 from eagle3.core.logs import setup_logging  # noqa: E402
-from eagle3.core.manifest import record_of  # noqa: E402
 
 log = logging.getLogger("bench_generate")
 

@@ -39,8 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.core import store  # noqa: E402
-from eagle3.core.model import DrafterConfig  # noqa: E402
+from eagle3.artifacts import store  # noqa: E402
+from eagle3.drafter.model import DrafterConfig  # noqa: E402
 from eagle3.stages.s04_train.data import Batching, EpochPlan, Prefetcher, load_batch  # noqa: E402
 from eagle3.stages.s04_train.memory import param_count  # noqa: E402
 
@@ -153,7 +153,7 @@ def sync_vs_prefetch(split, micro: list[list[int]], max_seq_len: int, decode: bo
 
 def demo_steps(work: Path, target: str, steps: int) -> dict[int, float]:
     """--prefetch -> seconds per optimizer step of stage 04 on a copy of `work` (demo settings)."""
-    from eagle3.core.workdir import WorkDir
+    from eagle3.artifacts.workdir import WorkDir
     from eagle3.stages.s04_train import run as train_run
     from eagle3.stages.s04_train.config import TrainConfig
     from eagle3.stages.s04_train.distributed import init_distributed

@@ -58,10 +58,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.core.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.stages.s04_train.memory import (GIB, bf16_copy_bytes, measure_training_forward, param_count,  # noqa: E402
                                  predict_peak, saved_bytes_per_token)
-from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
+from eagle3.drafter.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
 from eagle3.stages.s04_train.cuda_alloc import configure_cuda_allocator  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

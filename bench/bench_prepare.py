@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3.core.logs import setup_logging  # noqa: E402
-from eagle3.core.manifest import record_of  # noqa: E402
+from eagle3.artifacts.manifest import record_of  # noqa: E402
 from eagle3.stages.s01_prepare.run import prepare_dataset
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.tools.synthetic_chats import write_jsonl  # noqa: E402

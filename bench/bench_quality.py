@@ -55,7 +55,7 @@ from served_pairs import paired_interval, per_prompt, verdict  # noqa: E402
 
 from eagle3.core.config import build_config, load_yaml  # noqa: E402
 from eagle3.stages.s04_train.config import TrainConfig  # noqa: E402
-from eagle3.core.workdir import WorkDir  # noqa: E402
+from eagle3.artifacts.workdir import WorkDir  # noqa: E402
 
 UPSTREAM = ("generate", "prepare", "extract", "vocab")  # the stages both scratch work dirs share with W
 BUDGET = ("max_steps", "batch_tokens", "ttt_steps", "learning_rate", "warmup_steps", "seed")
@@ -132,7 +132,7 @@ def plan_figures(trainer) -> dict:
 
 def our_figures(wd: WorkDir, plan: dict) -> dict:
     """Stage 04's held-out curve and seconds per step (from metrics.jsonl), stage 05's exported step."""
-    from eagle3.core.train_outputs import read_train_metrics
+    from eagle3.artifacts.train_outputs import read_train_metrics
 
     rows = read_train_metrics(wd)
     evals = {r["step"]: r for r in rows if r["split"] == "eval" and r["step"] > 0}
@@ -171,8 +171,8 @@ def specforge_precision(choice: str) -> str:
 def train_specforge(cfg: TrainConfig, precision: str, wd: WorkDir, force: bool) -> dict:
     """SpecForge's training on our plan; writes its weights, a stage-04 checkpoint of the
     converted weights (for stage 05) and a summary; returns the summary."""
-    from eagle3.core.target_head import load_embedding, load_lm_head
-    from eagle3.core.model import Eagle3Drafter
+    from eagle3.target.head import load_embedding, load_lm_head
+    from eagle3.drafter.model import Eagle3Drafter
 
     summary_path, state_path, ckpt_path = (wd.root / "specforge_train.json", wd.root / "specforge_state.pt",
                                            wd.root / "specforge_checkpoint.pt")

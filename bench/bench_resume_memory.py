@@ -5,7 +5,7 @@
 Writes a checkpoint shaped like stage 04's (fp32 weights and two AdamW moments, 12
 bytes per parameter; Kimi-K2.5's drafter makes ~11.6 GB) under a temporary folder, then,
 for each way of loading, starts `--ranks` processes that load it at the same moment
-with the checkpoint's one reader (eagle3/core/train_outputs.py `read_checkpoint`, memory-mapped)
+with the checkpoint's one reader (eagle3/artifacts/train_outputs.py `read_checkpoint`, memory-mapped)
 or with a plain `torch.load`, read every tensor once (what copying them to a GPU does)
 and, while all of them still hold it, report from /proc/self/smaps_rollup how much the
 load added to their anonymous (private) memory and to their Pss, the resident memory
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.core.train_outputs import TrainCheckpoint, read_checkpoint  # noqa: E402
+from eagle3.artifacts.train_outputs import TrainCheckpoint, read_checkpoint  # noqa: E402
 
 GIB = 2**30
 

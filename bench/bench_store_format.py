@@ -5,7 +5,7 @@
 
 Default mode, in one process, for each encoding of `extract.store_dtype` (bf16, fp8):
   1. bytes per token at SmolLM2's widths (H = 576, 3 aux layers) and Kimi-K2.5's
-     (H = 7168), computed from the layout (eagle3/core/store/format.py), and the disk per million
+     (H = 7168), computed from the layout (eagle3/artifacts/store/format.py), and the disk per million
      tokens; beside them what per-block fp8 scales (64 values a block) would cost;
   2. on a synthetic store (`--hidden`, `--tokens` in `--files` files; Gaussian states with
      a few large channels, as real residual streams have): finalize tokens/s (the step
@@ -51,7 +51,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.core import store# noqa: E402
+from eagle3.artifacts import store# noqa: E402
 
 ENCODINGS = list(store.ENCODINGS)
 WIDTHS = {"SmolLM2-135M (H=576)": 576, "Kimi-K2.5 (H=7168)": 7168}
@@ -63,7 +63,7 @@ HEAD_ROWS = 4096  # synthetic finalize: rows of the lm_head the argmax runs over
 
 
 def bytes_table() -> list[str]:
-    out = ["== bytes per token (3 aux layers + final; computed from eagle3/core/store/format.py's layout)",
+    out = ["== bytes per token (3 aux layers + final; computed from eagle3/artifacts/store/format.py's layout)",
            f"{'target':24s}{'encoding':10s}{'B/token':>10s}{'GB per 1M tokens':>18s}{'vs bf16':>9s}"]
     for label, H in WIDTHS.items():
         ref = store.bytes_per_token(H, 3)
@@ -239,11 +239,11 @@ def _summary(err: torch.Tensor) -> str:
 def quality(target: Path | None, chats: int, work: Path) -> list[str]:
     from eagle3.stages.s02_extract.run import extract_hidden_states
     from eagle3.stages.s02_extract.config import ExtractConfig
-    from eagle3.core.target_head import load_lm_head
+    from eagle3.target.head import load_lm_head
     from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.stages.s01_prepare.config import PrepareConfig
-    from eagle3.core.target import read_target_info
-    from eagle3.core.workdir import WorkDir
+    from eagle3.target.info import read_target_info
+    from eagle3.artifacts.workdir import WorkDir
 
     if target is None:
         from eagle3.tools.targets import build_target
@@ -312,8 +312,8 @@ def quality(target: Path | None, chats: int, work: Path) -> list[str]:
 
 
 def served(config: Path, work: Path, formats: list[str]) -> list[str]:
+    from eagle3.artifacts.workdir import WorkDir
     from eagle3.core.config import load_yaml
-    from eagle3.core.workdir import WorkDir
 
     src = WorkDir(work)
     if not src.manifest("prepare").is_file():

@@ -8,7 +8,7 @@ on a warm page cache:
      lazily before a file's first read) and `file_checksum` (read into memory, what
      stage 02 and `verify="open"` do), in GB/s;
   2. one pass of training-shaped reads (samples into padded batches with
-     `eagle3.core.store.collate`, shuffled) with `verify="off"` and with the default
+     `eagle3.artifacts.store.collate`, shuffled) with `verify="off"` and with the default
      `verify="lazy"`, in GB/s of store bytes; the difference is the first epoch's
      cost of the check (later epochs reuse the mapped, verified files: zero).
 """
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.core import store# noqa: E402
+from eagle3.artifacts import store# noqa: E402
 
 
 def build(d: Path, hidden: int, tokens: int, files: int, seed: int = 0) -> list[dict]:

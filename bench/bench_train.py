@@ -32,9 +32,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eagle3.core.batching import padding_share  # noqa: E402
-from eagle3.core.model import DrafterConfig, Eagle3Drafter  # noqa: E402
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.stages.s04_train.data import Batching, epoch_batches  # noqa: E402
-from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
+from eagle3.drafter.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
 
 H, HEADS, V_D, V_T = 512, 8, 8192, 32768
 

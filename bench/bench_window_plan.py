@@ -2,7 +2,7 @@
 
     python bench/bench_window_plan.py [--tokens 1.2e9] [--sample-tokens 2048] [--budget 2TB] [--held-out 1200]
 
-Plans (eagle3/core/windows.py, the function stage 02 runs) a train split of `tokens / sample_tokens`
+Plans (eagle3/artifacts/windows.py, the function stage 02 runs) a train split of `tokens / sample_tokens`
 samples of `sample_tokens` tokens each at Kimi-K2.5's width (hidden 7168, 3 aux layers) in both store
 encodings, with 256 samples per file (stage 02's default), and prints one line per encoding: windows,
 tokens per window, held-out bytes, the planned peak, and the engine starts of the one-box loop (one per
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eagle3.core import windows  # noqa: E402
+from eagle3.artifacts import windows  # noqa: E402
 
 
 def main() -> None:

@@ -41,15 +41,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from served_pairs import paired_interval, per_prompt, verdict as verdict_of  # noqa: E402
 
-from eagle3.core import windows  # noqa: E402
+from eagle3.artifacts import windows  # noqa: E402
+from eagle3.artifacts.dataset import load_split  # noqa: E402
+from eagle3.artifacts.workdir import SPLITS, WorkDir  # noqa: E402
 from eagle3.core.config import build_config  # noqa: E402
-from eagle3.core.dataset import load_split  # noqa: E402
-from eagle3.core.target import read_target_info  # noqa: E402
-from eagle3.core.workdir import SPLITS, WorkDir  # noqa: E402
 from eagle3.stages.s02_extract.config import ExtractConfig  # noqa: E402
 from eagle3.stages.s04_train.config import TrainConfig  # noqa: E402
 from eagle3.stages.s04_train.data import Batching  # noqa: E402
 from eagle3.stages.s04_train.windows import RoundSchedule, trainable_samples  # noqa: E402
+from eagle3.target.info import read_target_info  # noqa: E402
 from eagle3.tools.window_loop import PeakDisk  # noqa: E402
 
 SHARED = ("00_generate", "01_dataset", "03_vocab")

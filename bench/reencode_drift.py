@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from eagle3.core.chats import BadRecord  # noqa: E402
-from eagle3.core.loss_mask import Answer, assistant_suffix, reencode_differs  # noqa: E402
+from eagle3.target.chats import BadRecord  # noqa: E402
+from eagle3.target.loss_mask import Answer, assistant_suffix, reencode_differs  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -35,8 +35,8 @@ def main(argv=None) -> None:
     ap.add_argument("--target", required=True)
     ap.add_argument("--template", default="own", help="own, or a template name of tests/fixtures.py")
     args = ap.parse_args(argv)
-    from eagle3.core.target import load_tokenizer
-    from eagle3.core.workdir import WorkDir
+    from eagle3.artifacts.workdir import WorkDir
+    from eagle3.target.info import load_tokenizer
 
     tok = load_tokenizer(args.target)
     if args.template != "own":

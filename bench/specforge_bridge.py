@@ -241,8 +241,8 @@ def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 @torch.no_grad()
 def our_draft_logits(drafter, embed: torch.Tensor, sample, K: int, max_seq_len: int) -> list[torch.Tensor]:
     """Every TTT step's logits [1, T, V_d] of our Eagle3Drafter on one sample, fp32, the
-    unroll of eagle3/core/ttt.py: step k reads token t + 1 + k and the previous step's output."""
-    from eagle3.core.model import TTTCache
+    unroll of eagle3/drafter/ttt.py: step k reads token t + 1 + k and the previous step's output."""
+    from eagle3.drafter.model import TTTCache
 
     n = min(sample.num_tokens, max_seq_len)
     ids = sample.input_ids[:n].long()[None]  # [1, T]

@@ -180,7 +180,7 @@ else
         $PY - "$WORK-ddp1" "$WORK-ddp2" <<'PY' || failed=1
 import json, sys
 import torch
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.workdir import WorkDir
 one, two = WorkDir(sys.argv[1]), WorkDir(sys.argv[2])
 ATOL, RTOL, LOSS_RTOL = 1e-5, 1e-4, 1e-4
 def losses(wd):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from fixtures import draft_labels
 
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.ttt import TTTConfig, ttt_loss
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.ttt import TTTConfig, ttt_loss
 
 V_T, V_D, H = 40, 16, 32
 TOL64 = dict(rtol=1e-9, atol=1e-10)

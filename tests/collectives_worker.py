@@ -116,8 +116,8 @@ def uneven(rank: int, local_rank: int) -> dict:
     import warnings
     from datetime import timedelta
 
-    from eagle3.core.model import DrafterConfig, Eagle3Drafter
-    from eagle3.core.ttt import TTTConfig, TTTModel
+    from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+    from eagle3.drafter.ttt import TTTConfig, TTTModel
     from eagle3.stages.s04_train.distributed import all_reduce_sum, wrap_ddp
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))

@@ -47,9 +47,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle3.core.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END  # noqa: E402
+from eagle3.artifacts.workdir import WorkDir  # noqa: E402
 from eagle3.core.stages import STAGE  # noqa: E402
-from eagle3.core.workdir import WorkDir  # noqa: E402
+from eagle3.serving.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END  # noqa: E402
 
 
 def write_config(path: Path, target: Path, chats: Path) -> Path:
@@ -331,7 +331,7 @@ def _reap(pgid: int) -> None:
 
 def _input_bytes(p: Path, rel: str) -> bytes:
     """A copied input's bytes, but for the one section a later stage writes by design: stage 06's
-    table in the exported model card, between its markers (eagle3/core/model_card.py)."""
+    table in the exported model card, between its markers (eagle3/serving/model_card.py)."""
     data = p.read_bytes()
     if rel != CARD_NAME:
         return data
@@ -355,7 +355,7 @@ def _inputs_changed(wd: WorkDir, ref: WorkDir, stages: tuple[str, ...]) -> list[
 
 def _manifest_problems(wd: WorkDir, stage: str, *, final: bool = False) -> list[str]:
     """A manifest that exists must be whole and describe files that are all there (after a rerun: must exist)."""
-    from eagle3.core.manifest import sha256_file
+    from eagle3.artifacts.manifest import sha256_file
 
     path = wd.manifest(stage)
     if not path.exists():

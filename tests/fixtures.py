@@ -25,9 +25,9 @@ import subprocess
 import time
 from pathlib import Path
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.stages import STAGE, STAGES
-from eagle3.core.workdir import WorkDir
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CHATS = ROOT / "data" / "demo_chats.jsonl"
@@ -282,11 +282,11 @@ def make_tokenizer(spec: dict):
 
 
 def train_checkpoint(model: dict, drafter_config: dict, **fields):
-    """A stage 04 checkpoint record (eagle3/core/train_outputs.py) holding `model` and
+    """A stage 04 checkpoint record (eagle3/artifacts/train_outputs.py) holding `model` and
     `drafter_config`, every other field a plausible value unless given in `fields`."""
     import torch
 
-    from eagle3.core.train_outputs import TrainCheckpoint
+    from eagle3.artifacts.train_outputs import TrainCheckpoint
 
     base = dict(model=model, drafter_config=drafter_config, aux_layers=[2, 4, 5], optimizer={"state": {}},
                 scheduler={}, step=2, epoch=0, batch_in_epoch=2, rng=[{"torch": torch.get_rng_state()}],

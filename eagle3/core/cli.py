@@ -13,12 +13,12 @@ import sys
 import typing
 from typing import Any, Callable
 
+from eagle3.artifacts.manifest import stage_run
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import allowed_text, build_config, field_types, unwrap_optional
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import log_to_file, setup_logging
-from eagle3.core.manifest import stage_run
 from eagle3.core.stages import STAGE
-from eagle3.core.workdir import WorkDir
 
 
 def make_parser(cls, description: str | None) -> argparse.ArgumentParser:

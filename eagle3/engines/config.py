@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from eagle3.core.config import DTYPE_CHOICES, StageConfig, dtype_name, param
 from eagle3.core.errors import PipelineError
-from eagle3.core.target import text_config_of
+from eagle3.target.info import text_config_of
 
 # Settings left to the platform (None) become these when the engine starts.
 CPU_MEMORY_SHARE = 0.3  # the CPU build reads gpu_memory_utilization as a share of RAM
@@ -130,7 +130,7 @@ class EngineSettings(StageConfig):
 
 def text_only(model: str) -> bool:
     """Serve `model` as its text model: its config.json nests the text model's config (a
-    multimodal target such as Kimi-K2.5, `text_config`; eagle3/core/target.py `text_config_of`).
+    multimodal target such as Kimi-K2.5, `text_config`; eagle3/target/info.py `text_config_of`).
 
     Read from a local folder, or from the hub cache for a hub id (the stages read the target's
     config.json before they start an engine, which puts it there); never over the network.

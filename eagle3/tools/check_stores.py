@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
+from eagle3.artifacts.store import HiddenStateStore, label_positions
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.logs import setup_logging
-from eagle3.core.store import HiddenStateStore, label_positions
-from eagle3.core.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
     python -m eagle3.tools.demo --config configs/tiny-llama.yaml [--elapsed-s SECONDS]
 
-Reads the records (eagle3/core/records.py) of stages 00, 01, 03 and 04 (those that ran)
+Reads the records (eagle3/artifacts/records.py) of stages 00, 01, 03 and 04 (those that ran)
 and 06 of the config's work directory, stage 04's metrics.jsonl, stage 06's results.json and, when given, the
 per-stage wall times scripts/demo.sh records (`--stage-times FILE`: lines `name seconds`);
 writes nothing. `summary_text` returns the text (tests read it); `main` prints it.
@@ -19,13 +19,13 @@ import json
 import sys
 from pathlib import Path
 
+from eagle3.artifacts.manifest import read_record
+from eagle3.artifacts.train_outputs import read_train_metrics
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core import readable
 from eagle3.core.config import load_yaml
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_record
-from eagle3.core.model_card import CARD_NAME
-from eagle3.core.train_outputs import read_train_metrics
-from eagle3.core.workdir import WorkDir
+from eagle3.serving.model_card import CARD_NAME
 from eagle3.stages.s06_evaluate.report import speed_phrase
 
 CURVE_ROWS = 8  # held-out evaluations shown in the training table (evenly spaced)

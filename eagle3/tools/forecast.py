@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from eagle3.artifacts.manifest import record_of, stage_run
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.train_outputs import read_train_metrics
+from eagle3.artifacts.vocab_map import load_mapping
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import record_of, stage_run
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.train_outputs import read_train_metrics
-from eagle3.core.vocab_map import load_mapping
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import Batching, EpochPlan, nested_share
 from eagle3.stages.s04_train.loss_positions import count_loss_positions
@@ -537,7 +537,7 @@ def link_upstream(src: WorkDir, dest: Path) -> None:
 
 def _tokens_seen(wd: WorkDir) -> int | None:
     """Loss-carrying positions summed over the train rows of metrics.jsonl (each window's
-    step-0 valid count; eagle3/core/train_outputs.py `read_train_metrics`, the file's one
+    step-0 valid count; eagle3/artifacts/train_outputs.py `read_train_metrics`, the file's one
     reader), or None when the file is absent."""
     if not wd.train_metrics().is_file():
         return None

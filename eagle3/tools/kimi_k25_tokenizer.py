@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 from typing import Iterable
 
-from eagle3.core.workdir import REPO_ROOT
+from eagle3.artifacts.workdir import REPO_ROOT
 
 FIRST_SPECIAL_ID = 163584  # the real tokenizer's base vocabulary size
 VOCAB_SIZE = FIRST_SPECIAL_ID + 256  # 163840: the target's vocab_size
@@ -156,7 +156,7 @@ def write_added_tokens_decoder(folder) -> None:
     """Add to a saved tokenizer's `tokenizer_config.json` the `added_tokens_decoder` the real
     target ships: its named special tokens at their ids (the reserved slots are not listed;
     Moonshot's class fills them in). transformers 5.x keeps added tokens in tokenizer.json
-    only; the real K2.5 has no tokenizer.json, and this map is what eagle3/core/tokenizer_check.py
+    only; the real K2.5 has no tokenizer.json, and this map is what eagle3/target/tokenizer_check.py
     compares a loaded tokenizer with."""
     from pathlib import Path
 

@@ -12,7 +12,7 @@ import json
 import random
 from pathlib import Path
 
-from eagle3.core.workdir import REPO_ROOT
+from eagle3.artifacts.workdir import REPO_ROOT
 
 COUNTRIES = {
     "France": ("Paris", "euro", "French"), "Japan": ("Tokyo", "yen", "Japanese"),

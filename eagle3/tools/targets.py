@@ -35,11 +35,11 @@ import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from eagle3.core.atomic import atomic_path
+from eagle3.artifacts.atomic import atomic_path
+from eagle3.artifacts.manifest import sha256_file
 from eagle3.core.config import torch_dtype
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
-from eagle3.core.manifest import sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -33,10 +33,10 @@ import logging
 import shutil
 from pathlib import Path
 
-from eagle3.core.atomic import atomic_path
-from eagle3.core.cpu import bf16_pays
+from eagle3.artifacts.atomic import atomic_path
+from eagle3.artifacts.workdir import REPO_ROOT
 from eagle3.core.logs import setup_logging
-from eagle3.core.workdir import REPO_ROOT
+from eagle3.drafter.cpu import bf16_pays
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3.core import windows
+from eagle3.artifacts import windows
+from eagle3.artifacts.workdir import REPO_ROOT, WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import log_to_file, setup_logging
-from eagle3.core.workdir import REPO_ROOT, WorkDir
 from eagle3.stages.s02_extract.config import ExtractConfig
 
 log = logging.getLogger("eagle3.window_loop")

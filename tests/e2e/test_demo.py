@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from eagle3.core.manifest import write_manifest
-from eagle3.core.records import EvaluateRecord, GenerateRecord, PrepareRecord, TrainRecord, VocabRecord
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.manifest import write_manifest
+from eagle3.artifacts.records import EvaluateRecord, GenerateRecord, PrepareRecord, TrainRecord, VocabRecord
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.tools.demo import served_lines, summary_text, verdict_lines
 
 

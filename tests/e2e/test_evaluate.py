@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, load_drafter_dir,
-                                    save_drafter_dir)
+from eagle3.artifacts.records import TrainRecord
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.records import TrainRecord
-from eagle3.core.workdir import WorkDir
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.serving.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, load_drafter_dir,
+                                       save_drafter_dir)
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
                                                 timing_problems)
@@ -76,7 +76,7 @@ def write_jsonl(path: Path, records: list) -> Path:
 def test_prompt_file_renders_with_the_chat_template_and_keeps_categories(tmp_path, tiny_llama):
     from transformers import AutoTokenizer
 
-    from eagle3.core.loss_mask import render
+    from eagle3.target.loss_mask import render
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     f = write_jsonl(tmp_path / "p.jsonl", [
@@ -134,7 +134,7 @@ def test_prompt_sets_in_stage_00_shapes_give_their_first_unanswered_turn(tmp_pat
     (the demo's prompt files, MT-Bench `turns`) give their first turn, system kept."""
     from transformers import AutoTokenizer
 
-    from eagle3.core.loss_mask import render
+    from eagle3.target.loss_mask import render
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     system = {"role": "system", "content": "Be brief."}
@@ -411,8 +411,8 @@ def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama
 
 
 def test_layer_capture_names_each_engines_layers_and_flags_a_mismatch(tmp_path, tiny_llama, caplog):
-    from eagle3.core.target import read_target_info
     from eagle3.stages.s06_evaluate.run import _log_capture, capture_lines, layer_capture
+    from eagle3.target.info import read_target_info
 
     info = read_target_info(str(tiny_llama))
     cfg = json.loads((write_drafter(tmp_path / "d") / CONFIG_NAME).read_text())

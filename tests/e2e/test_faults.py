@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 from fixtures import copy_stages
 
-from eagle3.core import store
-from eagle3.core.atomic import DiskFullError, atomic_path, save_numpy, save_torch, write_json
+from eagle3.artifacts import store
+from eagle3.artifacts.atomic import DiskFullError, atomic_path, save_numpy, save_torch, write_json
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 
 
 # -- disk full -------------------------------------------------------------------------------

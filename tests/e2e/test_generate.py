@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from fixtures import ROOT
 
-from eagle3.core.chats import RawRecord
-from eagle3.core.loss_mask import assistant_suffix
-from eagle3.core.manifest import record_of
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.manifest import record_of
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Generation, Turns,
                                                      from_raw, regenerate, request_seed)
+from eagle3.target.chats import RawRecord
+from eagle3.target.loss_mask import assistant_suffix
 
 SYSTEM = {"role": "system", "content": "You are a concise assistant."}
 N_CHATS = 20  # 17 multi-turn among the first 20 demo chats (2 or 3 assistant turns)
@@ -99,7 +99,7 @@ def test_turns_go_in_rounds_each_conditioned_on_the_regenerated_turns_before(tok
 
 
 def _prompt_of(c: Conversation, t: Turns, j: int) -> list[int]:
-    from eagle3.core.loss_mask import turn_prompt
+    from eagle3.target.loss_mask import turn_prompt
 
     return turn_prompt(t.tok, c.messages[: c.turns[j] + 1], c.answers, t.suffix, t.template_kwargs, turn=j)
 
@@ -131,8 +131,8 @@ def test_empty_answers_and_long_prompts_are_counted_by_reason(tok):
 
 
 def test_prompts_get_one_answer_per_user_turn_each_conditioned_on_the_answers_before(tok):
-    from eagle3.core.loss_mask import render
     from eagle3.stages.s00_generate.run import chunk_counts
+    from eagle3.target.loss_mask import render
 
     t = turns_of(tok)
     eot = t.suffix[0]
@@ -334,7 +334,7 @@ def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
 
 
 def test_stage01_uses_the_generated_ids_exactly_and_each_turn_saw_the_ones_before(unbroken, engine, tiny_llama):
-    from eagle3.core.dataset import load_split
+    from eagle3.artifacts.dataset import load_split
     from eagle3.stages.s00_generate.conversation import Request as Req
     from eagle3.stages.s01_prepare.config import PrepareConfig
     from eagle3.stages.s01_prepare.run import prepare_dataset
@@ -380,7 +380,7 @@ def test_prompt_shapes_go_through_stages_00_and_01_every_conversation_answered(e
     and each answer is one training sample of stage 01, masked token for token."""
     import datasets
 
-    from eagle3.core.dataset import load_split
+    from eagle3.artifacts.dataset import load_split
     from eagle3.stages.s00_generate.run import generate_responses
     from eagle3.stages.s01_prepare.config import PrepareConfig
     from eagle3.stages.s01_prepare.run import prepare_dataset

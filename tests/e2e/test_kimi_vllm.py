@@ -24,10 +24,10 @@ import pytest
 import torch
 from fixtures import copy_stages, first_chats, run_stages
 
+from eagle3.artifacts.manifest import read_manifest, record_of
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest, record_of
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.workdir import WorkDir
 
 N_CHATS = 12
 MAX_NEW = 12

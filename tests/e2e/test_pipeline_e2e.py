@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from fixtures import DEMO_CHATS, ROOT, run_stages
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
-from eagle3.core.workdir import WorkDir
 
 CONFIG = ROOT / "configs" / "tiny-llama.yaml"
 # Reduced from the demo (150 target steps, 120 drafter steps, 77 prompts x 64 tokens).
@@ -159,10 +159,10 @@ def test_demo_summary(demo_run):
 
 def test_stage_06_fills_the_model_card_between_its_markers(demo_run):
     """Stage 05's card gets stage 06's measured table; a user's edit outside the markers survives
-    a rerun, which writes the same table again (eagle3/core/model_card.py)."""
+    a rerun, which writes the same table again (eagle3/serving/model_card.py)."""
     from huggingface_hub import ModelCard
 
-    from eagle3.core.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END
+    from eagle3.serving.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
 
     wd, cfg, r = demo_run

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from fixtures import ROOT, copy_stages, run_stages
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
-from eagle3.core.workdir import WorkDir
 
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"

@@ -1,4 +1,4 @@
-"""The vLLM layer rules of eagle3/core/engine_rules.py against vLLM's own functions.
+"""The vLLM layer rules of eagle3/serving/engine_rules.py against vLLM's own functions.
 
 `captured_layers(VLLM, ...)` and `captured_layers(VLLM_V2, ...)` say which target layers
 vLLM 0.32's two model runners capture for a drafter config. tests/unit/test_engine_rules.py
@@ -25,8 +25,8 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from eagle3.core import engine_rules as er
-from eagle3.core.target import read_target_info
+from eagle3.serving import engine_rules as er
+from eagle3.target.info import read_target_info
 
 pytest.importorskip("vllm")
 from transformers import AutoConfig, LlamaConfig  # noqa: E402

@@ -23,9 +23,9 @@ import torch
 import yaml
 from fixtures import ROOT, copy_stages, run_stages
 
-from eagle3.core import windows
+from eagle3.artifacts import windows
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.run import extract_hidden_states
 from eagle3.stages.s04_train.config import TrainConfig

@@ -1,4 +1,4 @@
-"""A resume loads its checkpoint memory-mapped (eagle3/core/train_outputs.py:read_checkpoint),
+"""A resume loads its checkpoint memory-mapped (eagle3/artifacts/train_outputs.py:read_checkpoint),
 so the ranks of a torchrun resume share one copy of the file instead of holding one each,
 and the resumed run is still bitwise the unbroken one.
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from fixtures import copy_stages, train_checkpoint
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train import checkpoint
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.run import train_drafter

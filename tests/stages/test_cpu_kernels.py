@@ -1,4 +1,4 @@
-"""eagle3/core/cpu.py: when the fused CPU attention takes bf16, against torch 2.13's kernel.
+"""eagle3/drafter/cpu.py: when the fused CPU attention takes bf16, against torch 2.13's kernel.
 
 The contract, read in PyTorch's source: the CPU flash attention packs bf16 operands only
 when oneDNN can (`at::native::cpublas::could_pack(kBFloat16)`: oneDNN's effective ISA at
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.core import cpu
+from eagle3.drafter import cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +46,7 @@ def test_bf16_fused_attention_and_autocast_by_machine(monkeypatch, capability, a
 
 PROBE = r"""
 import json, torch
-from eagle3.core.cpu import bf16_fused_attention_ok
+from eagle3.drafter.cpu import bf16_fused_attention_ok
 q = torch.randn(1, 8, 256, 64, dtype=torch.bfloat16)  # large enough for the kernel to pack on AMX
 try:
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q, 0.0, True, scale=0.125)

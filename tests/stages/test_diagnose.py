@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.vocab_map import save_mapping
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.vocab_map import save_mapping
+from eagle3.artifacts.workdir import WorkDir
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.serving.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
 from eagle3.stages.s03_vocab.run import mapping_from_ids, select_draft_ids
 from eagle3.tools import diagnose
 from eagle3.tools.diagnose import versions
@@ -265,9 +265,9 @@ H = 16
 
 def write_store(root: Path, samples: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> WorkDir:
     """A stage 02 store of one eval file: sample id -> (input_ids [T], aux [T, 3, H], final [T, H])."""
-    from eagle3.core.manifest import write_manifest
-    from eagle3.core.store import (create_partial_file, file_name, finalize_file, partial_name, write_index,
-                                   write_sample_states)
+    from eagle3.artifacts.manifest import write_manifest
+    from eagle3.artifacts.store import (create_partial_file, file_name, finalize_file, partial_name, write_index,
+                                        write_sample_states)
 
     wd = WorkDir(root)
     sdir = wd.store()

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s01_prepare.run import prepare_dataset
 from eagle3.stages.s02_extract.config import ExtractConfig

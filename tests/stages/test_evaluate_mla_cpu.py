@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "kimi_k25"])

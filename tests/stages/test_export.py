@@ -15,14 +15,14 @@ import pytest
 import torch
 from fixtures import train_checkpoint
 
-from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
-                                    hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
+from eagle3.artifacts.manifest import write_manifest
+from eagle3.artifacts.records import ExtractRecord, TrainRecord, VocabRecord
+from eagle3.artifacts.vocab_map import save_mapping
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import write_manifest
-from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
-from eagle3.core.records import ExtractRecord, TrainRecord, VocabRecord
-from eagle3.core.vocab_map import save_mapping
-from eagle3.core.workdir import WorkDir
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.serving.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
+                                       hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
 from eagle3.stages.s05_export.config import ExportConfig
 from eagle3.stages.s05_export.run import REPORT_JSON, REPORT_MD, export_drafter
 
@@ -124,7 +124,7 @@ def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None,
                                         hidden_size=256, num_layers=8, vocab_size=V, store_dtype="bf16", complete=True,
                                         missing_files=0, missing_shard_indices=[]))
     wd.checkpoints().mkdir(parents=True, exist_ok=True)
-    # Stage 04's format (eagle3/core/train_outputs.py TrainCheckpoint).
+    # Stage 04's format (eagle3/artifacts/train_outputs.py TrainCheckpoint).
     ev = metrics if metrics is not None else {"expected_accept_length": 1.875, "full_acc": [0.5, 0.25, 0.125]}
     torch.save(train_checkpoint(m.state_dict(), m.config.to_dict(), step=123, aux_layers=list(ckpt_layers or layers),
                                 eval=ev, best={"expected_accept_length": ev.get("expected_accept_length", -1.0),

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 from test_export import fake_target, make_work_dir, random_drafter
 
-from eagle3.core.drafter_io import CONFIG_NAME
-from eagle3.core.manifest import read_record, write_manifest
-from eagle3.core.target import read_target_info
+from eagle3.artifacts.manifest import read_record, write_manifest
+from eagle3.serving.drafter_io import CONFIG_NAME
 from eagle3.stages.s05_export.config import ExportConfig
 from eagle3.stages.s05_export.run import REPORT_JSON, export_drafter
+from eagle3.target.info import read_target_info
 
 YARN = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}

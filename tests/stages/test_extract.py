@@ -15,11 +15,11 @@ import pytest
 import torch
 from fixtures import ROOT, copy_stages, kill_after_entries
 
-from eagle3.core import store
+from eagle3.artifacts import store
+from eagle3.artifacts.manifest import read_manifest, read_record, record_of
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest, read_record, record_of
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s02_extract import run as run_mod
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.run import extract_hidden_states

@@ -3,7 +3,7 @@ fractions of stage 04 on the session's stages 01-03, the report, and a rerun tha
 every run. About 20 s (it trains); the fitted laws are tested in tests/unit/test_forecast.py."""
 import re
 
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.tools import diagnose
 
 TINY_CONFIG = """\

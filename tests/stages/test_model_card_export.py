@@ -10,8 +10,8 @@ import pytest
 from fixtures import TINY_TRAIN, copy_stages
 from huggingface_hub import ModelCard
 
-from eagle3.core.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END, minimum_version
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.workdir import WorkDir
+from eagle3.serving.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END, minimum_version
 from eagle3.stages.s05_export.config import ExportConfig
 from eagle3.stages.s05_export.run import export_drafter
 

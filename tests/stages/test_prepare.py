@@ -4,12 +4,12 @@ import json
 import numpy as np
 import pytest
 
-from eagle3.core.chats import BadRecord, normalize
+from eagle3.artifacts.manifest import read_manifest, record_of
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest, record_of
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s01_prepare.run import is_eval, prepare_dataset
+from eagle3.target.chats import BadRecord, normalize
 
 GOOD_OPENAI = {"messages": [{"role": "system", "content": "Be brief."},
                             {"role": "user", "content": "What is the capital of France?"},

@@ -7,11 +7,11 @@ import gzip
 import pytest
 from fixtures import GOOD_UNICODE, bad_utf8_line, good_line
 
-from eagle3.core.chats import BadRecord, iter_records
+from eagle3.artifacts.manifest import record_of
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import record_of
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s01_prepare.run import prepare_dataset
+from eagle3.target.chats import BadRecord, iter_records
 
 
 def test_stage01_counts_bad_bytes_and_strict_names_file_and_line(tmp_path, tiny_llama):

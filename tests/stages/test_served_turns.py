@@ -18,17 +18,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3.core.dataset import load_split
+from eagle3.artifacts.dataset import load_split
+from eagle3.artifacts.manifest import record_of
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.loss_mask import assistant_suffix
-from eagle3.core.manifest import record_of
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.conversation import Generation
 from eagle3.stages.s00_generate.run import generate_responses
 from eagle3.stages.s01_prepare import run as prepare_run
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s01_prepare.run import is_eval, prepare_dataset
+from eagle3.target.loss_mask import assistant_suffix
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,7 +181,7 @@ def test_a_template_that_keeps_history_gives_one_sample_per_conversation_bitwise
     """The tiny Llama's own template keeps history as generated: every conversation is one
     sample, equal token for token to the plain rendering of its answers (what stage 01 built
     before per-turn samples existed), and the chunk lines say so."""
-    from eagle3.core.loss_mask import build_samples  # the reference (imported here: new with this test)
+    from eagle3.target.loss_mask import build_samples  # the reference (imported here: new with this test)
 
     target = tmp_path / "llama"
     tok = make_target(target)

@@ -1,4 +1,4 @@
-"""Stale artifacts are named, not used (eagle3/core/manifest.py).
+"""Stale artifacts are named, not used (eagle3/artifacts/manifest.py).
 
 Two halves. The mechanism on manifests alone, on every edge of the stage graph: a
 stage rebuilt after its consumers read it makes every stage built on it refuse, with
@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 from fixtures import ROOT, TINY_TRAIN
 
+from eagle3.artifacts.manifest import (_load, completed, find_stale, manifest_fingerprint, read_manifest, stage_run,
+                                       write_manifest)
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (_load, completed, find_stale, manifest_fingerprint, read_manifest, stage_run,
-                                  write_manifest)
 from eagle3.core.stages import STAGE
-from eagle3.core.workdir import WorkDir
 
 # The stage graph (README): which manifests each stage reads.
 GRAPH = {

@@ -20,10 +20,10 @@ import torch
 import yaml
 from fixtures import ROOT, copy_stages, kill_after_entries
 
-from eagle3.core import store
+from eagle3.artifacts import store
+from eagle3.artifacts.manifest import record_of
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import record_of
-from eagle3.core.workdir import WorkDir
 
 N_CHATS = 40
 DiskUsage = namedtuple("DiskUsage", "total used free")
@@ -72,7 +72,7 @@ def stores(prepared, tiny_llama, tmp_path_factory) -> dict[str, Path]:
 
 
 def test_fp8_store_holds_the_bf16_stores_states_in_half_the_bytes(stores):
-    from eagle3.core.manifest import read_manifest
+    from eagle3.artifacts.manifest import read_manifest
     from eagle3.tools.check_stores import compare_stores
 
     bf, f8 = stores["bf16"], stores["fp8"]
@@ -181,7 +181,7 @@ def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path,
 
 
 def test_diagnose_store_size_matches_the_stores_written(stores, prepared, tiny_llama, tmp_path, monkeypatch, capsys):
-    from eagle3.core.manifest import read_manifest
+    from eagle3.artifacts.manifest import read_manifest
     from eagle3.tools import diagnose
     from eagle3.tools.diagnose.store_size import store_size
 

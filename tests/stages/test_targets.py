@@ -145,8 +145,8 @@ def tied_tiny(tiny_llama, tmp_path_factory) -> Path:
 def test_tied_target_has_no_lm_head_tensor_and_head_reads_the_embedding(tied_tiny):
     from safetensors import safe_open
 
-    from eagle3.core.target import read_target_info
-    from eagle3.core.target_head import load_lm_head
+    from eagle3.target.head import load_lm_head
+    from eagle3.target.info import read_target_info
 
     with safe_open(tied_tiny / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
@@ -161,8 +161,8 @@ def test_tied_target_through_stages_02_to_05(tied_tiny, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from eagle3.core.store import HiddenStateStore
-    from eagle3.core.workdir import WorkDir
+    from eagle3.artifacts.store import HiddenStateStore
+    from eagle3.artifacts.workdir import WorkDir
 
     cfg_file = ROOT / "configs" / "tiny-llama.yaml"
     run_stages(tmp_path, tied_tiny, upto="extract", chats=DEMO_CHATS, config=cfg_file,

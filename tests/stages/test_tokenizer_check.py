@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.loss_mask import assistant_suffix
-from eagle3.core.target import load_tokenizer
+from eagle3.target.loss_mask import assistant_suffix
+from eagle3.target.info import load_tokenizer
 from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.run import generate_responses
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s01_prepare.run import prepare_dataset
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.tools.kimi_k25_tokenizer import FIRST_SPECIAL_ID, SPECIAL_TOKENS
 from fixtures import save_kimi_k25_target
 
@@ -56,7 +56,7 @@ def chats(path: Path) -> Path:
 
 
 def check(target: Path, trust_remote_code: bool = False) -> None:
-    from eagle3.core.tokenizer_check import check_tokenizer
+    from eagle3.target.tokenizer_check import check_tokenizer
 
     tok = load_tokenizer(target)
     check_tokenizer(target, tok, trust_remote_code=trust_remote_code, suffix=assistant_suffix(tok))
@@ -92,7 +92,7 @@ def test_generation_eos_must_be_the_masks_end_of_turn(good, tmp_path):
 
 
 def test_the_auto_map_class_is_required_with_remote_code(good, tmp_path):
-    from eagle3.core.tokenizer_check import check_tokenizer
+    from eagle3.target.tokenizer_check import check_tokenizer
 
     target = shutil.copytree(good, tmp_path / "auto_map")
     cfg = json.loads((target / "tokenizer_config.json").read_text())

@@ -13,9 +13,9 @@ import torch
 from fixtures import ROOT, copy_stages
 from safetensors.torch import load_file, save_file
 
+from eagle3.artifacts.manifest import read_manifest, record_of
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest, record_of
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.stages.s03_vocab.run import build_vocab_mapping
 from eagle3.stages.s04_train.config import TrainConfig

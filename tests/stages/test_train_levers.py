@@ -7,16 +7,16 @@ import torch
 from fixtures import copy_stages
 from transformers import AutoModelForCausalLM
 
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import Eagle3Drafter, TTTCache
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.target import read_target_info
-from eagle3.core.workdir import WorkDir
+from eagle3.drafter.model import Eagle3Drafter, TTTCache
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import nested_share, noisy_aux
 from eagle3.stages.s04_train.loss_positions import count_loss_positions
 from eagle3.stages.s04_train.run import drafter_config_for_target, train_drafter
 from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
+from eagle3.target.info import read_target_info
 
 SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=2,
              warmup_steps=1, max_steps=2)

@@ -10,9 +10,9 @@ import pytest
 import torch
 from fixtures import copy_stages
 
+from eagle3.artifacts.store import HiddenStateStore, decode_states
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.store import HiddenStateStore, decode_states
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train import run as train_run
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import Batching, EpochPlan, Prefetcher, load_batch

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from fixtures import ROOT, copy_stages
 
-from eagle3.core.manifest import read_manifest, record_of
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.manifest import read_manifest, record_of
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import Batching, epoch_batches
 from eagle3.stages.s04_train.evaluation import held_out_batches

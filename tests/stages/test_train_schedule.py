@@ -21,11 +21,11 @@ import pytest
 import torch
 from fixtures import copy_stages
 
+from eagle3.artifacts.manifest import record_of
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.batching import fold_leftover, pack_greedy
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import record_of
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.stages.s03_vocab.run import build_vocab_mapping
 from eagle3.stages.s04_train import run as train_run
@@ -162,7 +162,7 @@ def test_every_step_reads_its_own_epochs_packing_and_carries_loss(tmp_path, stag
     assert len(packings[0]) > len(packings[1])  # the shape of the defect: a shorter second epoch
     assert [read[s][0] for s in range(total)] == packings[0] + packings[1]
     # An epoch reads every sample that carries loss once, so its steps carry all the
-    # positions counted before training, by the trainer's own rule (eagle3/core/ttt.py).
+    # positions counted before training, by the trainer's own rule (eagle3/drafter/ttt.py).
     assert sum(valid[s] for s in range(len(packings[0]))) == by_hand["carrying"]
     assert m.counts["loss_positions"]["carrying"] == by_hand["carrying"]
     # The tiny target's argmax is outside the 128-token draft vocab at most assistant

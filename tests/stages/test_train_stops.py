@@ -20,11 +20,11 @@ import pytest
 import torch
 from fixtures import copy_stages
 
-from eagle3.core.atomic import DiskFullError
+from eagle3.artifacts.atomic import DiskFullError
+from eagle3.artifacts.manifest import record_of
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import record_of
-from eagle3.core.ttt import TTTOutput
-from eagle3.core.workdir import WorkDir
+from eagle3.drafter.ttt import TTTOutput
 from eagle3.stages.s04_train import metrics
 from eagle3.stages.s04_train import run as train_run
 from eagle3.stages.s04_train.config import TrainConfig

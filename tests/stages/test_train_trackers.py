@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from fixtures import copy_stages
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train import trackers
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.run import train_drafter

@@ -1,5 +1,5 @@
 """Training learns: a drafter trained by `ttt_loss` on one fixed batch fits it, step 0 first
-and the fed-back steps after it (eagle3/core/ttt.py; up to 300 optimizer steps, several
+and the fed-back steps after it (eagle3/drafter/ttt.py; up to 300 optimizer steps, several
 seconds, so in this tier; the loss itself is tested in tests/unit/test_ttt.py)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import torch
 from fixtures import draft_labels
 
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.ttt import TTTConfig, ttt_loss
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.ttt import TTTConfig, ttt_loss
 
 
 def test_overfits_one_batch():

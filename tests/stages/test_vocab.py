@@ -6,10 +6,10 @@ import pytest
 import torch
 from fixtures import TEMPLATES, make_tokenizer
 
+from eagle3.artifacts.manifest import read_manifest, read_record, record_of
+from eagle3.artifacts.vocab_map import coverage
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import read_manifest, read_record, record_of
-from eagle3.core.vocab_map import coverage
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s03_vocab.config import VocabConfig
 from eagle3.stages.s03_vocab.run import build_vocab_mapping, select_draft_ids
 

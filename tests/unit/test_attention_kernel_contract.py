@@ -1,10 +1,10 @@
 """The CUDA branch of `attention: sdpa`, run on CPU against its kernel's real contract.
 
-eagle3/core/attention_kernels.py hands PyTorch's CUDA memory-efficient attention kernel
+eagle3/drafter/attention_kernels.py hands PyTorch's CUDA memory-efficient attention kernel
 its inputs through two calls (`mem_efficient_forward`, `mem_efficient_backward`).
 Here `MemEfficientEmulator` stands in for those two calls with the kernel's
 documented behaviour, read in PyTorch's source (module doc of
-eagle3/core/attention_kernels.py cites the files):
+eagle3/drafter/attention_kernels.py cites the files):
 
 - forward: out [B, nh, T, D] as a view of [B, T, nh, D] memory; lse [B, nh,
   ceil(T/32)*32], the tail +inf;
@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from attention_helpers import TOL64, assert_same, batch, loss_and_grads, pair
 
-from eagle3.core import attention_kernels
 from eagle3.core.errors import PipelineError
+from eagle3.drafter import attention_kernels
 
 LSE_BLOCK = 32  # kAlignLSE in mem_eff_attention/kernel_forward.h
 

@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 from fixtures import GOOD, GOOD_UNICODE, bad_utf8_line, good_line
 
-from eagle3.core.chats import BadRecord, iter_records, normalize
 from eagle3.core.errors import PipelineError
+from eagle3.target.chats import BadRecord, iter_records, normalize
 
 
 def reasons(source) -> tuple[Counter, list]:
@@ -141,7 +141,7 @@ SLOT = A("")  # an assistant turn stage 00 generates
 
 
 def slots(record, prompt_field=None):
-    from eagle3.core.chats import answer_slots, record_turns
+    from eagle3.target.chats import answer_slots, record_turns
 
     return answer_slots(record_turns(record, prompt_field))
 
@@ -214,7 +214,7 @@ def test_stage01_reads_a_prompt_as_a_record_without_an_answer():
 def test_datasets_folders_saved_to_disk_and_parquet_give_the_same_prompts(tmp_path):
     import datasets
 
-    from eagle3.core.chats import record_turns
+    from eagle3.target.chats import record_turns
 
     rows = [{"instruction": "Say hi.", "input": "", "turns": ["t1", "t2"]},
             {"instruction": "Add.", "input": "2 + 2", "turns": ["u1", "u2"]}]
@@ -235,7 +235,7 @@ def test_datasets_folders_saved_to_disk_and_parquet_give_the_same_prompts(tmp_pa
 
 
 def test_likely_fix_names_the_most_common_reason():
-    from eagle3.core.chats import likely_fix, reasons_text
+    from eagle3.target.chats import likely_fix, reasons_text
 
     assert reasons_text({"unknown_role": 2, "no_messages": 5}) == "no_messages 5, unknown_role 2"
     assert reasons_text({}) == "none"

@@ -25,8 +25,8 @@ def named_paths(text: str) -> set[str]:
 
 
 def test_the_pattern_finds_paths_and_skips_urls():
-    text = "see [x](docs/STAGES.md#a), `eagle3/core/store.py`, 02_extract_hidden_states.py and https://x.org/eagle3/a.py."
-    assert named_paths(text) == {"docs/STAGES.md", "eagle3/core/store.py", "02_extract_hidden_states.py"}
+    text = "see [x](docs/STAGES.md#a), `eagle3/artifacts/store.py`, 02_extract_hidden_states.py and https://x.org/eagle3/a.py."
+    assert named_paths(text) == {"docs/STAGES.md", "eagle3/artifacts/store.py", "02_extract_hidden_states.py"}
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])

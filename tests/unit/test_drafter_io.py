@@ -9,11 +9,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3.core.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
-                                    hf_config_from_drafter_config, load_drafter_dir, read_drafter_dir, save_drafter_dir)
-from eagle3.core.engine_rules import WEIGHT_NAMES
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.serving.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
+                                       hf_config_from_drafter_config, load_drafter_dir, read_drafter_dir,
+                                       save_drafter_dir)
+from eagle3.serving.engine_rules import WEIGHT_NAMES
 
 LAYERS = [2, 4, 5]
 
@@ -167,7 +168,7 @@ def test_load_normalises_published_names_and_reports_it(tmp_path, caplog):
         variant[k2] = v
     variant["some.unknown"] = torch.zeros(1)
     _write_variant(tmp_path / "pub", hf, variant)
-    with caplog.at_level(logging.WARNING, logger="eagle3.core.drafter_io"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.serving.drafter_io"):
         cfg, t = load_drafter_dir(tmp_path / "pub")
     assert set(t) == set(sd) and all(torch.equal(t[k], sd[k]) for k in sd)
     text = caplog.text

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from eagle3.core import engine_rules as er
-from eagle3.core.target import default_aux_layers
+from eagle3.serving import engine_rules as er
+from eagle3.target.info import default_aux_layers
 
 # -- the translation (docs/CONVENTIONS.md §7) ------------------------------------------
 

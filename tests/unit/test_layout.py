@@ -85,14 +85,14 @@ def test_no_import_of_ours_hides_inside_a_function():
 def test_the_checker_sees_a_sideways_import(tmp_path):
     # The rules above pass vacuously if the parser missed imports: feed it known cases.
     assert not allowed("eagle3.stages.s05_export.run", "eagle3.stages.s02_extract.run")
-    assert not allowed("eagle3.core.model", "eagle3.stages.s03_vocab.run")
+    assert not allowed("eagle3.drafter.model", "eagle3.stages.s03_vocab.run")
     assert not allowed("eagle3.engines.vllm_engine", "eagle3.stages.s06_evaluate.engine")
     assert not allowed("eagle3.stages.s04_train.run", "eagle3.tools.demo")
     assert allowed("eagle3.stages.s04_train.run", "eagle3.stages.s04_train.data")
     assert allowed("eagle3.tools.forecast", "eagle3.stages.s04_train.run")
     f = tmp_path / "m.py"
-    f.write_text("from eagle3.core import store\n\ndef f():\n    from eagle3.core.model import DrafterConfig\n")
-    assert our_imports(f) == [("eagle3.core", 1, False), ("eagle3.core.model", 4, True)]
+    f.write_text("from eagle3.core import store\n\ndef f():\n    from eagle3.drafter.model import DrafterConfig\n")
+    assert our_imports(f) == [("eagle3.core", 1, False), ("eagle3.drafter.model", 4, True)]
 
 
 def test_the_stage_folders_are_the_registry_in_order():

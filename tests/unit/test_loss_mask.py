@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from fixtures import DEEPSEEK_R1, QWEN3_THINKING, TEMPLATES, kimi_k25_tokenizer, make_tokenizer
 
-from eagle3.core.chats import BadRecord
-from eagle3.core.loss_mask import assistant_suffix, build_samples
+from eagle3.target.chats import BadRecord
+from eagle3.target.loss_mask import assistant_suffix, build_samples
 
 
 def build_sample(tok, messages, suffix, template_kwargs=None):
@@ -163,7 +163,7 @@ def test_a_turn_whose_end_differs_from_the_probed_suffix_is_counted_and_masked_t
 
 # -- regenerated answers (stage 00): the generated ids spliced into the template ------------------
 
-from eagle3.core.loss_mask import (Answer, reencode_differs, served_answer, spliced_samples,  # noqa: E402
+from eagle3.target.loss_mask import (Answer, reencode_differs, served_answer, spliced_samples,  # noqa: E402
                                    turn_prompt)
 
 

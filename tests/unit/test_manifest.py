@@ -1,4 +1,4 @@
-"""`read_manifest` (eagle3/core/manifest.py) refuses what a later stage must not build on: a
+"""`read_manifest` (eagle3/artifacts/manifest.py) refuses what a later stage must not build on: a
 manifest of another format version (older or newer), and a recorded output that was deleted,
 truncated or grew since; each refusal names the file and the rerun. Manifests and small files
 only (the typed records: test_records.py; staleness across stages: tests/stages/test_stale.py)."""
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from eagle3.artifacts.manifest import FORMAT_VERSION, read_manifest, write_manifest
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import FORMAT_VERSION, read_manifest, write_manifest
 from eagle3.core.stages import STAGE
-from eagle3.core.workdir import WorkDir
 
 STAGE_NAME = "vocab"
 

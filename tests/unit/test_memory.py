@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.core.cpu import bf16_fused_attention_ok
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.cpu import bf16_fused_attention_ok
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.stages.s04_train.memory import (bf16_copy_bytes, measure_saved_bytes, measure_training_forward, param_count,
                                             predict_peak, saved_bytes_per_token)
 

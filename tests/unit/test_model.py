@@ -1,4 +1,4 @@
-"""Tests for eagle3/core/model.py: names, shapes, and the forward against an independent reference."""
+"""Tests for eagle3/drafter/model.py: names, shapes, and the forward against an independent reference."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache
 
 EXPECTED_KEYS = [
     "fc.weight",
@@ -315,7 +315,7 @@ def test_llama3_rope_scaling_keeps_high_frequencies():
     cfg = tiny_config(head_dim=16, num_attention_heads=2, num_key_value_heads=2,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    from eagle3.core.model import rope_inv_freq
+    from eagle3.drafter.model import rope_inv_freq
 
     plain = rope_inv_freq(tiny_config(head_dim=16, num_attention_heads=2, num_key_value_heads=2))
     scaled = rope_inv_freq(cfg)

@@ -1,4 +1,4 @@
-"""eagle3/core/model_card.py and stage 06's card table: a front matter the Hub's own parser reads,
+"""eagle3/serving/model_card.py and stage 06's card table: a front matter the Hub's own parser reads,
 stage 06's section replaced between its markers and nowhere else, serve commands equal to the
 README's, and the measured table with its intervals."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
-from eagle3.core.model_card import (CARD_NAME, EVALUATE_BEGIN, EVALUATE_END, evaluate_section, front_matter, hub_id,
-                                    minimum_version, replace_evaluate_section, serve_commands, target_license,
-                                    write_evaluate_section)
+from eagle3.serving.model_card import (CARD_NAME, EVALUATE_BEGIN, EVALUATE_END, evaluate_section, front_matter, hub_id,
+                                       minimum_version, replace_evaluate_section, serve_commands, target_license,
+                                       write_evaluate_section)
 from eagle3.stages.s06_evaluate.report import card_table
 
 ROOT = Path(__file__).resolve().parents[2]

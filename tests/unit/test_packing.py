@@ -1,7 +1,7 @@
 """Packed rows: several samples per row must train each sample exactly as alone.
 
 Covers eagle3/core/batching.py (greedy packing, padding share), eagle3/stages/s04_train/data.py
-(packed epochs and rows) and the packed path of eagle3/core/ttt.py / eagle3/core/model.py,
+(packed epochs and rows) and the packed path of eagle3/drafter/ttt.py / eagle3/drafter/model.py,
 under both attention implementations, plus per-step activation checkpointing.
 About 4 s on 2 cores.
 """
@@ -12,8 +12,8 @@ import torch
 from fixtures import draft_labels
 
 from eagle3.core.batching import group_by_padded_tokens, pack_greedy, padding_share
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.ttt import TTTConfig, ttt_loss
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.ttt import TTTConfig, ttt_loss
 from eagle3.stages.s04_train.data import Batching, collate_packed, epoch_batches
 
 V_T, V_D, H = 40, 16, 32
@@ -134,7 +134,7 @@ def test_collate_packed_restarts_positions_and_crops():
 
 
 def kimi_info(**text):
-    from eagle3.core.target import TargetInfo
+    from eagle3.target.info import TargetInfo
 
     t = dict(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, kv_lora_rank=512,
              intermediate_size=18432, rms_norm_eps=1e-6, rope_theta=50000.0, **text)
@@ -144,7 +144,7 @@ def kimi_info(**text):
 
 
 def test_mla_targets_default_to_head_dim_128_unless_the_user_sets_the_shape():
-    from eagle3.core.drafter_io import drafter_config_for_target
+    from eagle3.drafter.shape import drafter_config_for_target
     from eagle3.stages.s04_train.config import TrainConfig
 
     base = dict(work_dir="w", target_model="x")

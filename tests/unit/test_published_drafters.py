@@ -23,13 +23,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from eagle3.core import engine_rules as er
-from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.target import read_target_info
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.serving import engine_rules as er
+from eagle3.serving.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config
 from eagle3.stages.s04_train.finetune import load_initial_drafter
 from eagle3.stages.s06_evaluate.run import layer_capture
+from eagle3.target.info import read_target_info
 from eagle3.tools import diagnose
 
 LAYERS = [2, 4, 5]  # [2, N//2, N-3] of the 8-layer target

@@ -1,5 +1,5 @@
-"""The typed records of eagle3/core/records.py through the manifest's one writer and one reader
-(eagle3/core/manifest.py `write_manifest(record=...)`, `read_record`, `record_of`): every
+"""The typed records of eagle3/artifacts/records.py through the manifest's one writer and one reader
+(eagle3/artifacts/manifest.py `write_manifest(record=...)`, `read_record`, `record_of`): every
 record comes back equal and of its class; a manifest of the previous format, one without a
 record, and a record with a field missing or unknown are refused naming the manifest and the
 rerun. Manifests only, no stage runs; well under a second."""
@@ -10,12 +10,12 @@ import json
 
 import pytest
 
+from eagle3.artifacts.manifest import FORMAT_VERSION, read_record, record_of, write_manifest
+from eagle3.artifacts.records import (RECORDS, EvaluateRecord, ExportRecord, ExtractRecord, GenerateRecord,
+                                      PrepareRecord, TrainRecord, VocabRecord)
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import FORMAT_VERSION, read_record, record_of, write_manifest
-from eagle3.core.records import (RECORDS, EvaluateRecord, ExportRecord, ExtractRecord, GenerateRecord, PrepareRecord,
-                                 TrainRecord, VocabRecord)
 from eagle3.core.stages import STAGE
-from eagle3.core.workdir import WorkDir
 
 # One record per stage, every field set to a value a real run could write (JSON types only).
 SAMPLES = {

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from eagle3.core.config import build_config
-from eagle3.core.drafter_io import drafter_config_for_target, hf_config_from_drafter_config
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig, rope_cos_sin, rope_inv_freq
-from eagle3.core.target import read_target_info
+from eagle3.drafter.model import DrafterConfig, rope_cos_sin, rope_inv_freq
+from eagle3.drafter.shape import drafter_config_for_target
+from eagle3.serving.drafter_io import hf_config_from_drafter_config
 from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.target.info import read_target_info
 
 # Kimi-K2.5's text_config rope (config.json of moonshotai/Kimi-K2.5)
 K25_YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
@@ -40,7 +41,7 @@ def test_yarn_is_what_vllm_computes_for_the_drafter(scaling):
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding import get_rope
 
-    from eagle3.core.model import rope_attention_factor
+    from eagle3.drafter.model import rope_attention_factor
 
     c = _cfg(scaling)
     params = {**{k: v for k, v in scaling.items() if k != "type"}, "rope_type": "yarn", "rope_theta": c.rope_theta}
@@ -150,7 +151,7 @@ def test_warmup_share_and_the_warning_past_a_third():
 
 
 def test_reach_of_the_k25_recipe():
-    from eagle3.core.positions import position_reach, reach_line
+    from eagle3.serving.positions import position_reach, reach_line
 
     r = position_reach(max_seq_len=16384, ttt_steps=4, served_context=262144, rope_scaling=K25_YARN,
                        rope_theta=50000.0)

@@ -1,4 +1,4 @@
-"""The hidden-state store format (eagle3/core/store.py): layout, writer, finalize, zero-copy reader.
+"""The hidden-state store format (eagle3/artifacts/store.py): layout, writer, finalize, zero-copy reader.
 
 No model here: files are filled with known tensors, finalized with a known norm and
 argmax, and read back. The stage-level behaviour (resume, shards, validation by
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3.core import store
+from eagle3.artifacts import store
 from eagle3.core.errors import PipelineError
 
 H, A = 32, 3

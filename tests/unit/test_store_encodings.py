@@ -1,4 +1,4 @@
-"""The store's encodings and integrity checks on synthetic files (eagle3/core/store/format.py,
+"""The store's encodings and integrity checks on synthetic files (eagle3/artifacts/store/format.py,
 writer.py, reader.py), no model: the fp8 quantiser's bounds and exact decode (values, both
 decode paths, threads), bytes per token, the fp8 file layout, a killed finalize, files of
 two encodings mixed, `file_bytes`, `require_free_space`, checksums over several chunks and
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from eagle3.core import store
+from eagle3.artifacts import store
 from eagle3.core.errors import PipelineError
 
 H, A = 32, 3

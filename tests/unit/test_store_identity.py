@@ -1,14 +1,14 @@
 """The store's identity has one source, store.json; index.json names it by its hash
-(eagle3/core/store/format.py), and the store package re-exports what the one module had."""
+(eagle3/artifacts/store/format.py), and the store package re-exports what the one module had."""
 import json
 
 import pytest
 import torch
 
-from eagle3.core import store
+from eagle3.artifacts import store
+from eagle3.artifacts.manifest import sha256_json, write_manifest
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import sha256_json, write_manifest
-from eagle3.core.workdir import WorkDir
 
 H, LAYERS = 8, [1, 2, 3]
 IDENTITY = {"store_format": store.STORE_FORMAT, "aux_layers": LAYERS, "hidden_size": H, "num_layers": 5,
@@ -76,7 +76,7 @@ def test_a_store_without_its_identity_is_refused(tmp_path):
 
 
 def test_the_package_exports_every_name_of_its_modules():
-    from eagle3.core.store import format, reader, writer
+    from eagle3.artifacts.store import format, reader, writer
 
     for mod in (format, writer, reader):
         for name in mod.__all__:

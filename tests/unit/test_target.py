@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.target import (default_aux_layers, load_tokenizer, read_target_info, tokenizer_fingerprint,
+from eagle3.target.info import (default_aux_layers, load_tokenizer, read_target_info, tokenizer_fingerprint,
                                 validate_aux_layers)
 
 
@@ -74,7 +74,7 @@ def test_weights_fingerprint_tells_a_retrained_target_apart(tmp_path, tiny_llama
 
     from safetensors.torch import load_file, save_file
 
-    from eagle3.core.target import weights_fingerprint
+    from eagle3.target.info import weights_fingerprint
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_llama, copy)

@@ -1,4 +1,4 @@
-"""Stage 04's checkpoint as a typed record (eagle3/core/train_outputs.py `TrainCheckpoint`):
+"""Stage 04's checkpoint as a typed record (eagle3/artifacts/train_outputs.py `TrainCheckpoint`):
 written by stage 04's `save_checkpoint`, read back by the one reader `read_checkpoint`
 (memory-mapped, weights_only) equal field by field; a file that lacks a field, holds one
 this code does not know, or is of a newer format is refused naming the file. No stage
@@ -11,9 +11,9 @@ import pytest
 import torch
 from fixtures import train_checkpoint
 
+from eagle3.artifacts.train_outputs import CHECKPOINT_FORMAT, TrainCheckpoint, read_checkpoint
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.train_outputs import CHECKPOINT_FORMAT, TrainCheckpoint, read_checkpoint
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.checkpoint import latest_checkpoint, save_checkpoint
 
 

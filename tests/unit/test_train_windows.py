@@ -1,7 +1,7 @@
 """Stage 04's schedule over rounds (eagle3/stages/s04_train/windows.py): one step counter, known at step 0."""
 import numpy as np
 
-from eagle3.core import windows
+from eagle3.artifacts import windows
 from eagle3.stages.s04_train.data import Batching
 from eagle3.stages.s04_train.windows import RoundSchedule
 

@@ -1,4 +1,4 @@
-"""Tests for eagle3/core/ttt.py: label alignment, loss, metrics (that training learns:
+"""Tests for eagle3/drafter/ttt.py: label alignment, loss, metrics (that training learns:
 tests/stages/test_ttt_overfit.py)."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 from fixtures import draft_labels
 
-import eagle3.core.ttt as ttt_module
+import eagle3.drafter.ttt as ttt_module
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig, Eagle3Drafter, TTTCache
-from eagle3.core.ttt import TTTConfig, TTTModel, soft_cross_entropy, target_draft_distribution, ttt_loss
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.drafter.ttt import TTTConfig, TTTModel, soft_cross_entropy, target_draft_distribution, ttt_loss
 
 V_T, V_D, H = 50, 20, 32
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from attention_helpers import TOL64, H, assert_same, batch, loss_and_grads, pair
 
-from eagle3.core.model import Eagle3Drafter, TTTCache, _runs
+from eagle3.drafter.model import Eagle3Drafter, TTTCache, _runs
 
 
 @pytest.mark.parametrize("nkv,K", [(4, 1), (4, 7), (2, 3), (1, 7)])

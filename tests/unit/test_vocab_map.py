@@ -1,14 +1,14 @@
-"""The draft vocabulary's arithmetic and files (eagle3/core/vocab_map.py): coverage, the d2t
+"""The draft vocabulary's arithmetic and files (eagle3/artifacts/vocab_map.py): coverage, the d2t
 offsets and their inverse for numpy and torch, `compare_mappings`, and stage 03's files
 written by `save_mapping` and read back by `load_mapping` (or refused naming the fix)."""
 import numpy as np
 import pytest
 import torch
 
+from eagle3.artifacts.vocab_map import (VocabMapping, compare_mappings, coverage, d2t_from_ids, load_mapping,
+                                        save_mapping, target_ids)
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.vocab_map import (VocabMapping, compare_mappings, coverage, d2t_from_ids, load_mapping, save_mapping,
-                                   target_ids)
-from eagle3.core.workdir import WorkDir
 
 
 def test_coverage_hand_computed():

@@ -1,7 +1,7 @@
-"""The window plan (eagle3/core/windows.py): sizes, the one shuffle, deletions that survive a kill."""
+"""The window plan (eagle3/artifacts/windows.py): sizes, the one shuffle, deletions that survive a kill."""
 import pytest
 
-from eagle3.core import store, windows
+from eagle3.artifacts import store, windows
 from eagle3.core.errors import PipelineError
 
 

@@ -3,11 +3,11 @@
 No engine here: `regenerate` takes any object with the `Engine` protocol (vLLM in
 vllm_runner.py; tests may pass their own), so the turn logic is testable alone.
 
-Which turns are generated (eagle3/core/chats.py, `answer_slots`): every assistant turn of a
+Which turns are generated (eagle3/target/chats.py, `answer_slots`): every assistant turn of a
 chat is regenerated, a trailing user turn gets a new answer after it, and a record of
 user turns only (a prompt, a `turns` list, ...) gets one new answer after each user turn.
 A conversation's assistant turns are generated in order, each in the context a server
-gives it (eagle3/core/loss_mask.py, `Splicer`): the target's chat template rendered over
+gives it (eagle3/target/loss_mask.py, `Splicer`): the target's chat template rendered over
 the served history, each earlier answer as a server returns it (`served_answer`: its
 reasoning split off). While the template renders the earlier turns as they were
 generated, the prompt of turn j is the generated ids of turns 0..j-1 spliced into the
@@ -35,8 +35,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
-from eagle3.core.chats import BadRecord, RawRecord, answer_slots, record_turns, sample_id
-from eagle3.core.loss_mask import Answer, Splicer
+from eagle3.target.chats import BadRecord, RawRecord, answer_slots, record_turns, sample_id
+from eagle3.target.loss_mask import Answer, Splicer
 
 PROMPT_TOO_LONG = "prompt_too_long"
 EMPTY_ANSWER = "empty_answer"
@@ -74,7 +74,7 @@ class Turns:
     """What the template needs to know to regenerate: its switches, suffix and stop tokens."""
 
     tok: object
-    suffix: list[int]  # the template's tokens after an assistant message (eagle3/core/loss_mask.py)
+    suffix: list[int]  # the template's tokens after an assistant message (eagle3/target/loss_mask.py)
     template_kwargs: dict
     stop_ids: set[int]  # ids that end a turn (the end-of-turn token, the model's eos)
 
@@ -122,7 +122,7 @@ class Conversation:
     def record(self) -> dict:
         """The output line: the regenerated conversation, or why nothing is left of it.
 
-        `samples`: the conversation's training samples (eagle3/core/loss_mask.py), each by the
+        `samples`: the conversation's training samples (eagle3/target/loss_mask.py), each by the
         turn its context leads to first and that context's length in tokens (the prompt the
         target answered it after); stage 01 rebuilds them and checks both. `turns_planned`:
         the assistant turns the record asked for, generated or not."""
@@ -144,7 +144,7 @@ def from_raw(raw: RawRecord, prompt_field: str | None = None) -> Conversation | 
     """A conversation to answer, or the output line of a bad input record.
 
     `prompt_field`: the record field holding the prompt (--prompt-field); by default the
-    shapes of eagle3/core/chats.py, `record_turns`."""
+    shapes of eagle3/target/chats.py, `record_turns`."""
     try:
         source = record_turns(raw.record, prompt_field)
         messages, turns = answer_slots(source)

@@ -2,9 +2,9 @@
 is regenerated, and every user turn without an answer (a prompt) gets one.
 
 Reads chats or prompts (local JSON/JSONL or a `datasets` id, in the shapes of
-eagle3/core/chats.py: OpenAI `messages`, ShareGPT `conversations`, a `prompt` / `instruction`
+eagle3/target/chats.py: OpenAI `messages`, ShareGPT `conversations`, a `prompt` / `instruction`
 / `question` field, MT-Bench `turns`, or the field --prompt-field names) and writes
-(names from eagle3/core/workdir.py):
+(names from eagle3/artifacts/workdir.py):
 
     00_generate/generate.json                 the run's identity (params, inputs); resumes must match it
     00_generate/chunks/chunk-NNNNN.jsonl      one line per input record, in input order:
@@ -17,7 +17,7 @@ eagle3/core/chats.py: OpenAI `messages`, ShareGPT `conversations`, a `prompt` / 
     00_generate/manifest.json
 
 Each message list holds the answers' decoded text (thinking markup included) for
-reading; stage 01 takes the `generated` ids as they are (eagle3/core/loss_mask.py,
+reading; stage 01 takes the `generated` ids as they are (eagle3/target/loss_mask.py,
 `spliced_samples`). `samples` lists the conversation's training samples: one, unless the
 chat template rewrites earlier turns in later prompts (a thinking template dropping their
 reasoning), when each such later turn was generated after the served history and is a
@@ -53,21 +53,21 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from eagle3.core.atomic import atomic_path, write_json
-from eagle3.core.chats import RawRecord, check_local_files, iter_records, likely_fix, reasons_text
+from eagle3.artifacts.atomic import atomic_path, write_json
+from eagle3.artifacts.manifest import Manifest, already_complete, record_of, sha256_file, sha256_json, write_manifest
+from eagle3.artifacts.records import GenerateRecord
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import identity_params
 from eagle3.core.errors import PipelineError
-from eagle3.core.loss_mask import assistant_suffix
-from eagle3.core.manifest import Manifest, already_complete, record_of, sha256_file, sha256_json, write_manifest
-from eagle3.core.records import GenerateRecord
-from eagle3.core.target import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
-from eagle3.core.tokenizer_check import check_tokenizer
-from eagle3.core.workdir import WorkDir
 from eagle3.engines.parallel import Reporter, run_data_parallel, use_gpu_group
 from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Engine, Turns,
                                                      from_raw, regenerate)
 from eagle3.stages.s00_generate.vllm_runner import VllmEngine
+from eagle3.target.chats import RawRecord, check_local_files, iter_records, likely_fix, reasons_text
+from eagle3.target.info import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
+from eagle3.target.loss_mask import assistant_suffix
+from eagle3.target.tokenizer_check import check_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -390,7 +390,7 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
 
 
 def _samples_text(c: dict) -> str:
-    """The summary's words on the samples the conversations make (eagle3/core/loss_mask.py)."""
+    """The summary's words on the samples the conversations make (eagle3/target/loss_mask.py)."""
     if not c["turns_in_own_sample"]:
         return f"{c['samples']} samples, one per conversation (the chat template keeps history as generated)"
     return (f"{c['samples']} samples: {c['turns_in_own_sample']} later turns start a sample of their own, after the "

@@ -1,9 +1,9 @@
 """Stage 01: chats -> token ids, assistant-only loss mask, token frequencies.
 
 Reads chat records (local JSON/JSONL or a `datasets` id), renders each with the
-target tokenizer's chat template, builds the loss mask (eagle3/core/loss_mask.py),
+target tokenizer's chat template, builds the loss mask (eagle3/target/loss_mask.py),
 truncates to `max_length`, splits off a held-out eval set by conversation, and
-writes (see eagle3/core/workdir.py):
+writes (see eagle3/artifacts/workdir.py):
 
     01_dataset/train/, eval/     datasets Arrow (memory-mapped): sample_id, input_ids, loss_mask, num_tokens
     01_dataset/token_freq_{train,eval}.npy   int64 [target_vocab], assistant tokens only
@@ -18,7 +18,7 @@ the chat template switches stage 00 used (`chat_template_kwargs`) are used here 
 The manifest counts how many of those turns re-tokenizing the decoded text would
 have changed (`generated_turns_reencode_differs`).
 
-Every turn is trained in the context the chat template gives it (eagle3/core/loss_mask.py):
+Every turn is trained in the context the chat template gives it (eagle3/target/loss_mask.py):
 a conversation is one sample while the template renders its earlier turns as they
 were; a later turn whose history the template rewrites (a thinking template dropping
 the reasoning of earlier turns) is a sample of its own, `<sample id>#turn<k>` (k counts
@@ -47,20 +47,20 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from eagle3.core.chats import (BadRecord, RawRecord, check_local_files, iter_records, likely_fix, normalize,
-                               reasons_text, sample_id)
+from eagle3.artifacts.dataset import save_split, save_token_freq
+from eagle3.artifacts.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
+                                       record_of, sha256_file, write_manifest)
+from eagle3.artifacts.records import GenerateRecord, PrepareRecord
+from eagle3.artifacts.workdir import SPLITS, WorkDir
 from eagle3.core.config import identity_params
-from eagle3.core.dataset import save_split, save_token_freq
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import quiet_tokenizers
-from eagle3.core.loss_mask import Answer, Sample, assistant_suffix, build_samples, reencode_differs, spliced_samples
-from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
-                                  record_of, sha256_file, write_manifest)
-from eagle3.core.records import GenerateRecord, PrepareRecord
-from eagle3.core.target import chat_template_fingerprint, load_tokenizer, read_target_info, tokenizer_fingerprint
-from eagle3.core.tokenizer_check import check_tokenizer
-from eagle3.core.workdir import SPLITS, WorkDir
 from eagle3.stages.s01_prepare.config import PrepareConfig
+from eagle3.target.chats import (BadRecord, RawRecord, check_local_files, iter_records, likely_fix, normalize,
+                                 reasons_text, sample_id)
+from eagle3.target.info import chat_template_fingerprint, load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.target.loss_mask import Answer, Sample, assistant_suffix, build_samples, reencode_differs, spliced_samples
+from eagle3.target.tokenizer_check import check_tokenizer
 
 log = logging.getLogger(__name__)
 

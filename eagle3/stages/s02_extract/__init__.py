@@ -2,5 +2,5 @@
 
 `run.extract_hidden_states(config.ExtractConfig(...))` is the stage; backends: `hf_backend`
 (transformers) and `vllm_backend` (+ `vllm_connector`, the only modules importing
-vllm, loaded lazily). The store format, writer and reader live in eagle3/core/store/.
+vllm, loaded lazily). The store format, writer and reader live in eagle3/artifacts/store/.
 """

@@ -15,7 +15,7 @@ from eagle3.core.config import ShardedStageConfig, param
 from eagle3.engines.config import EngineSettings
 
 BACKENDS = ("vllm", "hf")
-STORE_DTYPES = ("bf16", "fp8")  # the encodings of eagle3/core/store/format.py (`store.ENCODINGS`)
+STORE_DTYPES = ("bf16", "fp8")  # the encodings of eagle3/artifacts/store/format.py (`store.ENCODINGS`)
 
 
 @dataclass(kw_only=True)
@@ -31,7 +31,7 @@ class ExtractConfig(EngineSettings, ShardedStageConfig):
                              "8H + 9)")
     samples_per_file: int = param(256, min=1, help="samples per store file: the unit of resume and of multi-box "
                                             "splitting")
-    # --- windows: more data than the disk holds (eagle3/core/windows.py; recorded in windows.json) ---
+    # --- windows: more data than the disk holds (eagle3/artifacts/windows.py; recorded in windows.json) ---
     disk_budget: str | None = param(None, identity=False, help="bytes the store may take on disk (e.g. 2TB, 500GB): "
                                     "the train split is cut into windows that fit, extracted one at a time "
                                     "(default: none, the whole store at once)")

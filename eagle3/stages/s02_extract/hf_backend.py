@@ -20,13 +20,13 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from eagle3.artifacts.store import FileLayout, write_sample_states
 from eagle3.core.batching import group_by_padded_tokens
 from eagle3.core.config import torch_dtype
-from eagle3.core.cpu import bf16_fused_attention_ok
 from eagle3.core.errors import PipelineError
-from eagle3.core.store import FileLayout, write_sample_states
-from eagle3.core.target import TargetInfo
-from eagle3.core.target_head import PREFIXES, weight_map
+from eagle3.drafter.cpu import bf16_fused_attention_ok
+from eagle3.target.head import PREFIXES, weight_map
+from eagle3.target.info import TargetInfo
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _load_nested_text_model(info: TargetInfo, dtype: torch.dtype, trust_remote_c
 
 
 def _attention_kernels(device: str | torch.device, dtype: torch.dtype):
-    """The math attention kernel where the fused CPU one refuses bf16 (eagle3/core/cpu.py)."""
+    """The math attention kernel where the fused CPU one refuses bf16 (eagle3/drafter/cpu.py)."""
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not bf16_fused_attention_ok():
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -1,7 +1,7 @@
 """Stage 02: run the target over stage 01's samples and fill the hidden-state store.
 
 Reads `01_dataset/{train,eval}` and its manifest, the target's config, tokenizer,
-final norm and lm_head; writes `02_hidden_states/` (format in eagle3/core/store/format.py) and
+final norm and lm_head; writes `02_hidden_states/` (format in eagle3/artifacts/store/format.py) and
 its manifest. Run: `python 02_extract_hidden_states.py --config configs/tiny-llama.yaml`.
 
 Order of work:
@@ -40,21 +40,21 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from eagle3.core import store
+from eagle3.artifacts import store
+from eagle3.artifacts.dataset import load_split as load_prepared
+from eagle3.artifacts.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
+                                       record_of, sha256_json, write_manifest)
+from eagle3.artifacts.records import ExtractRecord, PrepareRecord
+from eagle3.artifacts.workdir import SPLITS, WorkDir
 from eagle3.core.config import identity_params
-from eagle3.core.dataset import load_split as load_prepared
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
-                                  record_of, sha256_json, write_manifest)
-from eagle3.core.records import ExtractRecord, PrepareRecord
-from eagle3.core.target import (TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint,
-                                validate_aux_layers, weights_fingerprint)
-from eagle3.core.target_head import TargetHead
-from eagle3.core.workdir import SPLITS, WorkDir
 from eagle3.engines.parallel import Reporter, run_data_parallel, use_gpu_group
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.hf_backend import HFBackend
 from eagle3.stages.s02_extract.vllm_backend import VllmBackend
+from eagle3.target.head import TargetHead
+from eagle3.target.info import (TargetInfo, load_tokenizer, read_target_info, tokenizer_fingerprint,
+                                validate_aux_layers, weights_fingerprint)
 
 from eagle3.stages.s02_extract import windowed  # noqa: E402 - uses this module's steps at call time
 
@@ -227,7 +227,7 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
                 store_dir: Path | None = None, splits: dict | None = None) -> None:
     """Extract `files` into the store with a loaded backend: partial file, fill, finalize.
 
-    `store_dir`, `splits`: a window's folder and its samples (eagle3/core/windows.py);
+    `store_dir`, `splits`: a window's folder and its samples (eagle3/artifacts/windows.py);
     by default the store folder and stage 01's splits."""
     d = store_dir or p.wd.store()
     splits = splits or {s: load_split(p.wd, s) for s in {f.split for f in files}}
@@ -312,7 +312,7 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     _refuse_or_warn_rejected(cfg, d, counts, complete=not missing)
     encoding = store.encoding_fields(cfg.store_dtype)
     shard_indices = sorted({k % cfg.num_shards for k, _ in missing})
-    # The store's identity is store.json (eagle3/core/store/format.py); the record's copies of
+    # The store's identity is store.json (eagle3/artifacts/store/format.py); the record's copies of
     # it are taken from there, for the manifest's reader (docs/RECORDS.md).
     ident = p.identity
     record = ExtractRecord(

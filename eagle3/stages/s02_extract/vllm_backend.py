@@ -41,10 +41,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from eagle3.core.target import TargetInfo
 from eagle3.engines.config import EngineConfig
 from eagle3.engines.vllm_engine import on_cpu, quiet_vllm, start_llm
 from eagle3.engines.vllm_shutdown import shutdown_llm
+from eagle3.target.info import TargetInfo
 
 log = logging.getLogger(__name__)
 

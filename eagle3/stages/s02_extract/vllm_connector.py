@@ -6,7 +6,7 @@ vLLM's `extract_hidden_states` speculative method stores, per token, the residua
 streams of the requested layer ids in a cache-only attention layer's KV cache
 (blocks of `[num_layers_requested, H]` rows). When a request finishes, this
 connector keeps its blocks alive, gathers its rows, and writes them at the
-request's token offset of a partial store file (`eagle3.core.store.write_sample_states`):
+request's token offset of a partial store file (`eagle3.artifacts.store.write_sample_states`):
 no file per request, no CUDA streams or pinned memory (vLLM's stock
 `ExampleHiddenStatesConnector` needs both and fails on the CPU build).
 
@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                SupportsHMA)
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-from eagle3.core.store import FileLayout, write_sample_states
+from eagle3.artifacts.store import FileLayout, write_sample_states
 from eagle3.stages.s02_extract.vllm_backend import PARAMS_KEY
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 Reads what stage 02 reads, plus `windows/progress.json` (the rounds stage 04 has trained);
 writes `02_hidden_states/windows.json` (the plan), the held-out split into the store folder
 (with the stage's manifest, as without a budget), and one folder per round
-(eagle3/core/windows.py has the names and the plan). Run by `extract_hidden_states` when
+(eagle3/artifacts/windows.py has the names and the plan). Run by `extract_hidden_states` when
 `--disk-budget` is given:
 
     python 02_extract_hidden_states.py --config C --disk-budget 2TB              # the next round
@@ -30,10 +30,10 @@ import time
 
 from tqdm import tqdm
 
-from eagle3.core import store, windows
+from eagle3.artifacts import store, windows
+from eagle3.artifacts.manifest import Manifest, already_complete, read_manifest, sha256_json
+from eagle3.artifacts.workdir import SPLITS
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import Manifest, already_complete, read_manifest, sha256_json
-from eagle3.core.workdir import SPLITS
 from eagle3.stages.s02_extract.config import ExtractConfig
 # run.py dispatches here under --disk-budget and this module uses its steps: a module
 # reference (resolved at call time), so either may be imported first.

@@ -14,15 +14,15 @@ import logging
 
 import numpy as np
 
+from eagle3.artifacts.dataset import load_token_freq
+from eagle3.artifacts.manifest import already_complete, manifest_fingerprint, read_manifest, record_of, write_manifest
+from eagle3.artifacts.records import PrepareRecord, VocabRecord
+from eagle3.artifacts.vocab_map import coverage, d2t_from_ids, save_mapping
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import identity_params
-from eagle3.core.dataset import load_token_freq
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import already_complete, manifest_fingerprint, read_manifest, record_of, write_manifest
-from eagle3.core.records import PrepareRecord, VocabRecord
-from eagle3.core.target import load_tokenizer, tokenizer_fingerprint
-from eagle3.core.vocab_map import coverage, d2t_from_ids, save_mapping
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s03_vocab.config import VocabConfig
+from eagle3.target.info import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 

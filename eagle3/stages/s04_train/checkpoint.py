@@ -1,6 +1,6 @@
 """Training checkpoints: everything a resume needs, written atomically.
 
-A checkpoint is a `TrainCheckpoint` (eagle3/core/train_outputs.py: its fields are the
+A checkpoint is a `TrainCheckpoint` (eagle3/artifacts/train_outputs.py: its fields are the
 file's keys, each with what it holds; `read_checkpoint` is the one reader, for the resume
 here and for stage 05). File names come from WorkDir: one per saved step, the best one,
 and a JSON pointer to the latest (what a resume reads).
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3.core.atomic import save_torch, write_json
+from eagle3.artifacts.atomic import save_torch, write_json
+from eagle3.artifacts.train_outputs import TrainCheckpoint, read_checkpoint
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.train_outputs import TrainCheckpoint, read_checkpoint
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.distributed import all_gather_object
 
 log = logging.getLogger(__name__)

@@ -33,9 +33,9 @@ from typing import Callable
 
 import torch
 
+from eagle3.artifacts.store import Sample, SplitView, collate, decode_states
 from eagle3.core.batching import fold_leftover, group_by_padded_tokens, pack_greedy
 from eagle3.core.errors import PipelineError
-from eagle3.core.store import Sample, SplitView, collate, decode_states
 
 SORT_WINDOW = 64
 

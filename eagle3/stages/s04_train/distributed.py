@@ -115,7 +115,7 @@ def wrap_ddp(module: torch.nn.Module, device: torch.device) -> DistributedDataPa
     DDP's default broadcasts every buffer from rank 0 at the start of each forward
     (`_pre_forward` -> `_sync_buffers` while `will_sync_module_buffers()`), which makes
     every forward a collective. The drafter's only buffers are its vocabulary mapping,
-    d2t [V_d] and t2d [V_t] (eagle3/core/model.py): installed before this wrap, identical
+    d2t [V_d] and t2d [V_t] (eagle3/drafter/model.py): installed before this wrap, identical
     on every rank and never changed by training, so the broadcast moves ~0.4 MB per
     forward at K2.5's sizes for nothing, and it would hang a held-out evaluation in which one rank runs
     a forward fewer than another (eagle3/stages/s04_train/evaluation.py). `device_ids`:

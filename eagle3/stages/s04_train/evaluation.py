@@ -34,7 +34,7 @@ import logging
 
 import torch
 
-from eagle3.core.store import HiddenStateStore, SplitView
+from eagle3.artifacts.store import HiddenStateStore, SplitView
 from eagle3.stages.s04_train.data import Batching, epoch_batches
 from eagle3.stages.s04_train.distributed import Dist
 from eagle3.stages.s04_train.metrics import MetricSum

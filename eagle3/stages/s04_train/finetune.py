@@ -32,11 +32,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from eagle3.core.drafter_io import drafter_config_from_hf_config, load_drafter_dir
-from eagle3.core.engine_rules import EMBED_NAME, intended_layers
+from eagle3.artifacts.vocab_map import VocabMapping, compare_mappings, d2t_from_ids, target_ids
 from eagle3.core.errors import PipelineError
-from eagle3.core.target import default_aux_layers
-from eagle3.core.vocab_map import VocabMapping, compare_mappings, d2t_from_ids, target_ids
+from eagle3.serving.drafter_io import drafter_config_from_hf_config, load_drafter_dir
+from eagle3.serving.engine_rules import EMBED_NAME, intended_layers
+from eagle3.target.info import default_aux_layers
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Reads, per store file of the split, only the `sample_offsets`, `loss_mask` and
 checksummed here: training checks each file's checksum when it first reads it).
 Writes nothing; `Trainer` logs the counts and records them in stage 04's manifest.
 
-The rule is step 0 of `valid_positions` in eagle3/core/ttt.py (docs/CONVENTIONS.md §4),
+The rule is step 0 of `valid_positions` in eagle3/drafter/ttt.py (docs/CONVENTIONS.md §4),
 counted per predicted token j of a sample (drafter position t = j - 2): token j
 carries loss iff j < --max-seq-len (training crops samples there), loss_mask[j] is 1
 (an assistant token) and the target's argmax at j - 1 is in the draft vocabulary.
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from eagle3.artifacts.store import FileLayout, SplitView, file_name
 from eagle3.core.errors import PipelineError
-from eagle3.core.store import FileLayout, SplitView, file_name
 
 
 @dataclass

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3.core.model import DrafterConfig
-from eagle3.core.ttt import TTTConfig, ttt_loss
+from eagle3.drafter.model import DrafterConfig
+from eagle3.drafter.ttt import TTTConfig, ttt_loss
 
 GIB = 1024**3
 
@@ -85,7 +85,7 @@ def saved_bytes_per_token(c: DrafterConfig, ttt_steps: int, attention: str, row_
     """Activations kept for backward per training token, all K steps together.
 
     `fp32_attention`: the sdpa attention runs in float32 because the fused CPU kernel
-    refuses bf16 on this CPU (`not eagle3.core.cpu.bf16_fused_attention_ok()`, e.g. under
+    refuses bf16 on this CPU (`not eagle3.drafter.cpu.bf16_fused_attention_ok()`, e.g. under
     ATEN_CPU_CAPABILITY=default): step j then keeps float32 copies of its query (less the
     bf16 keys it no longer keeps) and of the j + 1 cached keys and values it reads.
     Fitted on measurements at four attention shapes and K = 3, 5 (exact at each)."""

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3.core.atomic import atomic_path, disk_full_error, is_disk_full
-from eagle3.core.workdir import WorkDir
+from eagle3.artifacts.atomic import atomic_path, disk_full_error, is_disk_full
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.stages.s04_train.distributed import all_reduce_sum
 from eagle3.stages.s04_train.trackers import Tracker, open_trackers, resolve, scalars
 

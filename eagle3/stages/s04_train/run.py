@@ -2,7 +2,7 @@
 
 Reads stage 02's store (aux states, the target's normed final state and argmax),
 stage 03's mapping, and the target's embedding and draft-vocab lm_head rows
-(from its safetensors, never the whole model). Writes (names from eagle3/core/workdir.py):
+(from its safetensors, never the whole model). Writes (names from eagle3/artifacts/workdir.py):
 
     04_train/checkpoints/       one file per saved step, the best one, a pointer to the latest
     04_train/metrics.jsonl      one JSON line per log interval and evaluation (eagle3/stages/s04_train/metrics.py)
@@ -36,23 +36,21 @@ from pathlib import Path
 
 import torch
 
+from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
+                                       sha256_file, sha256_json, write_manifest)
+from eagle3.artifacts.records import TrainRecord
+from eagle3.artifacts.store import STORE_JSON, HiddenStateStore
+from eagle3.artifacts.train_outputs import TrainCheckpoint
+from eagle3.artifacts.vocab_map import load_mapping, target_ids
+from eagle3.artifacts.windows import PROGRESS_JSON, read_plan, windows_dir
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import identity_params
-from eagle3.core.cpu import bf16_fused_attention_ok, bf16_pays
-from eagle3.core.drafter_io import drafter_config_for_target
-from eagle3.core.engine_rules import target_family
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
-                                  sha256_file, sha256_json, write_manifest)
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.records import TrainRecord
-from eagle3.core.store import STORE_JSON, HiddenStateStore
-from eagle3.core.target import TargetInfo, read_target_info, validate_aux_layers
-from eagle3.core.target_head import load_embedding, load_lm_head
-from eagle3.core.train_outputs import TrainCheckpoint
-from eagle3.core.ttt import TTTConfig, TTTModel, target_draft_distribution
-from eagle3.core.vocab_map import load_mapping, target_ids
-from eagle3.core.windows import PROGRESS_JSON, read_plan, windows_dir
-from eagle3.core.workdir import WorkDir
+from eagle3.drafter.cpu import bf16_fused_attention_ok, bf16_pays
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.shape import drafter_config_for_target
+from eagle3.drafter.ttt import TTTConfig, TTTModel, target_draft_distribution
+from eagle3.serving.engine_rules import target_family
 from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of_all_ranks, save_checkpoint,
                                                 set_rng_state)
 from eagle3.stages.s04_train.config import TrainConfig
@@ -68,6 +66,8 @@ from eagle3.stages.s04_train.metrics import MetricsLog, MetricSum, fmt
 from eagle3.stages.s04_train.summary import all_settings, end_of_run_lines, run_config
 from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
 from eagle3.stages.s04_train.windows import Rounds, RoundSchedule, trainable_samples
+from eagle3.target.head import load_embedding, load_lm_head
+from eagle3.target.info import TargetInfo, read_target_info, validate_aux_layers
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
 
 def bf16_autocast_pays(device: torch.device) -> bool:
     """`precision: auto`: bf16 autocast on GPU, and on CPUs with bf16 matmuls in hardware
-    (eagle3/core/cpu.py); elsewhere fp32, where emulated bf16 is slower than fp32."""
+    (eagle3/drafter/cpu.py); elsewhere fp32, where emulated bf16 is slower than fp32."""
     return device.type == "cuda" or bf16_pays()
 
 
@@ -505,7 +505,7 @@ class Trainer:
         self.new_window()
 
     def state_dict(self, rng: list[dict], evaluated: dict) -> TrainCheckpoint:
-        """Everything a resume needs (eagle3/core/train_outputs.py `TrainCheckpoint`); `rng`:
+        """Everything a resume needs (eagle3/artifacts/train_outputs.py `TrainCheckpoint`); `rng`:
         every rank's generator states, gathered by `save`; `evaluated`: the held-out metrics
         at this step ({} when not evaluated here)."""
         return TrainCheckpoint(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core import readable
-from eagle3.core.workdir import WorkDir
 
 
 def all_settings(cfg) -> dict:

@@ -29,9 +29,9 @@ from __future__ import annotations
 import torch
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import Eagle3Drafter
-from eagle3.core.target import TargetInfo
-from eagle3.core.target_head import load_final_norm, load_layer_tensors, load_lm_head
+from eagle3.drafter.model import Eagle3Drafter
+from eagle3.target.head import load_final_norm, load_layer_tensors, load_lm_head
+from eagle3.target.info import TargetInfo
 
 # drafter parameter (under midlayer.) -> target layer tensor suffix
 COPIED = {

@@ -8,7 +8,7 @@ run's config (the stage's parameters, the store and vocab identities, the drafte
 shape) once at the start. None of them is a dependency of the pipeline: a tracker that is
 chosen and not installed stops the stage before any work, naming the pip command.
 
-Where they write (names from eagle3/core/workdir.py):
+Where they write (names from eagle3/artifacts/workdir.py):
     tensorboard   WorkDir.tensorboard_dir()
     wandb         WorkDir.tracker_dir()/wandb/ (WANDB_MODE=offline keeps it there; `wandb sync` uploads);
                   project $WANDB_PROJECT or "eagle3"; a resumed stage 04 continues the same run
@@ -26,8 +26,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 

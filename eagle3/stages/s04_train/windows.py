@@ -1,7 +1,7 @@
 """Stage 04 over windows of the store: one schedule, one optimizer, one step counter.
 
 When stage 02 ran with `--disk-budget` (its plan `02_hidden_states/windows.json`, format
-in eagle3/core/windows.py), the train split arrives round by round, each round a store
+in eagle3/artifacts/windows.py), the train split arrives round by round, each round a store
 folder of its own, and is deleted once trained. This module maps the run's global step
 to (round, step in round) and opens, checks and deletes the rounds' folders; `Trainer`
 (run.py) calls it. It reads stage 01's train split (lengths and loss masks: the schedule
@@ -34,11 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.core import store, windows
-from eagle3.core.dataset import load_split
+from eagle3.artifacts import store, windows
+from eagle3.artifacts.dataset import load_split
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s04_train.data import Batching, EpochPlan
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class Rounds:
             raise PipelineError(f"stage 04: round {r} is damaged ({problem}); rerun `python "
                                 f"{WorkDir.script('extract')} --window {r}` with your --config and --disk-budget: it "
                                 f"checks every file of the round and redoes the damaged ones.")
-        # The round's identity is its store.json, which its index.json names by hash (eagle3/core/store).
+        # The round's identity is its store.json, which its index.json names by hash (eagle3/artifacts/store).
         need, script = "stage 04 (train)", f"{WorkDir.script('extract')} --window {r}"
         index = json.loads((d / store.INDEX_JSON).read_text())
         identity = store.read_identity(d, needed_by=need, fix=f"delete {d} and rerun `python {script}`")

@@ -3,7 +3,7 @@
 Built from the export report (eagle3/stages/s05_export/run.py `build_report`) and the records
 of the stages that ran in this work directory (00 generate, 01 prepare, 03 vocab, 04 train;
 a stage that did not run here leaves its line out or says "not recorded"). The shared parts
-(front matter, serve commands, stage 06's markers) are eagle3/core/model_card.py's. Figures
+(front matter, serve commands, stage 06's markers) are eagle3/serving/model_card.py's. Figures
 are rounded by eagle3/core/readable.py. Stage 06 later fills the section between the
 markers with what it measured; a re-export writes the card anew.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3.artifacts.atomic import atomic_path
+from eagle3.artifacts.manifest import Manifest, read_manifest, record_of
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core import readable
-from eagle3.core.atomic import atomic_path
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import Manifest, read_manifest, record_of
-from eagle3.core.model_card import evaluate_section, front_matter, minimum_version, serve_commands
-from eagle3.core.workdir import WorkDir
+from eagle3.serving.model_card import evaluate_section, front_matter, minimum_version, serve_commands
 
 NOT_MEASURED = ("_Not measured yet. `python {script} --config CONFIG` serves the target with this drafter in "
                 "vLLM and writes its figures here (acceptance per position and category with 95% intervals, "

@@ -15,11 +15,11 @@ writes (docs/CONVENTIONS.md §6 and §7)
 
 Run: `python 05_export_drafter.py --config configs/tiny-llama.yaml`.
 
-Stage 04's checkpoint is read through eagle3/core/train_outputs.py `read_checkpoint` (a
+Stage 04's checkpoint is read through eagle3/artifacts/train_outputs.py `read_checkpoint` (a
 `TrainCheckpoint`). Its aux layer ids were checked against the store and the target where
 stage 04 started; here they are compared once with the store's (`checked_checkpoint`), and
 what each engine would capture is judged once, by the drafter folder's writer
-(eagle3/core/drafter_io.py `save_drafter_dir`).
+(eagle3/serving/drafter_io.py `save_drafter_dir`).
 """
 from __future__ import annotations
 
@@ -32,23 +32,23 @@ import numpy as np
 import torch
 
 from eagle3.core import readable
-from eagle3.core.atomic import atomic_path, write_json
+from eagle3.artifacts.atomic import atomic_path, write_json
 from eagle3.core.config import identity_params
-from eagle3.core.dataset import load_token_freq
-from eagle3.core.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
-from eagle3.core.engine_rules import CAPTURE_TOPIC, D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for
+from eagle3.artifacts.dataset import load_token_freq
+from eagle3.serving.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
+from eagle3.serving.engine_rules import CAPTURE_TOPIC, D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest,
-                                  read_record, record_of, sha256_file, sha256_json, write_manifest)
-from eagle3.core.model import DrafterConfig
-from eagle3.core.positions import position_reach, reach_line
-from eagle3.core.model_card import CARD_NAME, hub_id, target_license
-from eagle3.core.records import ExportRecord, TrainRecord
-from eagle3.core.target import TargetInfo, read_target_info
-from eagle3.core.target_head import load_embedding
-from eagle3.core.train_outputs import TrainCheckpoint, read_checkpoint
-from eagle3.core.vocab_map import coverage, load_mapping, target_ids
-from eagle3.core.workdir import MANIFEST_NAME, WorkDir
+from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest,
+                                       read_record, record_of, sha256_file, sha256_json, write_manifest)
+from eagle3.drafter.model import DrafterConfig
+from eagle3.serving.positions import position_reach, reach_line
+from eagle3.serving.model_card import CARD_NAME, hub_id, target_license
+from eagle3.artifacts.records import ExportRecord, TrainRecord
+from eagle3.target.info import TargetInfo, read_target_info
+from eagle3.target.head import load_embedding
+from eagle3.artifacts.train_outputs import TrainCheckpoint, read_checkpoint
+from eagle3.artifacts.vocab_map import coverage, load_mapping, target_ids
+from eagle3.artifacts.workdir import MANIFEST_NAME, WorkDir
 from eagle3.stages.s05_export.card import card_text, write_card
 from eagle3.stages.s05_export.config import ExportConfig
 
@@ -328,7 +328,7 @@ def write_report_and_manifest(x: ExportInputs, report: dict) -> Manifest:
 
 
 def trained_reach(x: ExportInputs, hf: dict) -> dict[str, Any] | None:
-    """The longest position stage 04 trained against the target's context (eagle3/core/positions.py)."""
+    """The longest position stage 04 trained against the target's context (eagle3/serving/positions.py)."""
     params = x.train_m.params if x.train_m is not None else {}
     if params.get("max_seq_len") is None or params.get("ttt_steps") is None:
         return None

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3.core.atomic import write_json
+from eagle3.artifacts.atomic import write_json
+from eagle3.artifacts.workdir import REPO_ROOT, WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
-from eagle3.core.workdir import REPO_ROOT, WorkDir
 from eagle3.engines import vllm_engine
 from eagle3.engines.config import EngineConfig
 from eagle3.engines.vllm_shutdown import shutdown_llm

@@ -6,7 +6,7 @@ Two sources:
   tokenized by stage 01 (`held_out_prompts`). The dataset's answer comes along, for
   the teacher check (how often the target's greedy answer is the dataset's).
 - a prompt file or a `datasets` id (`file_prompts`): JSON / JSONL records in the shapes
-  stage 00 reads (eagle3/core/chats.py, `record_turns`): OpenAI `messages`, ShareGPT
+  stage 00 reads (eagle3/target/chats.py, `record_turns`): OpenAI `messages`, ShareGPT
   `conversations`, a `prompt` / `instruction` / `question` field, MT-Bench `turns`, or
   the field `--prompt-field` names (then only that one). A conversation is the prompt
   up to its last user turn; trailing assistant turns (a reference answer) are dropped.
@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.core.chats import BadRecord, iter_records, record_turns
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.loss_mask import render
-from eagle3.core.workdir import WorkDir
+from eagle3.target.chats import BadRecord, iter_records, record_turns
+from eagle3.target.loss_mask import render
 
 
 @dataclass

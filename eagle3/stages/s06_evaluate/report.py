@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from eagle3.artifacts.atomic import atomic_path
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core import readable
-from eagle3.core.atomic import atomic_path
-from eagle3.core.workdir import WorkDir
 from eagle3.stages.s06_evaluate.figures import (_spread, break_even_interval, break_even_verdict, paired_speedups,
                                                 speed_verdict, speedup_interval, timing_problems)
 

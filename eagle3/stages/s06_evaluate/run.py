@@ -25,7 +25,7 @@ Two measurements, each in the regime that makes it cheap and right:
 Any drafter can be measured on its own, before anything is trained: with --drafter-dir
 and --prompts the work directory may be new (only 06_evaluate/ is written there), e.g. a
 published drafter trained for an earlier version of the target. Before serving, the stage
-logs which target layers each engine feeds the drafter (eagle3/core/engine_rules.py) next to
+logs which target layers each engine feeds the drafter (eagle3/serving/engine_rules.py) next to
 the layers it was trained on, and warns when vLLM would feed it others.
 
 Reads
@@ -67,24 +67,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.core.atomic import write_json
+from eagle3.artifacts.atomic import write_json
 from eagle3.core.config import identity_params
-from eagle3.core.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, load_drafter_dir, save_drafter_dir
-from eagle3.core.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_layers, intended_layers, rules_for,
-                                      target_family)
+from eagle3.serving.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, load_drafter_dir, save_drafter_dir
+from eagle3.serving.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_layers, intended_layers, rules_for,
+                                         target_family)
 from eagle3.core.errors import PipelineError
-from eagle3.core.loss_mask import assistant_suffix
-from eagle3.core.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
-                                  record_of, sha256_file, sha256_json, write_manifest)
-from eagle3.core.model import DrafterConfig, Eagle3Drafter
-from eagle3.core.positions import position_reach, reach_line
-from eagle3.core.model_card import write_evaluate_section
-from eagle3.core.records import EvaluateRecord, ExportRecord, TrainRecord
-from eagle3.core.target import load_tokenizer, read_target_info, tokenizer_fingerprint
-from eagle3.core.tokenizer_check import check_tokenizer
-from eagle3.core.train_outputs import read_train_metrics
-from eagle3.core.vocab_map import target_ids
-from eagle3.core.workdir import WorkDir
+from eagle3.target.loss_mask import assistant_suffix
+from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
+                                       record_of, sha256_file, sha256_json, write_manifest)
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.serving.positions import position_reach, reach_line
+from eagle3.serving.model_card import write_evaluate_section
+from eagle3.artifacts.records import EvaluateRecord, ExportRecord, TrainRecord
+from eagle3.target.info import load_tokenizer, read_target_info, tokenizer_fingerprint
+from eagle3.target.tokenizer_check import check_tokenizer
+from eagle3.artifacts.train_outputs import read_train_metrics
+from eagle3.artifacts.vocab_map import target_ids
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_cpu_mla, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
@@ -345,7 +345,7 @@ def _manifest_counts(results: dict, prompt_info: dict, timed: list[int]) -> dict
 
 def layer_capture(drafter_config: dict, info) -> dict[str, Any]:
     """Which target layers each engine feeds this drafter, beside the layers it was trained on
-    (eagle3/core/engine_rules.py: the engines' rules, read from their sources)."""
+    (eagle3/serving/engine_rules.py: the engines' rules, read from their sources)."""
 
     family = target_family(info.architecture, info.text_config.get("model_type", info.model_type))
     trained, where = intended_layers(drafter_config, family)
@@ -379,7 +379,7 @@ def _log_capture(capture: dict[str, Any], drafter_dir: Path) -> None:
 
 
 def _trained_reach(wd: WorkDir, drafter: _Drafter, info) -> dict[str, Any] | None:
-    """The longest position stage 04 trained against the target's context (eagle3/core/positions.py)."""
+    """The longest position stage 04 trained against the target's context (eagle3/serving/positions.py)."""
     params = read_manifest(wd, "train", needed_by=STAGE_SCRIPT).params
     if params.get("max_seq_len") is None or params.get("ttt_steps") is None:
         return None
@@ -400,7 +400,7 @@ def _measured_on(wd: WorkDir) -> str:
 
 
 def _update_card(drafter_dir: Path, results: dict, when: str) -> None:
-    """Stage 06's table into the drafter's model card, between its markers only (eagle3/core/model_card.py)."""
+    """Stage 06's table into the drafter's model card, between its markers only (eagle3/serving/model_card.py)."""
     card = write_evaluate_section(drafter_dir, card_table(results, when))
     if card is not None:
         log.info("stage 06: measured figures -> %s (between its eagle3:evaluate markers)", card)

@@ -27,7 +27,7 @@ record: samples and tokens per split), target (hidden size, aux layer count
 from its config and `extract.aux_layers`) and store encoding (`extract.store_dtype`,
 or `--store-dtype`), for every encoding side by side, and the free space where the work
 dir lies. It exits 1 when the chosen encoding does not fit: stage 02 itself refuses to
-start then (eagle3/core/store/writer.py `require_free_space`, on what is still to be written).
+start then (eagle3/artifacts/store/writer.py `require_free_space`, on what is still to be written).
 
 `forecast` trains stage 04 on nested fractions of W's train split (budgets proportional
 to their size, each in W/forecast/frac-<f>/ over symlinks to W's stages 00-03; a
@@ -38,7 +38,7 @@ expected to reach --target-al with a 95% interval, and the check: the fit on fra
 interval (eagle3/tools/forecast.py, docs/FORECAST.md).
 
 `versions` prints the installed vllm, sglang, torch and transformers against the
-minimums the drafters and engine rules here are right for (eagle3/core/engine_rules.py
+minimums the drafters and engine rules here are right for (eagle3/serving/engine_rules.py
 `VERSION_RULES`), with a verdict; it exits 1 when one is too old (or may be).
 
 This module prints its reports (that is its product); everything else logs.

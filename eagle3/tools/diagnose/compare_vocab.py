@@ -1,11 +1,11 @@
 """`diagnose compare-vocab A B [--dataset WORK_DIR]`: two draft vocabularies side by side.
 
-A and B are each a drafter folder (its d2t, read by eagle3/core/drafter_io.py
-`read_drafter_dir`), a work dir or its stage 03 folder (read by eagle3/core/vocab_map.py
+A and B are each a drafter folder (its d2t, read by eagle3/serving/drafter_io.py
+`read_drafter_dir`), a work dir or its stage 03 folder (read by eagle3/artifacts/vocab_map.py
 `load_mapping`, stage 03's one reader), or a d2t/t2d file (.npy, .pt or .safetensors, e.g.
 another project's). Reports the positions differing, the tokens shared or only in one,
 and with `--dataset` the coverage each gets on a stage 01 dataset's assistant tokens
-(eagle3/core/dataset.py `load_token_freq`).
+(eagle3/artifacts/dataset.py `load_token_freq`).
 """
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from eagle3.core import vocab_map
-from eagle3.core.dataset import load_token_freq
-from eagle3.core.drafter_io import CONFIG_NAME, normalise_names, read_drafter_dir
+from eagle3.artifacts import vocab_map
+from eagle3.artifacts.dataset import load_token_freq
+from eagle3.artifacts.vocab_map import VocabMapping, compare_mappings, coverage, target_ids
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.vocab_map import VocabMapping, compare_mappings, coverage, target_ids
-from eagle3.core.workdir import WorkDir
+from eagle3.serving.drafter_io import CONFIG_NAME, normalise_names, read_drafter_dir
 
 NAME = "compare-vocab"
 

@@ -1,8 +1,8 @@
 """`diagnose inspect DIR [--target-config PATH_OR_DIR]`: what vLLM and SGLang will do with a drafter folder.
 
 Reads any drafter folder (ours, or a published one such as an SGLang-format drafter)
-through eagle3/core/drafter_io.py `read_drafter_dir` and checks it with
-eagle3/core/engine_rules.py: tensor names and shapes, d2t sanity, the layers each
+through eagle3/serving/drafter_io.py `read_drafter_dir` and checks it with
+eagle3/serving/engine_rules.py: tensor names and shapes, d2t sanity, the layers each
 engine (and each of vLLM's two model runners) captures, context length and
 tie_word_embeddings against a target. Exit status 1 when anything would fail or
 silently misbehave in an engine.
@@ -14,10 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eagle3.core.drafter_io import normalise_names, read_drafter_dir
-from eagle3.core.engine_rules import (RULES, TargetFacts, captured_layers, check_drafter, d2t_summary, errors,
-                                      implied_head_dim, intended_layers, rules_for, sglang_name, vllm_name)
-from eagle3.core.target import read_target_info
+from eagle3.serving.drafter_io import normalise_names, read_drafter_dir
+from eagle3.serving.engine_rules import (RULES, TargetFacts, captured_layers, check_drafter, d2t_summary, errors,
+                                         implied_head_dim, intended_layers, rules_for, sglang_name, vllm_name)
+from eagle3.target.info import read_target_info
 
 NAME = "inspect"
 

@@ -1,6 +1,6 @@
 """`diagnose probe-hidden WORK_A WORK_B [--split eval] [--max-samples N]`: two targets' hidden states compared.
 
-Opens both stage 02 stores (eagle3/core/store/reader.py `HiddenStateStore.open`) of two
+Opens both stage 02 stores (eagle3/artifacts/store/reader.py `HiddenStateStore.open`) of two
 work dirs extracted from the same samples and reports the cosine similarity per aux layer
 and per position range, to judge whether a drafter trained on one target can serve the
 other.
@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.store import HiddenStateStore
-from eagle3.core.workdir import WorkDir
 
 NAME = "probe-hidden"
 DEFAULT_RANGES = (0, 64, 256, 1024)

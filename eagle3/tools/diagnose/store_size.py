@@ -1,9 +1,9 @@
 """`diagnose store-size --config CFG [--work-dir W] [--store-dtype fp8] [--disk-budget 2TB]`: the bytes stage 02 will write.
 
-Reads stage 01's record (samples and tokens per split, eagle3/core/manifest.py
+Reads stage 01's record (samples and tokens per split, eagle3/artifacts/manifest.py
 `read_record`), the target's config (hidden size, layers) and the run's extract section,
-and reports the store's size in every encoding (eagle3/core/store), the free space where
-the work dir lies, and with a disk budget the window plan (eagle3/core/windows.py). Exit
+and reports the store's size in every encoding (eagle3/artifacts/store), the free space where
+the work dir lies, and with a disk budget the window plan (eagle3/artifacts/windows.py). Exit
 status 1 when the chosen encoding does not fit.
 """
 from __future__ import annotations
@@ -11,14 +11,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from eagle3.core import store, windows
-from eagle3.core.atomic import free_bytes
+from eagle3.artifacts import store, windows
+from eagle3.artifacts.atomic import free_bytes
+from eagle3.artifacts.dataset import load_split
+from eagle3.artifacts.manifest import read_record
+from eagle3.artifacts.workdir import SPLITS, WorkDir
 from eagle3.core.config import build_config
-from eagle3.core.dataset import load_split
-from eagle3.core.manifest import read_record
-from eagle3.core.target import read_target_info, validate_aux_layers
-from eagle3.core.workdir import SPLITS, WorkDir
 from eagle3.stages.s02_extract.config import STORE_DTYPES, ExtractConfig
+from eagle3.target.info import read_target_info, validate_aux_layers
 
 NAME = "store-size"
 

@@ -1,6 +1,6 @@
 """`diagnose versions`: the installed vllm, sglang, torch and transformers against the minimums.
 
-The minimums are eagle3/core/engine_rules.py `VERSION_RULES` (what the drafters and the
+The minimums are eagle3/serving/engine_rules.py `VERSION_RULES` (what the drafters and the
 engine rules here are right for); versions are read from package metadata, so nothing is
 imported. Exit status 1 when one is too old (or may be).
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from eagle3.core.engine_rules import VERSION_RULES, VersionRule
+from eagle3.serving.engine_rules import VERSION_RULES, VersionRule
 
 NAME = "versions"
 

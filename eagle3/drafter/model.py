@@ -32,7 +32,7 @@ keys at positions <= t plus steps 1..k's keys at position t. Two implementations
 
     sdpa       (default) step 0's keys through a fused causal attention kernel that
                returns its log-sum-exp (the CPU flash kernel; the memory-efficient
-               kernel on CUDA, each behind one seam in eagle3/core/attention_kernels.py,
+               kernel on CUDA, each behind one seam in eagle3/drafter/attention_kernels.py,
                which states the CUDA kernel's layout contract); steps 1..k's k keys
                per position are merged into that result by log-sum-exp. Autograd
                keeps O(T) per step.
@@ -55,10 +55,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from eagle3.core.attention_kernels import context_kernel
-from eagle3.core.cpu import bf16_fused_attention_ok
+from eagle3.artifacts.vocab_map import target_ids
 from eagle3.core.errors import PipelineError
-from eagle3.core.vocab_map import target_ids
+from eagle3.drafter.attention_kernels import context_kernel
+from eagle3.drafter.cpu import bf16_fused_attention_ok
 
 # rope_scaling types this module implements; anything else is refused rather than
 # silently trained with positions the engine would compute differently.
@@ -342,7 +342,7 @@ class _MergedTTTAttention(torch.autograd.Function):
         B, nh, T, D = q.shape
         nkv = k0.shape[1]
         acc_t = torch.promote_types(q.dtype, torch.float32)  # softmax bookkeeping in at least fp32
-        kernel = context_kernel(q.device)  # the fused kernel pair (eagle3/core/attention_kernels.py)
+        kernel = context_kernel(q.device)  # the fused kernel pair (eagle3/drafter/attention_kernels.py)
         if runs is None:
             o0, lse0, saved = kernel.forward(q, k0, v0, scale)
             saves = [saved]
@@ -418,7 +418,7 @@ def _ttt_attention_sdpa(q: Tensor, cache: TTTCache, runs: Runs, scale: float) ->
     """The default: q [B, nh, T, D] -> [B, nh, T, D], saved state O(T) per step."""
     dtype = q.dtype
     if q.device.type == "cpu" and dtype == torch.bfloat16 and not bf16_fused_attention_ok():
-        dtype = torch.float32  # the fused CPU kernel refuses bf16 here (eagle3/core/cpu.py)
+        dtype = torch.float32  # the fused CPU kernel refuses bf16 here (eagle3/drafter/cpu.py)
     ks = [k.to(dtype) for k in cache.keys]
     vs = [v.to(dtype) for v in cache.values]
     out = _MergedTTTAttention.apply(q.to(dtype), ks[0], vs[0], scale, runs, *ks[1:], *vs[1:])

@@ -4,7 +4,7 @@ Layout (one folder per stage, each finished by a manifest written last):
 
     WORK/00_generate/       chunks/chunk-NNNNN.jsonl (+ .json): chats with the target's own answers
     WORK/01_dataset/        train/ eval/ (datasets Arrow), token_freq_{split}.npy
-    WORK/02_hidden_states/  the hidden-state store (see eagle3/core/store/format.py)
+    WORK/02_hidden_states/  the hidden-state store (see eagle3/artifacts/store/format.py)
     WORK/03_vocab/          d2t.pt t2d.pt
     WORK/04_train/          checkpoints/, metrics.jsonl
     WORK/05_export/         config.json model.safetensors export_report.json
@@ -80,7 +80,7 @@ class WorkDir:
         assert split in SPLITS, split
         return self.stage_dir("prepare") / f"token_freq_{split}.npy"
 
-    # -- stage 02: extract (the store's own file names live in eagle3/core/store/format.py) --
+    # -- stage 02: extract (the store's own file names live in eagle3/artifacts/store/format.py) --
     def store(self) -> Path:
         return self.stage_dir("extract")
 

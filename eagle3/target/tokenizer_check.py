@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.target import chat_template_text
+from eagle3.target.info import chat_template_text
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def special_ids(tok) -> set[int]:
 def check_tokenizer(model: str | Path, tok, *, trust_remote_code: bool, suffix: list[int]) -> None:
     """Refuse a tokenizer that disagrees with the target's files (module doc).
 
-    `suffix`: the template's assistant suffix (eagle3/core/loss_mask.py `assistant_suffix`),
+    `suffix`: the template's assistant suffix (eagle3/target/loss_mask.py `assistant_suffix`),
     whose first token the mask keeps as the answer's end of turn.
     """
     classes = auto_map_classes(model)

@@ -2,7 +2,7 @@
 
 Stage 04, `tools/diagnose/probe_hidden.py`, `tools/check_stores.py` and `tools/forecast.py` open the
 store with `HiddenStateStore.open(wd, needed_by=...)`: it checks stage 02's manifest,
-the identity (store.json, eagle3/core/store/format.py) against what the caller expects
+the identity (store.json, eagle3/artifacts/store/format.py) against what the caller expects
 and the index against the identity, then memory-maps each file when it is first read
 and verifies its checksum before any tensor of it is handed out. `collate` pads
 samples into a training batch.
@@ -18,13 +18,13 @@ from typing import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from eagle3.core import store as _store  # buffer_checksum is looked up through the package (tests count calls)
+from eagle3.artifacts import store as _store  # buffer_checksum is looked up through the package (tests count calls)
+from eagle3.artifacts.manifest import Manifest, check_same, read_manifest
+from eagle3.artifacts.store.format import (BF16, ENCODINGS, FP8_DTYPE, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
+                                           FileLayout, _pow2, _views, dequantize_fp8, encoding_of, file_name,
+                                           file_problem, identity_hash, read_identity)
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import Manifest, check_same, read_manifest
-from eagle3.core.store.format import (BF16, ENCODINGS, FP8_DTYPE, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
-                                      FileLayout, _pow2, _views, dequantize_fp8, encoding_of, file_name, file_problem,
-                                      identity_hash, read_identity)
-from eagle3.core.workdir import WorkDir
 
 __all__ = ['Sample', 'SplitView', 'collate', 'decode_states', 'HiddenStateStore', 'index_identity']
 

@@ -2,7 +2,7 @@
 
 Pure functions over a drafter's `config.json` (a dict) and its tensors (name ->
 tensor); no file I/O, no engine import. Export (eagle3/stages/s05_export/run.py), the drafter
-folder writer (eagle3/core/drafter_io.py) and `python -m eagle3.tools.diagnose inspect` all
+folder writer (eagle3/serving/drafter_io.py) and `python -m eagle3.tools.diagnose inspect` all
 judge a drafter with the same rules, so what export refuses is what inspect flags.
 
 Aux layer ids (docs/CONVENTIONS.md §1 and §7). Each engine reads them its own way:
@@ -70,8 +70,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from eagle3.core.target import default_aux_layers
-from eagle3.core.vocab_map import target_ids
+from eagle3.artifacts.vocab_map import target_ids
+from eagle3.target.info import default_aux_layers
 
 # --------------------------------------------------------------------------- names
 
@@ -413,7 +413,7 @@ def expected_shapes(config: Mapping[str, Any], num_aux: int) -> dict[str, tuple[
 
 @dataclass(frozen=True)
 class TargetFacts:
-    """What the checks need to know about the target (from eagle3.core.target.TargetInfo)."""
+    """What the checks need to know about the target (from eagle3.target.info.TargetInfo)."""
 
     num_layers: int
     hidden_size: int

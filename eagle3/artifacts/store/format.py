@@ -1,7 +1,7 @@
 """The hidden-state store's format: file names, encodings, file layout, identity.
 
-What stage 02 writes (eagle3/core/store/writer.py) and stage 04 and the tools read
-(eagle3/core/store/reader.py) agree on through this module alone; it reads and writes
+What stage 02 writes (eagle3/artifacts/store/writer.py) and stage 04 and the tools read
+(eagle3/artifacts/store/reader.py) agree on through this module alone; it reads and writes
 only store.json (the identity) and file headers. All store file names live here,
 inside `WorkDir.store()` (`WORK/02_hidden_states/`):
 
@@ -85,9 +85,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.core.atomic import write_json
+from eagle3.artifacts.atomic import write_json
+from eagle3.artifacts.manifest import sha256_json
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import sha256_json
 
 __all__ = ['STORE_FORMAT', 'STORE_JSON', 'INDEX_JSON', 'CHECKSUM', 'STORE_DTYPE', 'FINALIZE_CHUNK_ELEMS', 'FP8_DTYPE',
            'FP8_HEADROOM_BITS', 'SCALE_LOG2_MIN', 'SCALE_LOG2_MAX', 'file_name', 'entry_name', 'partial_name',

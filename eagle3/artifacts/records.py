@@ -1,6 +1,6 @@
 """One typed record per stage: the facts a stage hands to later stages and tools.
 
-Each stage ends by writing its manifest (eagle3/core/manifest.py `write_manifest`) with
+Each stage ends by writing its manifest (eagle3/artifacts/manifest.py `write_manifest`) with
 a frozen dataclass of this module as `record=`; it is stored as the manifest's `record`
 section (`dataclasses.asdict`, so fields hold JSON types only: str, int, float, bool,
 None, lists and dicts with string keys). A later stage or tool reads it back with
@@ -72,7 +72,7 @@ class ExtractRecord:
     hidden_size: int
     num_layers: int
     vocab_size: int
-    store_dtype: str  # eagle3/core/store/format.py ENCODINGS
+    store_dtype: str  # eagle3/artifacts/store/format.py ENCODINGS
     complete: bool  # every file of every box is in
     missing_files: int
     missing_shard_indices: list
@@ -139,7 +139,7 @@ def record_from_json(stage: str, data: Any, path: Path | None) -> Record:
     fix = f"rerun `python {STAGE[stage].script} --force` to rewrite it with this code"
     if not isinstance(data, dict):
         raise PipelineError(f"{path} has no record section (written by code older than the typed records of "
-                            f"eagle3/core/records.py); {fix}.")
+                            f"eagle3/artifacts/records.py); {fix}.")
     names = [f.name for f in fields(cls)]
     missing = [n for n in names if n not in data]
     unknown = sorted(set(data) - set(names))

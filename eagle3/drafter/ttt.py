@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import Eagle3Drafter, TTTCache
+from eagle3.drafter.model import Eagle3Drafter, TTTCache
 
 
 @dataclass
@@ -165,7 +165,7 @@ def target_draft_distribution(draft_ids: Tensor, *, target_hidden: Tensor, lm_he
     draft_ids [V_d]: the rows of `lm_head_weight` [V, H] that are the draft vocab (stage 04
     passes the draft rows themselves, V = V_d, and `arange(V_d)`). `target_hidden [B, T, H]`
     is the target's state after its final norm, i.e. what its lm_head reads. The full-vocab
-    argmax is not made here: stage 02 stored it (eagle3/core/target_head.py `argmax`), so only
+    argmax is not made here: stage 02 stored it (eagle3/target/head.py `argmax`), so only
     the V_d draft rows are multiplied, `chunk_size` positions at a time.
     Returns probs [B, T, V_d] (float32, or float64 for float64 inputs).
     """

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.target import TargetInfo
+from eagle3.target.info import TargetInfo
 
 log = logging.getLogger(__name__)
 

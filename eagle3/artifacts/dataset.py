@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.core.atomic import atomic_path, save_numpy
+from eagle3.artifacts.atomic import atomic_path, save_numpy
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 
 
 def split_features():

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eagle3.core.chats import BadRecord
+from eagle3.target.chats import BadRecord
 
 _PROBE_CONTENTS = ("Alpha bravo charlie", "7")
 

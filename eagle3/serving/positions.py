@@ -4,7 +4,7 @@ A drafter is trained on rows of at most `max_seq_len` tokens; draft step k of po
 sits at position t + k (docs/CONVENTIONS.md §8), so the last position any training step
 saw is `max_seq_len - 1 + ttt_steps - 1`. The engines serve it over the target's whole
 context (262,144 positions for Kimi-K2.5), with the rope its config.json names (the
-target's yarn for K2.5, as stage 04 trains it: eagle3/core/model.py `rope_inv_freq`).
+target's yarn for K2.5, as stage 04 trains it: eagle3/drafter/model.py `rope_inv_freq`).
 Positions past the trained ones are served without having been trained: stage 05 and
 stage 06 say how many (docs/KIMI_K25.md, "Rope and length as served").
 """

@@ -40,10 +40,10 @@ from pathlib import Path
 
 import torch
 
-from eagle3.core import store
-from eagle3.core.atomic import write_json
+from eagle3.artifacts import store
+from eagle3.artifacts.atomic import write_json
+from eagle3.artifacts.manifest import sha256_json
 from eagle3.core.errors import PipelineError
-from eagle3.core.manifest import sha256_json
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.core.atomic import save_torch
+from eagle3.artifacts.atomic import save_torch
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 
 
 def coverage(freq: np.ndarray, t2d: np.ndarray) -> float:

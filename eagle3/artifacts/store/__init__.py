@@ -11,9 +11,9 @@ errors, manifest and workdir; never a stage):
     reader.py  everyone else's: `HiddenStateStore.open(wd, needed_by=...)`, the samples,
                `collate`.
 
-Every name is re-exported here, so `from eagle3.core.store import X` and
-`from eagle3.core import store; store.X` work for each of them.
+Every name is re-exported here, so `from eagle3.artifacts.store import X` and
+`from eagle3.artifacts import store; store.X` work for each of them.
 """
-from eagle3.core.store.format import *  # noqa: F401,F403
-from eagle3.core.store.writer import *  # noqa: F401,F403
-from eagle3.core.store.reader import *  # noqa: F401,F403
+from eagle3.artifacts.store.format import *  # noqa: F401,F403
+from eagle3.artifacts.store.writer import *  # noqa: F401,F403
+from eagle3.artifacts.store.reader import *  # noqa: F401,F403

@@ -3,7 +3,7 @@
 read by `read_checkpoint` for stage 04's resume and for stage 05) and the metrics log
 (`read_train_metrics`).
 
-A checkpoint is a typed record like a manifest's (eagle3/core/records.py): the fields of
+A checkpoint is a typed record like a manifest's (eagle3/artifacts/records.py): the fields of
 `TrainCheckpoint` are its keys, named there and nowhere else. On disk it is a plain dict
 (`to_file`) saved with `torch.save` and loaded with `torch.load(weights_only=True,
 mmap=True)` (a dataclass would need pickled code). The reader takes all of them or
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.workdir import WorkDir
 
 # 1: the fields of TrainCheckpoint below. Files written before the format had a version
 # hold exactly these fields and no `format_version`: they are read as version 1.
@@ -67,7 +67,7 @@ class TrainCheckpoint:
         version = data.get(_VERSION_KEY, 1)
         if version != CHECKPOINT_FORMAT:
             raise PipelineError(f"{path} has checkpoint format {version}, this code reads {CHECKPOINT_FORMAT} "
-                                f"(eagle3/core/train_outputs.py); use the code that wrote it, or {fix}.")
+                                f"(eagle3/artifacts/train_outputs.py); use the code that wrote it, or {fix}.")
         names = [f.name for f in fields(cls)]
         missing = [n for n in names if n not in data]
         unknown = sorted(set(data) - set(names) - {_VERSION_KEY})

@@ -8,7 +8,7 @@ the target's own card states one; docs/STAGES.md "The model card"), then Markdow
 
 Also here, because a card and the docs must show the same thing: the serve commands of
 both engines (as README "Serve the drafter" writes them) with the minimum engine versions of
-eagle3/core/engine_rules.py.
+eagle3/serving/engine_rules.py.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import json
 import re
 from pathlib import Path
 
-from eagle3.core.atomic import atomic_path
-from eagle3.core.engine_rules import VERSION_RULES
+from eagle3.artifacts.atomic import atomic_path
+from eagle3.serving.engine_rules import VERSION_RULES
 
 CARD_NAME = "README.md"  # the file the Hub renders as a repository's card
 # Where stage 06's table lives in the card; only the text between them is ever replaced.

@@ -9,7 +9,7 @@ its parameters and inputs (`completed`).
 
 Typed records. The facts a later stage or tool reads from a stage (aux layer ids,
 tokenizer fingerprint, ttt_steps, the best checkpoint, ...) are the manifest's `record`
-section: one frozen dataclass per stage (eagle3/core/records.py), written through
+section: one frozen dataclass per stage (eagle3/artifacts/records.py), written through
 `write_manifest(..., record=...)` and read back through `read_record` / `record_of`,
 which refuse a manifest without one (format version 1) or with a field missing,
 naming the manifest and the rerun. `counts` keeps figures that are only reported.
@@ -36,15 +36,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
-from eagle3.core.atomic import write_json
+from eagle3.artifacts.atomic import write_json
+from eagle3.artifacts.records import RECORDS, Record, record_from_json
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.records import RECORDS, Record, record_from_json
 from eagle3.core.stages import STAGE, stage_index
-from eagle3.core.workdir import WorkDir
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: the typed `record` section (eagle3/core/records.py)
+FORMAT_VERSION = 2  # 2: the typed `record` section (eagle3/artifacts/records.py)
 
 
 def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
@@ -103,7 +103,7 @@ def write_manifest(
 ) -> Manifest:
     """Record a finished stage. Call last: the manifest is the completion mark.
 
-    `record`: the stage's record of eagle3/core/records.py, the facts later stages read
+    `record`: the stage's record of eagle3/artifacts/records.py, the facts later stages read
     (None writes a manifest whose record every reader refuses: tests' stand-ins only).
 
     `hash_outputs=False` records sizes only, for outputs too large to re-read
@@ -158,7 +158,7 @@ def read_manifest(wd: WorkDir, stage: str, *, needed_by: str) -> Manifest:
     if m.format_version != FORMAT_VERSION:
         raise PipelineError(
             f"{path} has format version {m.format_version}, this code reads {FORMAT_VERSION} (version 2 holds "
-            f"the stage's typed record, eagle3/core/records.py): rerun `python {wd.script(stage)} --force`.")
+            f"the stage's typed record, eagle3/artifacts/records.py): rerun `python {wd.script(stage)} --force`.")
     problem = _outputs_intact(m, wd.stage_dir(stage))
     if problem:
         raise PipelineError(f"{needed_by}: {problem} ({path}); rerun `python {wd.script(stage)} --force`.")

@@ -2,7 +2,7 @@
 
 Stage 02 (eagle3/stages/s02_extract/run.py) and its backends (the hf backend and, inside
 vLLM's worker process, the project's KV connector) call these; the layout they write
-is eagle3/core/store/format.py's. A file is created at its final size as a bf16
+is eagle3/artifacts/store/format.py's. A file is created at its final size as a bf16
 partial file (`create_partial_file`), the backends write each sample's states at its
 own offset (`write_sample_states`), `finalize_file` turns it into a complete file of
 the store's encoding and writes its index entry, and `write_index` lists the complete
@@ -21,12 +21,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from eagle3.core.atomic import DiskFullError, disk_full_error, free_bytes, is_disk_full, write_json
+from eagle3.artifacts.atomic import DiskFullError, disk_full_error, free_bytes, is_disk_full, write_json
+from eagle3.artifacts.store.format import (FINALIZE_CHUNK_ELEMS, FP8, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
+                                           FileLayout, _views, encoding_named, entry_name, file_bytes, file_checksum,
+                                           identity_hash, label_positions, out_name, quantize_fp8, write_identity)
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.core.store.format import (FINALIZE_CHUNK_ELEMS, FP8, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
-                                      FileLayout, _views, encoding_named, entry_name, file_bytes, file_checksum,
-                                      identity_hash, label_positions, out_name, quantize_fp8, write_identity)
-from eagle3.core.workdir import WorkDir
 
 __all__ = ['create_partial_file', 'write_sample_states', 'bytes_to_write', 'require_free_space', 'finalize_file',
            'read_entry', 'write_index']

@@ -7,7 +7,7 @@ A drafter folder (docs/CONVENTIONS.md §6) is
                         d2t (int64), t2d (bool); embed_tokens.weight only when asked for
 
 `save_drafter_dir` writes one atomically (a temporary folder renamed into place) after
-holding it to both engines' rules (eagle3/core/engine_rules.py); `load_drafter_dir` reads
+holding it to both engines' rules (eagle3/serving/engine_rules.py); `load_drafter_dir` reads
 ours and the common published variants (names prefixed with `model.`, `layers.0.`
 instead of `midlayer.`, sharded safetensors with an index), normalising the names
 and logging what it changed. Pickled weights (`pytorch_model.bin`) are refused:
@@ -22,20 +22,17 @@ import json
 import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 import torch
 
-from eagle3.core.atomic import atomic_path
+from eagle3.artifacts.atomic import atomic_path
 from eagle3.core.config import dtype_name, torch_dtype
-from eagle3.core.engine_rules import (ARCHITECTURE, CAPTURE_TOPIC, D2T, EMBED_NAME, KNOWN_NAMES, T2D, Finding,
-                                      TargetFacts, aux_layer_config, check_drafter, errors, intended_layers,
-                                      mla_drafter_reason)
 from eagle3.core.errors import PipelineError
-from eagle3.core.model import DrafterConfig
-
-if TYPE_CHECKING:
-    from eagle3.core.target import TargetInfo
+from eagle3.drafter.model import DrafterConfig
+from eagle3.serving.engine_rules import (ARCHITECTURE, CAPTURE_TOPIC, D2T, EMBED_NAME, KNOWN_NAMES, T2D, Finding,
+                                         TargetFacts, aux_layer_config, check_drafter, errors, intended_layers,
+                                         mla_drafter_reason)
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +69,7 @@ def hf_config_from_drafter_config(drafter_config: Mapping[str, Any] | Any, aux_l
                            "max_position_embeddings") if k not in d]
     if missing:
         raise PipelineError(f"drafter config lacks {missing}; it must hold DrafterConfig's fields "
-                            f"(eagle3/core/model.py).")
+                            f"(eagle3/drafter/model.py).")
     layers = [int(k) for k in aux_layers]
     n_aux = int(d.get("num_aux_layers", 3))
     if len(layers) != n_aux:
@@ -112,7 +109,7 @@ def hf_config_from_drafter_config(drafter_config: Mapping[str, Any] | Any, aux_l
 
 def drafter_config_from_hf_config(hf: Mapping[str, Any], tensors: Mapping[str, torch.Tensor] | None = None,
                                   source: str = "config.json") -> dict[str, Any]:
-    """DrafterConfig fields (eagle3/core/model.py) from an engine config.json.
+    """DrafterConfig fields (eagle3/drafter/model.py) from an engine config.json.
 
     Sizes the config leaves implicit are taken as the engines take them (head_dim =
     hidden/heads, draft vocab = vocab), except where the tensors say otherwise
@@ -309,7 +306,7 @@ def prepare_tensors(state_dict: Mapping[str, torch.Tensor], config: Mapping[str,
     unknown = sorted(k for k in state_dict if k not in KNOWN_NAMES)
     if unknown:
         raise PipelineError(f"state dict holds tensors no engine format knows: {unknown[:8]} (vLLM refuses unknown "
-                            f"names); the drafter's state dict must use convention 6 names (eagle3/core/model.py).")
+                            f"names); the drafter's state dict must use convention 6 names (eagle3/drafter/model.py).")
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         if name == EMBED_NAME and not include_embed_tokens:
@@ -372,50 +369,3 @@ def save_drafter_dir(out_dir: Path | str, state_dict: Mapping[str, torch.Tensor]
         (tmp / CONFIG_NAME).write_text(json.dumps(dict(config_dict), indent=2) + "\n")
     log.info("wrote drafter %s (%d tensors, %s)", out_dir, len(tensors), _dtype_text(dtype))
     return findings
-
-
-# --------------------------------------------------------------------------- a new drafter's shape
-
-MLA_HEAD_DIM, MLA_KV_HEADS = 128, 8  # default drafter attention shape for DeepSeek-V3/Kimi (MLA) targets
-
-
-def drafter_config_for_target(info: TargetInfo, cfg, draft_vocab: int) -> DrafterConfig:
-    """The drafter's shape: the target's attention/MLP sizes unless overridden.
-
-    `cfg` carries the overrides (stage 04's TrainConfig): num_attention_heads,
-    num_key_value_heads, head_dim, intermediate_size; None keeps the target's.
-
-    MLA targets (DeepSeek-V3, Kimi) have no plain attention shape to copy; unless the
-    user sets one, the drafter gets head_dim 128 and 8 kv heads (see MLA_HEAD_DIM).
-    """
-
-    t = info.text_config
-    H = info.hidden_size
-    mla = "kv_lora_rank" in t  # DeepSeek-V3/Kimi: head sizes in the config describe MLA, not a plain layer
-    user_shape = cfg.num_attention_heads or cfg.num_key_value_heads or cfg.head_dim
-    if mla and not user_shape and H % MLA_HEAD_DIM == 0:
-        # No plain attention to copy: pick head_dim 128 (FlashInfer serves head_dim
-        # 64/128/256/512 only; 7168 / 64 heads = 112 is refused there) and 8 kv heads,
-        # SpecForge's DeepSeek-V3 drafter shape (56 x 128, 8 kv heads at hidden 7168).
-        heads = H // MLA_HEAD_DIM
-        kv = MLA_KV_HEADS if heads % MLA_KV_HEADS == 0 else heads
-        head_dim = MLA_HEAD_DIM
-    else:
-        heads = cfg.num_attention_heads or int(t["num_attention_heads"])
-        kv = cfg.num_key_value_heads or (heads if mla else int(t.get("num_key_value_heads") or heads))
-        head_dim = cfg.head_dim or (int(t["head_dim"]) if t.get("head_dim") and not mla else H // heads)
-    rope = t.get("rope_scaling") or t.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type"))
-    # The target's scaling when this drafter implements it (Kimi-K2.5: yarn, factor 64, original
-    # 4096), so the drafter is trained with the positions the engines then compute for it.
-    rope_scaling = ({k: v for k, v in rope.items() if k != "rope_theta"}
-                    if rope_type in ("linear", "llama3", "yarn") else None)
-    return DrafterConfig(
-        hidden_size=H, num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim,
-        intermediate_size=cfg.intermediate_size or int(t.get("intermediate_size") or 4 * H),
-        target_hidden_size=H, draft_vocab_size=draft_vocab, target_vocab_size=info.vocab_size,
-        max_position_embeddings=max(info.max_position_embeddings, 2048),
-        rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(t.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rope_scaling=rope_scaling,
-    )

@@ -1,0 +1,1 @@
+"""What the stages hand on to each other, on disk: the work dir, manifests and their typed records, atomic writes, the dataset splits, the vocab mapping, the hidden-state store and its windows, stage 04's outputs."""
