@@ -7,7 +7,7 @@ package under eagle3/stages/.
 
 Each stage is a package `eagle3.stages.sNN_<key>` with `config.py` (its settings, one
 dataclass) and `run.py` (its entry function). Stages read each other's results only
-from disk, through the readers in eagle3/core/, never by importing another stage.
+from disk, through the readers in eagle3/artifacts/, never by importing another stage.
 """
 from __future__ import annotations
 

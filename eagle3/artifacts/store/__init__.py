@@ -1,6 +1,6 @@
 """The hidden-state store: what stage 02 writes and stage 04 reads.
 
-One module per audience (what each may import: torch, numpy, eagle3.core's atomic,
+One module per audience (what each may import: torch, numpy, eagle3.artifacts' atomic,
 errors, manifest and workdir; never a stage):
 
     format.py  file names, the encodings (bf16, fp8), the file layout, the identity
