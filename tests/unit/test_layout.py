@@ -1,12 +1,24 @@
 """The package's layout rules, read from the code's own imports (eagle3/core/stages.py says why).
 
-    core/     imports only core
-    engines/  imports core and engines
-    stages/   a stage imports core, engines and its own package: never another stage
-    tools/    may import anything; nothing else imports a tool
+The packages by concept, each importing only those named after it (and itself):
 
-and no module imports one of ours inside a function, so every link between modules shows at
-the top of the file. The stage folders, the registry and the numbered scripts agree.
+    core/       config, the CLI, the stage registry, logs, errors, readable figures, batching:
+                core only (each package's __init__.py says what it owns)
+    artifacts/  what the stages hand on, on disk: core
+    target/     the target's files, the chat rendering and its loss mask: core
+    drafter/    the model, the TTT loss, the attention kernels, CPU precision, the shape: core,
+                artifacts (the draft vocabulary's arithmetic), target (TargetInfo, for the shape)
+    serving/    what the engines' loaders require, the drafter folder, the model card: core,
+                artifacts, target, drafter
+    core/cli.py the numbered scripts' command line: core and artifacts (it opens the stage's run
+                record and its log file), a layer of its own above the artifacts
+    engines/    vLLM: core, artifacts, target, drafter, serving, engines
+    stages/     a stage: what engines may import, engines, and its own package; never another stage
+    tools/      may import anything; nothing else imports a tool
+
+so the packages form no cycle (the rules themselves are checked for one), and no module imports
+one of ours inside a function, so every link between modules shows at the top of the file. The
+stage folders, the registry and the numbered scripts agree.
 """
 from __future__ import annotations
 
@@ -21,9 +33,26 @@ from eagle3.core.stages import STAGES
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "eagle3"
 
+CONCEPTS = ("core", "artifacts", "target", "drafter", "serving")
+LOWER = set(CONCEPTS)
+# Layer -> the layers it may import. A stage's own package is added in `allowed`.
+ALLOWED: dict[str, set[str]] = {
+    "core": {"core"},
+    "artifacts": {"core", "artifacts"},
+    "target": {"core", "target"},
+    "drafter": {"core", "artifacts", "target", "drafter"},
+    "serving": {"core", "artifacts", "target", "drafter", "serving"},
+    "core.cli": {"core", "artifacts", "core.cli"},
+    "engines": LOWER | {"engines"},
+    "stages": LOWER | {"engines"},
+    "tools": LOWER | {"core.cli", "engines", "stages", "tools"},
+}
+# What core/ keeps: plumbing every layer may use, no artifact, model or engine in it.
+CORE_MODULES = {"__init__", "batching", "cli", "config", "errors", "logs", "readable", "stages"}
 
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -45,41 +74,82 @@ def our_imports(path: Path) -> list[tuple[str, int, bool]]:
 
 
 def layer(module: str) -> tuple[str, str]:
-    """("stages", "eagle3.stages.s04_train") for a stage's module; ("core", "") and so on otherwise."""
+    """("stages", "eagle3.stages.s04_train") for a stage's module; ("core.cli", ""), ("drafter", "")
+    and so on otherwise; ("", "") for eagle3 itself."""
     parts = module.split(".")
     kind = parts[1] if len(parts) > 1 else ""
+    if module == "eagle3.core.cli":
+        kind = "core.cli"
     return kind, ".".join(parts[:3]) if kind == "stages" and len(parts) > 2 else ""
 
 
 def allowed(importer: str, imported: str) -> bool:
     kind, stage = layer(importer)
     to_kind, to_stage = layer(imported)
-    if kind == "tools":
-        return True
-    if to_kind == "tools":
-        return False
-    if kind == "core":
-        return to_kind == "core"
-    if kind == "engines":
-        return to_kind in ("core", "engines")
-    if kind == "stages":
-        return to_kind in ("core", "engines") or (to_kind == "stages" and to_stage == stage)
-    return True  # eagle3/__init__.py
+    if kind not in ALLOWED:
+        return kind == ""  # eagle3/__init__.py; a package not in ALLOWED breaks every rule
+    if kind == "stages" and to_kind == "stages":
+        return to_stage == stage
+    return to_kind in ALLOWED[kind]
+
+
+def violations(root: Path = ROOT) -> list[str]:
+    """Every import of ours under root/eagle3 that the layers forbid, as 'file:line imports module'."""
+    return [f"{p.relative_to(root)}:{line} imports {imp}"
+            for p in sorted((root / "eagle3").rglob("*.py")) for imp, line, _ in our_imports(p)
+            if not allowed(module_name(p, root), imp)]
+
+
+def cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of `graph` (node -> nodes it points at; self-loops ignored), or []."""
+    state: dict[str, int] = {}  # 1 on the path being walked, 2 done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ()) - {node}):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := walk(nxt)):
+                return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := walk(node)):
+            return found
+    return []
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
 def test_every_import_follows_the_layers():
-    wrong = [f"{p.relative_to(ROOT)}:{line} imports {imp}"
-             for p in MODULES for imp, line, _ in our_imports(p) if not allowed(module_name(p), imp)]
+    wrong = violations()
     assert not wrong, "imports across the layers (see this file's docstring):\n" + "\n".join(wrong)
+
+
+def test_the_layers_form_no_cycle():
+    assert not cycle(ALLOWED), f"the rules allow a cycle: {' -> '.join(cycle(ALLOWED))}"
 
 
 def test_no_import_of_ours_hides_inside_a_function():
     hidden = [f"{p.relative_to(ROOT)}:{line} imports {imp}"
               for p in MODULES for imp, line, inside in our_imports(p) if inside]
     assert not hidden, "move these imports to the top of their module:\n" + "\n".join(hidden)
+
+
+def test_the_packages_are_the_concepts():
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert packages == {k for k in ALLOWED if "." not in k}, "a package without import rules (ALLOWED)"
+    for name in CONCEPTS:
+        init = PACKAGE / name / "__init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init.relative_to(ROOT)} says nothing of what it owns"
+    kept = {p.stem for p in (PACKAGE / "core").glob("*.py")} | {p.name for p in (PACKAGE / "core").iterdir()
+                                                                if (p / "__init__.py").is_file()}
+    assert kept == CORE_MODULES, f"eagle3/core/ holds {sorted(kept - CORE_MODULES)}: give each its concept's package"
 
 
 def test_the_checker_sees_a_sideways_import(tmp_path):
@@ -90,9 +160,35 @@ def test_the_checker_sees_a_sideways_import(tmp_path):
     assert not allowed("eagle3.stages.s04_train.run", "eagle3.tools.demo")
     assert allowed("eagle3.stages.s04_train.run", "eagle3.stages.s04_train.data")
     assert allowed("eagle3.tools.forecast", "eagle3.stages.s04_train.run")
+    # between the concepts: downwards only
+    assert not allowed("eagle3.core.config", "eagle3.artifacts.workdir")
+    assert allowed("eagle3.core.cli", "eagle3.artifacts.manifest")
+    assert not allowed("eagle3.artifacts.manifest", "eagle3.core.cli")
+    assert not allowed("eagle3.artifacts.train_outputs", "eagle3.drafter.model")
+    assert not allowed("eagle3.artifacts.vocab_map", "eagle3.target.info")
+    assert not allowed("eagle3.target.info", "eagle3.artifacts.workdir")
+    assert not allowed("eagle3.drafter.model", "eagle3.serving.engine_rules")
+    assert allowed("eagle3.serving.drafter_io", "eagle3.drafter.model")
+    assert not allowed("eagle3.serving.drafter_io", "eagle3.engines.config")
+    assert not allowed("eagle3.newpackage.x", "eagle3.core.errors")
     f = tmp_path / "m.py"
     f.write_text("from eagle3.core import store\n\ndef f():\n    from eagle3.drafter.model import DrafterConfig\n")
     assert our_imports(f) == [("eagle3.core", 1, False), ("eagle3.drafter.model", 4, True)]
+
+
+def test_the_checker_fails_on_a_bad_import(tmp_path):
+    # A tree whose artifacts import the drafter (upwards): the check must name that line, and only it.
+    for rel, text in {"eagle3/__init__.py": "",
+                      "eagle3/artifacts/__init__.py": "",
+                      "eagle3/artifacts/manifest.py": "import json\n\nfrom eagle3.core.errors import PipelineError\n"
+                                                      "from eagle3.drafter.model import DrafterConfig\n",
+                      "eagle3/drafter/model.py": "from eagle3.artifacts.vocab_map import target_ids\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert violations(tmp_path) == ["eagle3/artifacts/manifest.py:4 imports eagle3.drafter.model"]
+    # and a rule table with a loop in it is caught
+    assert cycle({"core": {"core"}, "artifacts": {"core", "serving"}, "serving": {"artifacts"}}) == [
+        "artifacts", "serving", "artifacts"]
 
 
 def test_the_stage_folders_are_the_registry_in_order():
