@@ -237,7 +237,7 @@ def test_padding_carries_no_loss_even_where_its_loss_mask_is_one():
     loss_mask[0, T0:] = 1
     attention_mask = torch.zeros_like(input_ids)
     attention_mask[0, :T0] = 1
-    probs, argmax = target_draft_distribution(m.draft_ids(), target_logits=logits)
+    probs, argmax = draft_labels(m.draft_ids(), logits)
     padded = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, cfg, attention_mask=attention_mask)
     alone = ttt_loss(m, aux[:, :T0], input_ids[:, :T0], embed, probs[:, :T0], argmax[:, :T0],
                      loss_mask[:, :T0], cfg)
