@@ -160,7 +160,17 @@ def main() -> None:
         result = {"crash": traceback.format_exc()}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
+        # Both ranks have written their answer before either tears its gloo pairs down: a
+        # rank that closes its sockets while the other is still in the last collective, or
+        # whose transport threads are destroyed during the interpreter's shutdown, can abort
+        # ("terminate called without an active exception", seen once in CI as rank 1's
+        # SIGABRT after a passing scenario). The answer is on disk; nothing is left to run.
+        if "cpu" in dist.BackendConfig(dist.get_backend()).get_device_backend_map():
+            dist.barrier()  # (the "foreign" group serves no host tensors and so has no barrier)
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
