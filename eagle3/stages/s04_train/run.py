@@ -657,6 +657,11 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
             if read_plan(wd.store()) is not None and (wdir / PROGRESS_JSON).is_file():
                 (wdir / PROGRESS_JSON).unlink()
         barrier()  # no rank may read a checkpoint rank 0 is deleting
-        return Trainer(cfg, wd, src, device, d).fit()
+        manifest = Trainer(cfg, wd, src, device, d).fit()
+        # Every rank leaves together: a rank that tears its group down while rank 0 still
+        # writes the manifest can abort in the transport's teardown (gloo) after a good run.
+        # Only on success: after an exception on one rank, a barrier would wait for its timeout.
+        barrier()
+        return manifest
     finally:
         close_distributed(d)
