@@ -242,7 +242,7 @@ def _shift_left(x: torch.Tensor, n: int) -> torch.Tensor:
 def our_draft_logits(drafter, embed: torch.Tensor, sample, K: int, max_seq_len: int) -> list[torch.Tensor]:
     """Every TTT step's logits [1, T, V_d] of our Eagle3Drafter on one sample, fp32, the
     unroll of eagle3/drafter/ttt.py: step k reads token t + 1 + k and the previous step's output."""
-    from eagle3.drafter.model import TTTCache
+    from eagle3.drafter.ttt_attention import TTTCache
 
     n = min(sample.num_tokens, max_seq_len)
     ids = sample.input_ids[:n].long()[None]  # [1, T]

@@ -1,6 +1,6 @@
 """The fused attention kernels behind `attention: sdpa`: one seam per device type.
 
-`_MergedTTTAttention` (eagle3/drafter/model.py) streams step 0's causal context through a
+`MergedTTTAttention` (eagle3/drafter/ttt_attention.py) streams step 0's causal context through a
 fused kernel that returns its log-sum-exp, and hands that kernel's backward the
 *merged* output and log-sum-exp (context plus same-position keys). Each device
 type's forward/backward pair lives here, picked by `context_kernel(device)` from the

@@ -41,7 +41,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3.core.errors import PipelineError
-from eagle3.drafter.model import Eagle3Drafter, TTTCache
+from eagle3.drafter.model import Eagle3Drafter
+from eagle3.drafter.ttt_attention import TTTCache
 
 
 @dataclass

@@ -19,6 +19,7 @@ import logging
 import os
 
 from eagle3.core.errors import PipelineError
+from eagle3.drafter.cpu import hardware_bf16
 from eagle3.engines.config import CPU_KV_CACHE_GIB, CPU_MEMORY_SHARE, GPU_MEMORY_SHARE, EngineConfig
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,23 @@ def guard_llvmlite_proxy() -> bool:
     return True
 
 
+def warn_if_bf16_is_emulated(dtype: str, *, has_bf16=hardware_bf16) -> bool:
+    """Say so when vLLM's CPU build is about to run bfloat16 on a CPU that emulates it.
+
+    Without bf16 matmuls in hardware (no AMX, no AVX512-BF16: an AVX2-only CPU) bf16
+    products go through software conversion, several times slower: the demo's stage 00
+    on SmolLM2 generated ~46 tokens/s on such a 2-core AMD EPYC against 522 on the
+    2-core machines it was timed on before (docs/results.md, `demo-avx2`), and nothing
+    else would say why. True when it warned."""
+    if dtype != "bfloat16" or has_bf16():
+        return False
+    log.warning("this CPU has no bf16 matmuls in hardware (no AMX, no AVX512-BF16): vLLM runs the "
+                "target's bfloat16 emulated, several times slower than on a CPU that has them "
+                "(docs/results.md, demo-avx2). A float32 run (--dtype float32) avoids the emulation; "
+                "its outputs differ from a bf16 run's.")
+    return True
+
+
 def start_llm(engine: EngineConfig, *, fix: str):
     """`vllm.LLM(**engine_kwargs(engine))`, or a PipelineError naming the model, vLLM's error and `fix`.
 
@@ -126,6 +144,7 @@ def start_llm(engine: EngineConfig, *, fix: str):
 
     if on_cpu():
         guard_llvmlite_proxy()
+        warn_if_bf16_is_emulated(engine.dtype)
 
     in_process = engine.engine_in_process
     engine_kw = engine_kwargs(engine)

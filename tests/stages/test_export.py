@@ -20,7 +20,8 @@ from eagle3.artifacts.records import ExtractRecord, TrainRecord, VocabRecord
 from eagle3.artifacts.vocab_map import save_mapping
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.ttt_attention import TTTCache
 from eagle3.serving.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, drafter_config_from_hf_config,
                                        hf_config_from_drafter_config, load_drafter_dir, save_drafter_dir)
 from eagle3.stages.s05_export.config import ExportConfig

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 from eagle3.artifacts.store import HiddenStateStore
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.drafter.model import Eagle3Drafter, TTTCache
+from eagle3.drafter.model import Eagle3Drafter
+from eagle3.drafter.ttt_attention import TTTCache
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import nested_share, noisy_aux
 from eagle3.stages.s04_train.loss_positions import count_loss_positions

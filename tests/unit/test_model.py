@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from eagle3.core.errors import PipelineError
-from eagle3.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.ttt_attention import TTTCache
 
 EXPECTED_KEYS = [
     "fc.weight",

@@ -8,7 +8,8 @@ from fixtures import draft_labels
 
 import eagle3.drafter.ttt as ttt_module
 from eagle3.core.errors import PipelineError
-from eagle3.drafter.model import DrafterConfig, Eagle3Drafter, TTTCache
+from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.ttt_attention import TTTCache
 from eagle3.drafter.ttt import TTTConfig, TTTModel, soft_cross_entropy, target_draft_distribution, ttt_loss
 
 V_T, V_D, H = 50, 20, 32

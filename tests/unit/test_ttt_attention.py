@@ -12,7 +12,8 @@ import pytest
 import torch
 from attention_helpers import TOL64, H, assert_same, batch, loss_and_grads, pair
 
-from eagle3.drafter.model import Eagle3Drafter, TTTCache, _runs
+from eagle3.drafter.model import Eagle3Drafter
+from eagle3.drafter.ttt_attention import TTTCache, attention_runs
 
 
 @pytest.mark.parametrize("nkv,K", [(4, 1), (4, 7), (2, 3), (1, 7)])
@@ -79,13 +80,13 @@ def test_sdpa_under_bf16_autocast_is_close_to_reference():
 
 
 def test_runs_of_padded_packed_and_plain_rows():
-    assert _runs(None, None, 5) is None
-    assert _runs(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]), None, 4) is None  # right padding: whole rows
-    assert _runs(torch.tensor([[0, 0, 1, 1]]), None, 4) == [(0, 0, 2), (0, 2, 4)]  # left padding: its own run
+    assert attention_runs(None, None, 5) is None
+    assert attention_runs(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]), None, 4) is None  # right padding: whole rows
+    assert attention_runs(torch.tensor([[0, 0, 1, 1]]), None, 4) == [(0, 0, 2), (0, 2, 4)]  # left padding: its own run
     seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
     # the padded tail joins the sample before it; the second row is one sample
-    assert _runs(mask, seg, 7) == [(0, 0, 3), (0, 3, 7), (1, 0, 7)]
+    assert attention_runs(mask, seg, 7) == [(0, 0, 3), (0, 3, 7), (1, 0, 7)]
 
 
 def saved_bytes(m: Eagle3Drafter, T: int, K: int) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from eagle3.artifacts.dataset import load_split
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.target.chats import BadRecord, iter_records, record_turns
@@ -57,10 +58,8 @@ def held_out_prompts(wd: WorkDir, num_prompts: int | None, max_prompt_len: int) 
     `num_prompts` still spreads over conversations. Turns whose context exceeds
     `max_prompt_len` are skipped (and counted).
     """
-    import datasets
-
     path = wd.dataset("eval")
-    ds = datasets.load_from_disk(str(path))
+    ds = load_split(path)  # an empty split (--eval-fraction 0) reads as no rows: the error below names the fix
     by_turn: dict[int, list[Prompt]] = {}
     too_long = 0
     for sid, ids, mask in zip(ds["sample_id"], ds["input_ids"], ds["loss_mask"]):
