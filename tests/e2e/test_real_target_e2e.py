@@ -38,6 +38,15 @@ EVAL_PROMPTS, EVAL_TOKENS = 18, 48
 MARGIN = 0.2
 
 
+def engine_dtype() -> str:
+    """bfloat16, as the demo runs, where the CPU has bf16 matmuls in hardware; float32 on an
+    AVX2-only CPU, where vLLM would emulate bf16 and this module alone take ~35 minutes
+    instead of ~6 (docs/results.md, `demo-avx2`). What is checked is the same in both."""
+    from eagle3.drafter.cpu import hardware_bf16
+
+    return "bfloat16" if hardware_bf16() else "float32"
+
+
 def stage_config(cls, section: str, work: Path, target: Path, **overrides):
     return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides})
 
@@ -60,18 +69,19 @@ def real_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("real")
     work, work_vllm = root / "work", root / "work-vllm"
     data = subset(PROMPTS, root / "prompts.jsonl", TRAIN_RECORDS)
+    dtype = engine_dtype()
     run_stages(work, target, first="generate", upto="prepare", chats=None, config=CONFIG,
-               generate=dict(data=[str(data)], max_new_tokens=NEW_TOKENS),
+               generate=dict(data=[str(data)], max_new_tokens=NEW_TOKENS, dtype=dtype),
                prepare=dict(num_workers=1, eval_fraction=0.1))
     # The vLLM backend's store, from a copy of the same stage-01 output.
     copy_stages(work, work_vllm, ("generate", "prepare"))
     run_stages(work_vllm, target, first="extract", upto="extract", config=CONFIG,
-               extract=dict(backend="vllm", gpu_memory_utilization=0.3, enforce_eager=True))
-    run_stages(work, target, first="extract", upto="export", config=CONFIG, extract=dict(backend="hf"),
+               extract=dict(backend="vllm", gpu_memory_utilization=0.3, enforce_eager=True, dtype=dtype))
+    run_stages(work, target, first="extract", upto="export", config=CONFIG, extract=dict(backend="hf", dtype=dtype),
                train=dict(max_steps=DRAFTER_STEPS, eval_every=30, warmup_steps=10))
     ev_cfg = stage_config(EvaluateConfig, "evaluate", work, target, prompts=str(subset(
         HELD_OUT, root / "held_out.jsonl", EVAL_PROMPTS)), max_new_tokens=EVAL_TOKENS, temperature=[0.0],
-        timing_prompts=0)
+        timing_prompts=0, dtype=dtype)
     return target, WorkDir(work), WorkDir(work_vllm), evaluate_drafter(ev_cfg)
 
 
