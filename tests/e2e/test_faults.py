@@ -6,7 +6,8 @@
   real 2-4 MB tmpfs when this machine lets the test mount one (root): it first refuses
   to start, naming the bytes it needs and the bytes free; then, as if another writer
   filled the disk after that check, it runs into ENOSPC. Without root the same ENOSPC
-  is injected where the store claims its space (`os.posix_fallocate`).
+  is injected where the store claims its space (`os.posix_fallocate`). A full disk at a
+  finalize (a thread, while the next file fills) frees the next file's partial too.
 - A flipped byte in a store file: stage 04 refuses it (the reader checks the file's
   xxh3 before its first read), and a stage 02 rerun redoes that file.
 - Both stage 02 faults run for each store encoding (bf16, fp8: `STORE_DTYPES`).
@@ -15,7 +16,7 @@
   partial, the manifests are intact (the `fault` marked tests at the end; harness in
   tests/fault_harness.py, several kills per stage in bench/soak_faults.py).
 
-Cost: the first two parts run stages 01 and 03 on 60 chats once, then eight short
+Cost: the first two parts run stages 01 and 03 on 60 chats once, then ten short
 extractions and two short training runs (each stage 02 fault for both encodings); the
 kill -9 part 6m27s measured on a shared machine (see its fixture).
 """
@@ -24,13 +25,14 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 from fixtures import copy_stages
 
 from eagle3.artifacts import store
-from eagle3.artifacts.atomic import DiskFullError, atomic_path, save_numpy, save_torch, write_json
+from eagle3.artifacts.atomic import DiskFullError, atomic_path, disk_full_error, save_numpy, save_torch, write_json
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 
@@ -192,6 +194,41 @@ def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, stores,
     finally:
         if real:
             umount(mnt)
+
+
+def test_stage02_full_disk_at_a_finalize_also_frees_the_next_files_partial(base, tiny_llama, tmp_path, monkeypatch):
+    """A file is finalized in a thread while the engine fills the next one, so a full disk
+    at the finalize reaches the main thread after the next partial file exists (which of
+    the two claims space first is a race on a real full disk: CI lost it once). The stop
+    removes that partial too, and the rerun equals an unbroken run."""
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+
+    wd = copy_inputs(base, tmp_path / "work")
+    finalize, failed = store.finalize_file, []
+
+    def full_at_the_first(partial, final_path, **kw):
+        if failed:
+            return finalize(partial, final_path, **kw)
+        failed.append(partial.name)
+        others = []
+        for _ in range(3000):  # the order under test: the next file's partial exists
+            others = [p.name for p in partial.parent.glob(".*.partial") if p != partial]
+            if others:
+                break
+            time.sleep(0.01)
+        assert others, "the next file's partial file never appeared"
+        partial.unlink()  # as finalize_file does on a full disk
+        raise disk_full_error(final_path, needed=1 << 20)
+
+    monkeypatch.setattr(store, "finalize_file", full_at_the_first)
+    cfg = ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf", samples_per_file=8)
+    with pytest.raises(PipelineError, match="no space left on the device writing"):
+        extract_hidden_states(cfg)
+    assert failed and not list(wd.store().glob(".*partial*"))
+    monkeypatch.undo()
+    extract_hidden_states(cfg)
+    assert store_files(wd) == store_files(base)
 
 
 # -- a flipped byte in the store ---------------------------------------------------------------------

@@ -24,11 +24,11 @@ import torch
 from eagle3.artifacts.atomic import DiskFullError, disk_full_error, free_bytes, is_disk_full, write_json
 from eagle3.artifacts.store.format import (FINALIZE_CHUNK_ELEMS, FP8, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
                                            FileLayout, _views, encoding_named, entry_name, file_bytes, file_checksum,
-                                           identity_hash, label_positions, out_name, quantize_fp8, write_identity)
+                                           identity_hash, label_positions, out_name, partial_name, quantize_fp8, write_identity)
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 
-__all__ = ['create_partial_file', 'write_sample_states', 'bytes_to_write', 'require_free_space', 'finalize_file',
+__all__ = ['create_partial_file', 'remove_partial', 'write_sample_states', 'bytes_to_write', 'require_free_space', 'finalize_file',
            'read_entry', 'write_index']
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,13 @@ def create_partial_file(path: Path, *, split: str, file_no: int, first_sample: i
     _create_file(path, lay, header, {"sample_offsets": memoryview(offsets).cast("B"),
                                      "input_ids": memoryview(ids).cast("B"), "loss_mask": memoryview(mask).cast("B")})
     return lay
+
+
+def remove_partial(store_dir: Path, split: str, file_no: int) -> None:
+    """Remove what an unfinished file left in `store_dir`: its partial file and the files
+    beside it (fp8's `.out`, vLLM's done log). Never read, always redone."""
+    for leftover in store_dir.glob(partial_name(split, file_no) + "*"):
+        leftover.unlink(missing_ok=True)
 
 
 def _create_file(path: Path, lay: FileLayout, header: bytes, columns: dict[str, memoryview]) -> None:

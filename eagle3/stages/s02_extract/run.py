@@ -29,6 +29,7 @@ of a split rejected is a warning.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
@@ -41,6 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from eagle3.artifacts import store
+from eagle3.artifacts.atomic import DiskFullError
 from eagle3.artifacts.dataset import load_split as load_prepared
 from eagle3.artifacts.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
                                        record_of, sha256_json, write_manifest)
@@ -247,9 +249,20 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
                 loss_masks=masks, hidden_size=p.info.hidden_size, aux_layers=p.aux_layers,
                 identity_hash=p.identity_hash)
             rows = np.cumsum([0] + [len(x) for x in ids])[:-1].tolist()  # token offset of each sample
-            written = backend.extract_file(partial, ids, rows, on_tokens)
-            if pending is not None:
-                pending.result()
+            written = None
+            try:
+                written = backend.extract_file(partial, ids, rows, on_tokens)
+                if pending is not None:
+                    pending.result()
+            except DiskFullError:
+                # The file before could not be finalized for want of space (or this one's
+                # writes hit it): the stop frees this file's space too, once the engine has
+                # stopped writing into it; the rerun redoes it.
+                if written is not None:
+                    with contextlib.suppress(Exception):
+                        written()
+                store.remove_partial(d, spec.split, spec.file_no)
+                raise
             pending = pool.submit(
                 _finish_file, written, partial, d / spec.name, split=spec.split, file_no=spec.file_no,
                 first_sample=spec.first, sample_ids=sample_ids, identity_hash=p.identity_hash,
@@ -388,8 +401,7 @@ def extract_hidden_states(cfg: ExtractConfig) -> Manifest | None:
     plan = plan_files(p.num_samples, cfg.samples_per_file)
     mine = box_files(plan, cfg.num_shards, cfg.shard_index)
     for spec in mine:  # leftovers of a killed run: never read, always redone
-        for leftover in d.glob(store.partial_name(spec.split, spec.file_no) + "*"):
-            leftover.unlink()
+        store.remove_partial(d, spec.split, spec.file_no)
     todo = [s for s in mine if not _file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
     log.info("stage 02: %d files in the store, %d for this box (shard %d/%d), %d to do", len(plan), len(mine),
              cfg.shard_index, cfg.num_shards, len(todo))

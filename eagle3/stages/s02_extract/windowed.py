@@ -90,8 +90,7 @@ def _extract(engine: _Engine, cfg: ExtractConfig, p: _run.Prepared, d, splits: d
     """Extract every file of `p`'s splits into folder d not yet complete there; the plan of files."""
     plan = _run.plan_files(p.num_samples, cfg.samples_per_file)
     for spec in plan:  # leftovers of a killed run: never read, always redone
-        for leftover in d.glob(store.partial_name(spec.split, spec.file_no) + "*"):
-            leftover.unlink()
+        store.remove_partial(d, spec.split, spec.file_no)
     todo = [s for s in plan if not _run._file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
     log.info("stage 02: %s: %d files, %d to do -> %s", what, len(plan), len(todo), d)
     if todo:
