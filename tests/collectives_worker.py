@@ -16,6 +16,9 @@ Scenarios:
     foreign      a group created before stage 04 that serves CUDA only ("cuda:gloo"): the
                  seam must refuse a host tensor by name on a machine without a GPU.
     rng          every rank's RNG state gathered for rank 0 to write, then restored per rank.
+    rounds       stage 04 over windows (`Rounds.ensure`) where a round is complete for
+                 rank 0 and not (yet) for rank 1 after --window-wait-s, then where rank 1
+                 finds the round damaged: both ranks must make the same choice.
     uneven       a drafter wrapped as stage 04 wraps it (`wrap_ddp`); rank 0 runs two
                  held-out forwards, rank 1 none, then both sum their counts, as a held-out
                  evaluation whose batches do not divide evenly does. The group's timeout is
@@ -151,11 +154,53 @@ def uneven(rank: int, local_rank: int) -> dict:
             "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
 
 
+def rounds(rank: int, local_rank: int) -> dict:
+    import tempfile
+    from datetime import timedelta
+
+    from eagle3.artifacts.workdir import WorkDir
+    from eagle3.core.errors import PipelineError
+    from eagle3.stages.s04_train.windows import Rounds
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+
+    class Schedule:  # the run's step 40 is round 1's first
+        total = 80
+
+        def locate(self, step):
+            return (step // 40, step % 40)
+
+    def opened_by_rank_0_only(r):
+        if rank == 0:
+            found.current = r
+        return rank == 0
+
+    def damaged_for_rank_1(r):
+        if rank == 1:
+            raise PipelineError(f"stage 04: round {r} is damaged (a file's checksum differs)")
+        found.current = r
+        return True
+
+    found = Rounds(WorkDir(Path(tempfile.mkdtemp())), None, Schedule(), windows_dir=None, keep=False, wait_s=0.5,
+                   main_rank=rank == 0)
+    found._open = opened_by_rank_0_only
+    goes_on = found.ensure(40)
+    current = found.current
+    found._open = damaged_for_rank_1
+    try:
+        found.ensure(40)
+        error = None
+    except PipelineError as e:
+        error = str(e)
+    return {"goes_on": goes_on, "current": current, "damaged_error": error}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     try:
-        result = {"cuda_group": cuda_group, "foreign": foreign, "rng": rng, "uneven": uneven}[scenario](rank, local_rank)
+        result = {"cuda_group": cuda_group, "foreign": foreign, "rng": rng, "rounds": rounds,
+                  "uneven": uneven}[scenario](rank, local_rank)
     except Exception:  # noqa: BLE001 - the test shows what any rank met
         result = {"crash": traceback.format_exc()}
     (out / f"rank{rank}.json").write_text(json.dumps(result))

@@ -101,6 +101,18 @@ def test_ranks_with_unequal_forward_counts_finish(tmp_path):
         assert not [w for w in seen["warnings"] if "broadcast_buffers" in w], seen["warnings"]
 
 
+def test_ranks_agree_on_a_round_found_by_one_rank_only(tmp_path):
+    """Stage 04 over windows: rank 0 finds round 1 complete, rank 1 not within
+    --window-wait-s (a round completed right at the deadline). Both stop; one training on
+    alone would wait forever in its first collective. A round one rank finds damaged
+    stops both, the other naming that rank's finding."""
+    results = two_ranks("rounds", tmp_path / "out")
+    for rank, seen in enumerate(results):
+        assert seen["goes_on"] is False and seen["current"] is None, (rank, seen)
+    first, second = (seen["damaged_error"] or "" for seen in results)
+    assert "another rank found round 1 damaged" in first and "round 1 is damaged (a file's checksum" in second
+
+
 def test_the_ddp_keyword_follows_torchs_signature(monkeypatch):
     """torch 2.13 renamed DDP's switch (broadcast_buffers deprecated, forward_sync_buffers);
     a GPU box's older torch knows only broadcast_buffers."""

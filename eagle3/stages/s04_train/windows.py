@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from eagle3.artifacts import store, windows
 from eagle3.artifacts.dataset import load_split
@@ -40,6 +41,7 @@ from eagle3.artifacts.store import HiddenStateStore
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s04_train.data import Batching, EpochPlan
+from eagle3.stages.s04_train.distributed import all_reduce_sum
 
 log = logging.getLogger(__name__)
 
@@ -163,19 +165,45 @@ class Rounds:
         return True
 
     def ensure(self, step: int) -> bool:
-        """Open the round of `step`; False when it is not extracted (after --window-wait-s)."""
+        """Open the round of `step`; False when it is not extracted (after --window-wait-s).
+
+        Every rank gives the same answer: a round completed right at the deadline can be
+        found by one rank and not by another, and a rank that trained on alone would wait
+        forever in its first collective for the ones that stopped. So the ranks sum what
+        they found (one pair of scalars, at a round's first step only): all go on only if
+        all opened it, and a damaged round stops every rank."""
         r, _ = self.schedule.locate(step)
         if self.current == r:
             return True
         self.split, self.current = None, None
+        error = None
+        try:
+            opened = self._wait_open(r)
+        except PipelineError as e:
+            opened, error = False, e
+        missing, damaged = all_reduce_sum(torch.tensor([float(not opened and error is None),
+                                                        float(error is not None)], dtype=torch.float64)).tolist()
+        if error is not None:
+            raise error
+        if damaged:
+            raise PipelineError(f"stage 04: another rank found round {r} damaged (its log says how); stopping at "
+                                f"step {step}.")
+        if missing:
+            d = self.dir / windows.round_name(r)
+            self.split, self.current = None, None
+            log.warning("stage 04: round %d is not extracted yet (%s has no complete %s on %s): stopping at step %d "
+                        "of %d. Run `python %s --window %d` (same --config and --disk-budget), then rerun "
+                        "this command; `python -m eagle3.tools.window_loop` does both in turn.", r, d,
+                        windows.COMPLETE_JSON, "this rank" if not opened else f"{int(missing)} other rank(s)", step,
+                        self.schedule.total, WorkDir.script("extract"), r)
+            return False
+        return True
+
+    def _wait_open(self, r: int) -> bool:
+        """Open round r on this rank, waiting up to --window-wait-s for it to be complete."""
         deadline = time.monotonic() + self.wait_s
         while not self._open(r):
             if time.monotonic() >= deadline:
-                d = self.dir / windows.round_name(r)
-                log.warning("stage 04: round %d is not extracted yet (%s has no complete %s): stopping at step %d "
-                            "of %d. Run `python %s --window %d` (same --config and --disk-budget), then rerun "
-                            "this command; `python -m eagle3.tools.window_loop` does both in turn.", r, d,
-                            windows.COMPLETE_JSON, step, self.schedule.total, WorkDir.script("extract"), r)
                 return False
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         return True
