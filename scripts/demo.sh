@@ -9,18 +9,25 @@
 # --tiny: the tiny synthetic Llama target (built and briefly trained locally,
 # configs/tiny-llama.yaml), stages 01-06, a few minutes: the pipeline's plumbing only.
 #
-# Usage: bash scripts/demo.sh [--tiny | --smollm2] [--skip-setup]
+# On a CPU without bf16 matmuls in hardware (AVX2 only: no AVX512-BF16, no AMX) the
+# target stages 00, 02 and 06 run the target in float32 (--dtype float32): vLLM emulates
+# bf16 there, several times slower (docs/results.md, demo-avx2 and demo-fp32). --bf16
+# keeps the config's bf16 on every CPU.
+#
+# Usage: bash scripts/demo.sh [--tiny | --smollm2] [--skip-setup] [--bf16]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TINY=0
 SETUP=1
+FORCE_BF16=0
 for arg in "$@"; do
     case "$arg" in
         --tiny) TINY=1 ;;
         --smollm2) TINY=0 ;;
         --skip-setup) SETUP=0 ;;
-        *) echo "usage: bash scripts/demo.sh [--tiny | --smollm2] [--skip-setup]" >&2; exit 2 ;;
+        --bf16) FORCE_BF16=1 ;;
+        *) echo "usage: bash scripts/demo.sh [--tiny | --smollm2] [--skip-setup] [--bf16]" >&2; exit 2 ;;
     esac
 done
 
@@ -73,8 +80,18 @@ if [ -d "$WORK" ] && [ "$before" != "$(cat "$MARKER")" ]; then
     echo "demo: the target was rebuilt; removing $WORK, which was computed from the previous one" >&2
     rm -rf "$WORK"
 fi
+TARGET_DTYPE=()  # extra arguments of the stages that run the target
+if [ "$FORCE_BF16" = 0 ] && [ "$($PY -c 'from eagle3.drafter.cpu import hardware_bf16; print(int(hardware_bf16()))')" = 0 ]; then
+    echo "demo: this CPU has no bf16 matmuls in hardware (no AMX, no AVX512-BF16): stages 00, 02 and 06 run" \
+         "the target in float32 (--dtype float32), several times faster than emulated bf16 here;" \
+         "its answers and figures differ from a bf16 run's. --bf16 keeps bf16." >&2
+    TARGET_DTYPE=(--dtype float32)
+fi
 for s in $STAGES; do
     script=$(ls ${s}_*.py)
-    timed "$s" $PY "$script" --config $CONFIG
+    case "$s" in
+        00|02|06) timed "$s" $PY "$script" --config $CONFIG "${TARGET_DTYPE[@]}" ;;
+        *) timed "$s" $PY "$script" --config $CONFIG ;;
+    esac
 done
 $PY -m eagle3.tools.demo --config $CONFIG --elapsed-s $(( $(date +%s) - start )) --stage-times "$TIMES"

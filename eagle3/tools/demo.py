@@ -135,7 +135,8 @@ def served_lines(results: dict) -> list[str]:
     per = " ".join(_num(a, ".2f") for a in results["acceptance_per_position"] or [])
     per0 = " ".join(_num(a, ".2f") for a in results["untrained_acceptance_per_position"] or [])
     lines = [
-        f"served    {eng['name']} {eng['version']} ({eng['platform']}), K = {K}, "
+        f"served    {eng['name']} {eng['version']} ({eng['platform']}), target in "
+        f"{(results.get('settings') or {}).get('dtype', 'n/a')}, K = {K}, "
         f"{'greedy' if t == 0 else f'T = {t:g}'}, {results['prompts']['count']} held-out prompts",
         "  acceptance length   " + "  |  ".join(head),
         f"  per draft position  trained {per}" + (f"  |  untrained {per0}" if per0 else ""),

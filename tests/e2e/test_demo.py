@@ -22,7 +22,7 @@ def results(**over) -> dict:
         "expected_accept_length_training": {"value": 1.64, "k": 3, "ttt_steps": 3, "full_acc": [0.4, 0.16, 0.08]},
         "tokens_per_s": {"plain": 20.9, "speculative": 28.4}, "speedup": 1.35,
         "break_even_acceptance_length": 1.10, "beats_break_even": True, "timing_problems": [],
-        "teacher": {"greedy_equals_dataset_answer": None},
+        "teacher": {"greedy_equals_dataset_answer": None}, "settings": {"dtype": "float32"},
     }
     r.update(over)
     return r
@@ -80,6 +80,7 @@ def test_summary_of_a_work_dir_where_only_stage_06_ran_and_of_a_full_one(tmp_pat
                    record=EvaluateRecord(drafter_dir="/d", target_model="t"))
     alone = summary_text(wd.root)
     assert "data " not in alone and "training " not in alone and "verdict   trained beats untrained" in alone
+    assert "served    vllm 0.32.0 (cpu), target in float32, K = 3, greedy" in alone  # a demo.sh on an AVX2 CPU
     write_manifest(wd, "generate", params={}, inputs={}, outputs=[], counts={}, record=GenerateRecord(
         target_model="t", tokenizer_fingerprint="f", chat_template_kwargs={}, stop_token_ids=[2], complete=True,
         num_chunks=1, missing_chunks=0, missing_shard_indices=[],
