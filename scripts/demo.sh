@@ -81,7 +81,8 @@ if [ -d "$WORK" ] && [ "$before" != "$(cat "$MARKER")" ]; then
     rm -rf "$WORK"
 fi
 TARGET_DTYPE=()  # extra arguments of the stages that run the target
-if [ "$FORCE_BF16" = 0 ] && [ "$($PY -c 'from eagle3.drafter.cpu import hardware_bf16; print(int(hardware_bf16()))')" = 0 ]; then
+HAS_BF16=$($PY -c 'from eagle3.drafter.cpu import hardware_bf16; print(int(hardware_bf16()))')
+if [ "$FORCE_BF16" = 0 ] && [ "$HAS_BF16" = 0 ]; then
     echo "demo: this CPU has no bf16 matmuls in hardware (no AMX, no AVX512-BF16): stages 00, 02 and 06 run" \
          "the target in float32 (--dtype float32), several times faster than emulated bf16 here;" \
          "its answers and figures differ from a bf16 run's. --bf16 keeps bf16." >&2

@@ -24,12 +24,13 @@ import torch
 from eagle3.artifacts.atomic import DiskFullError, disk_full_error, free_bytes, is_disk_full, write_json
 from eagle3.artifacts.store.format import (FINALIZE_CHUNK_ELEMS, FP8, INDEX_JSON, STORE_FORMAT, STORE_JSON, Encoding,
                                            FileLayout, _views, encoding_named, entry_name, file_bytes, file_checksum,
-                                           identity_hash, label_positions, out_name, partial_name, quantize_fp8, write_identity)
+                                           identity_hash, label_positions, out_name, partial_name, quantize_fp8,
+                                           write_identity)
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 
-__all__ = ['create_partial_file', 'remove_partial', 'write_sample_states', 'bytes_to_write', 'require_free_space', 'finalize_file',
-           'read_entry', 'write_index']
+__all__ = ['create_partial_file', 'remove_partial', 'write_sample_states', 'bytes_to_write', 'require_free_space',
+           'finalize_file', 'read_entry', 'write_index']
 
 log = logging.getLogger(__name__)
 
