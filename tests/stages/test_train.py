@@ -88,6 +88,8 @@ def test_two_process_gloo_run_equals_one_process_with_grad_accum(tmp_path, stage
     assert r.returncode == 0, r.stderr[-3000:]
     m = read_manifest(WorkDir(two), "train", needed_by="test")
     assert m.counts["processes"] == 2 and record_of(m).steps == 3
+    # Each rank leaves without the interpreter's teardown (eagle3/core/cli.py): its log is flushed first.
+    assert "stage 04 finished: 3 steps" in WorkDir(two).log_file("04_train").read_text()
     w1, w2 = weights(WorkDir(one).checkpoint(3)), weights(WorkDir(two).checkpoint(3))
     for k in w1:
         assert torch.allclose(w1[k].float(), w2[k].float(), atol=1e-5, rtol=1e-4), k
