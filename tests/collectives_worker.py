@@ -38,6 +38,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from eagle3.core.cli import leave_without_teardown  # noqa: E402
+
 K = 3
 
 
@@ -213,9 +215,7 @@ def main() -> None:
         if "cpu" in dist.BackendConfig(dist.get_backend()).get_device_backend_map():
             dist.barrier()  # (the "foreign" group serves no host tensors and so has no barrier)
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_teardown()  # as a stage's torchrun rank does (eagle3/core/cli.py)
 
 
 if __name__ == "__main__":
