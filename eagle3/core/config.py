@@ -11,8 +11,8 @@ config the top-level keys that are its fields, then its section, then the overri
 (the flags eagle3/core/cli.py generates from the same dataclass; None means not given),
 converts each value to its field's type (`coerce`: a value of another kind, such as YAML's
 `true` for a number or `[0]` for a flag, is refused naming the key, its file or flag and the
-fix), and refuses a missing required setting naming its flag. Paths are kept as written: a relative one is relative to the
-directory the command runs in.
+fix), and refuses a missing required setting naming its flag. Paths are kept as written: a
+relative one is relative to the directory the command runs in.
 
 Fields carry metadata: `help` for the CLI, `identity=False` for knobs that do not
 change a stage's output (worker counts, --force), so they stay out of the

@@ -203,7 +203,8 @@ def test_coerce_converts_exact_values_and_refuses_lossy_or_unknown_ones():
     ("train.init_from", "no", r"`init_from` = False is a boolean, but `init_from` takes a string; .*quote the word"),
     # the other way round: a list field given a single value or a mapping, or items of the wrong kind
     ("train.report_to", "{wandb: 1}", r"`report_to` = \{'wandb': 1\} is a mapping, but `report_to` takes a list of "
-                                      r"strings; write a list of strings, e.g. `report_to: \[a, b\]` \(--report-to a,b"),
+                                      r"strings; write a list of strings, e.g. `report_to: \[a, b\]` "
+                                      r"\(--report-to a,b"),
     ("train.report_to", "true", r"`report_to` = True is a boolean, but `report_to` takes a list of strings"),
     ("train.report_to", "[[wandb]]", r"`report_to` item 1 \(\['wandb'\]\) is a list, but `report_to` takes a string"),
 ])
