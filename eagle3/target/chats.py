@@ -25,17 +25,21 @@ with a reason and a line, never a traceback.
 
 No file is read whole: a JSONL file goes line by line, a `.json` file item by item
 (eagle3/target/json_items.py), and a record longer than MAX_RECORD_BYTES is a bad record
-(`record_too_long`) skipped without being held.
+(`record_too_long`) skipped without being held. An exact duplicate, a record whose
+conversation (the messages a stage reads from it) equals an earlier record's, is a bad
+record too (`duplicate`, `mark_duplicates`): a copy on each side of the held-out split
+would make every held-out figure a figure on training data.
 """
 from __future__ import annotations
 
 import codecs
 import gzip
+import hashlib
 import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from eagle3.core.errors import PipelineError
 from eagle3.target.json_items import json_items, text_pieces
@@ -372,6 +376,9 @@ FIXES = {
     "invalid_utf8": "the file must be UTF-8 encoded",
     "record_too_long": f"a record may hold at most {MAX_RECORD_BYTES >> 20} MiB of JSON: split the conversation or "
                        f"drop what no turn needs (attachments, tool dumps)",
+    "duplicate": "the input repeats conversations (records whose messages equal an earlier record's); the first of "
+                 "each is kept: remove the copies, and check that no file was passed twice or concatenated with "
+                 "itself",
 }
 
 
@@ -410,6 +417,35 @@ def _turns_from_columns(columns: dict) -> list:
         raise BadRecord("malformed_turns", f"turns are a dict that is not equal-length columns: {str(columns)[:60]!r}")
     keys = list(columns)
     return [dict(zip(keys, row)) for row in zip(*(columns[k] for k in keys))]
+
+
+def conversation_key(messages: list[dict]) -> bytes:
+    """Two conversations have the same key exactly when their messages are equal: the same
+    roles and the same text, turn by turn (no whitespace or case folding)."""
+    canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def mark_duplicates(records: list[RawRecord], messages_of: Callable[[Any], list[dict]]) -> list[RawRecord]:
+    """`records` with each exact duplicate turned into a bad record, `duplicate`, naming the first
+    copy: a later record whose `messages_of(record)` equals an earlier one's. The first copy (in
+    input order, over all sources) is kept, so the result does not depend on workers or the split.
+    Records `messages_of` refuses (BadRecord) are left as they are: each is counted by its own
+    reason."""
+    first: dict[bytes, str] = {}
+    out = []
+    for raw in records:
+        try:
+            key = conversation_key(messages_of(raw.record))
+        except BadRecord:
+            out.append(raw)
+            continue
+        if key in first:
+            raw = RawRecord(raw.source, raw.line, BadRecord("duplicate", f"the same conversation as {first[key]}"))
+        else:
+            first[key] = raw.where
+        out.append(raw)
+    return out
 
 
 def sample_id(raw: RawRecord) -> str:

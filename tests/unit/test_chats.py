@@ -216,6 +216,30 @@ def test_json_items_equal_json_loads_whatever_the_piece_boundaries():
             assert [(x.problem, x.value) for x in items] == [(None, r) for r in records], (text, size)
 
 
+def test_exact_duplicates_are_marked_naming_the_first_copy():
+    from eagle3.target.chats import mark_duplicates
+
+    chat = {"messages": [SYSTEM, U("Hi"), A("Hello!")]}
+    same_in_sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                          {"from": "gpt", "value": "Hello!"}]}
+    in_parts = {"messages": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "H"},
+                                                                  {"type": "text", "text": "i"}]}, A("Hello!")]}
+    with_a_last_question = {"messages": chat["messages"] + [U("Why?")]}  # trimmed by normalize: the same
+    other_space = {"messages": [SYSTEM, U("Hi "), A("Hello!")]}
+    no_system = {"messages": [U("Hi"), A("Hello!")]}
+    records = [chat, same_in_sharegpt, in_parts, with_a_last_question, other_space, no_system, {"text": "x"},
+               {"text": "x"}, chat]
+    raws = mark_duplicates([RawRecord("a.jsonl", i + 1, r) for i, r in enumerate(records)],
+                           lambda record: normalize(record)[0])
+    marked = [(r.line, r.record.detail) for r in raws if isinstance(r.record, BadRecord)]
+    assert marked == [(2, "the same conversation as a.jsonl:1"), (3, "the same conversation as a.jsonl:1"),
+                      (4, "the same conversation as a.jsonl:1"), (9, "the same conversation as a.jsonl:1")]
+    assert all(r.record.reason == "duplicate" for r in raws if isinstance(r.record, BadRecord))
+    # records that are no conversation keep their own record (and reason), whatever they repeat
+    assert [r.record for r in raws[6:8]] == [{"text": "x"}, {"text": "x"}]
+    assert "duplicate" in FIXES
+
+
 # -- prompt shapes: what stage 00 answers (record_turns + answer_slots) ---------------------
 
 def U(text):
