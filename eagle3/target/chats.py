@@ -421,9 +421,15 @@ def _turns_from_columns(columns: dict) -> list:
 
 def conversation_key(messages: list[dict]) -> bytes:
     """Two conversations have the same key exactly when their messages are equal: the same
-    roles and the same text, turn by turn (no whitespace or case folding)."""
-    canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
-    return hashlib.blake2b(canonical.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    roles and the same text, turn by turn (no whitespace or case folding). Each text goes in
+    with its length, so no two lists of texts hash the same bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for m in messages:
+        for text in (m["role"], m["content"]):
+            data = text.encode("utf-8", "surrogatepass")
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    return digest.digest()
 
 
 def mark_duplicates(records: list[RawRecord], messages_of: Callable[[Any], list[dict]]) -> list[RawRecord]:
