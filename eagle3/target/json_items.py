@@ -247,6 +247,8 @@ def _object_records(scan: _Scanner) -> Iterator[Item]:
     chars = 0  # the members' size, for the one-record case
     scan.pos += 1
     while (char := scan.peek()) != "}":
+        if char is None:
+            raise _Broken("the file ends inside the top-level object")
         if char != '"':
             raise _Broken(f"expected a member name in the top-level object, found {char!r}")
         name = scan.value(1)
