@@ -124,6 +124,15 @@ def good_line(rec=GOOD) -> bytes:
     return json.dumps(rec, ensure_ascii=False).encode("utf-8") + b"\n"
 
 
+def numbered(rec: dict, i: int) -> dict:
+    """A copy of a chat record (OpenAI or ShareGPT) whose last turn ends with ` (i)`: records of
+    one shape that are not duplicates of each other (stages drop exact duplicates)."""
+    key, text = ("messages", "content") if "messages" in rec else ("conversations", "value")
+    turns = [dict(t) for t in rec[key]]
+    turns[-1][text] += f" ({i})"
+    return {**rec, key: turns}
+
+
 def bad_utf8_line() -> bytes:
     # A Latin-1 encoded line, as found in real dumps: 0xe9 alone is not UTF-8.
     return good_line({"messages": [{"role": "user", "content": "caf\u00e9?"},

@@ -9,9 +9,10 @@ the stages that run target engines and can split their work over boxes (00 and 0
 `extract:`, `vocab:`, `train:`, `export:`, `evaluate:`). `build_config` gives a stage's
 config the top-level keys that are its fields, then its section, then the overrides
 (the flags eagle3/core/cli.py generates from the same dataclass; None means not given),
-converts each value to its field's type (`coerce`), and refuses a missing required
-setting naming its flag. Paths are kept as written: a relative one is relative to the
-directory the command runs in.
+converts each value to its field's type (`coerce`: a value of another kind, such as YAML's
+`true` for a number or `[0]` for a flag, is refused naming the key, its file or flag and the
+fix), and refuses a missing required setting naming its flag. Paths are kept as written: a
+relative one is relative to the directory the command runs in.
 
 Fields carry metadata: `help` for the CLI, `identity=False` for knobs that do not
 change a stage's output (worker counts, --force), so they stay out of the
@@ -34,6 +35,7 @@ import dataclasses
 import difflib
 import importlib
 import logging
+import os
 import types
 import typing
 from pathlib import Path
@@ -110,8 +112,110 @@ def unwrap_optional(tp):
     return tp, False
 
 
+# What each field type takes, in words, and an example of it (YAML form, flag form) for messages.
+_TAKES = {int: ("a whole number", "8", "8"), float: ("a number", "0.5", "0.5"), bool: ("true or false", "true", ""),
+          str: ("a string", '"text"', "text"), Path: ("a path", "some/folder", "some/folder"),
+          dict: ("a mapping", "{key: value}", "'{\"key\": \"value\"}'")}
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
+class _WrongKind(TypeError):
+    """A value of another kind than its field takes (a boolean for a number, a list for a string, ...)."""
+
+
+def _kind(value: Any) -> str:
+    """A YAML value's kind in words."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple, set)):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def _scalar(tp, value: Any):
+    """`value` as one value of type `tp`. Raises _WrongKind for a value of another kind (YAML reads
+    `true`, `[0]` and `{a: 1}` as a boolean, a list and a mapping, and Python's int(), float(),
+    str() and bool() would take each of them), ValueError for a string or number that is not one."""
+    if isinstance(value, (list, tuple, set, dict)) and tp is not dict:
+        raise _WrongKind(value)
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+            return value.lower() in _TRUE
+        if isinstance(value, bool) or (type(value) is int and value in (0, 1)):
+            return bool(value)
+        raise _WrongKind(value) if not isinstance(value, str) else ValueError(value)
+    if isinstance(value, bool):  # a bool is an int to Python: True would pass as 1
+        raise _WrongKind(value)
+    if tp in (int, float):
+        if not isinstance(value, (int, float, str)):
+            raise _WrongKind(value)
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return tp(value)
+    if tp in (str, Path):
+        if not isinstance(value, (str, int, float, os.PathLike)):
+            raise _WrongKind(value)
+        return tp(value) if tp is Path else str(value)
+    if tp is dict:  # a mapping, or its JSON text (a flag); the stage's config parses the text
+        if not isinstance(value, (dict, str)):
+            raise _WrongKind(value)
+        return value
+    return value
+
+
+def _words(tp) -> str:
+    """What a field of type `tp` takes, in words ('a list of whole numbers')."""
+    if typing.get_origin(tp) is list:
+        return "a list of " + _words(typing.get_args(tp)[0]).removeprefix("a ") + "s"
+    return _TAKES[tp][0] if tp in _TAKES else f"a {getattr(tp, '__name__', tp)}"
+
+
+def _default_example(cls, name: str, tp) -> str | None:
+    """The field's default as a YAML example, when it is a plain value of the field's type."""
+    f = {f.name: f for f in dataclasses.fields(cls)}.get(name)
+    default = f.default if f is not None else dataclasses.MISSING
+    if type(default) is tp and tp in (int, float):
+        return str(default)
+    if type(default) is str and tp is str and default:
+        return f'"{default}"'
+    return None
+
+
+def _wrong_kind(cls, name: str, tp, value: Any, source: str, item: int | None = None) -> PipelineError:
+    """The message for a value of the wrong kind: where it came from, what the field takes, the fix."""
+    flag = "--" + name.replace("_", "-")
+    what = f"`{name}` = {value!r}" if item is None else f"`{name}` item {item + 1} ({value!r})"
+    words = _words(tp)
+    if typing.get_origin(tp) is list:
+        (item_tp,) = typing.get_args(tp)
+        yaml, flag_form = ("[2, 30, 58]", "2,30,58") if item_tp in (int, float) else ("[a, b]", "a,b")
+        taken = words if item is None else _words(item_tp)
+    else:
+        _, yaml, flag_form = _TAKES.get(tp, (words, "...", "..."))
+        yaml = _default_example(cls, name, tp) or yaml
+        flag_form = flag_form and (_default_example(cls, name, tp) or flag_form).strip('"')
+        taken = words
+    fix = f"write {words}, e.g. `{name}: {yaml}`" + (f" ({flag} {flag_form} on the command line)" if flag_form
+                                                     else f" ({flag} / --no-{name.replace('_', '-')})")
+    if isinstance(value, bool) and (tp is str or tp is Path):
+        fix += "; YAML reads an unquoted true/false/yes/no/on/off as a boolean, so quote the word you meant"
+    return PipelineError(f"{source}: {what} is {_kind(value)}, but `{name}` takes {taken}; {fix}.")
+
+
 def coerce(cls, name: str, value: Any, source: str):
-    """Convert a YAML/CLI value to the field's type, or explain what is wrong."""
+    """Convert a YAML/CLI value to the field's type, or explain what is wrong.
+
+    Strings are parsed (flags are strings: `--aux-layers 2,30,58`, `--strict yes`). A value of
+    another kind is refused, naming the key, where it came from and the fix: a boolean for a
+    number, string or path; a list or mapping for a single value; a boolean, number or mapping
+    for a list (and a list, boolean or mapping item inside one); anything but a mapping (or its
+    JSON text) for a mapping. Numbers are taken for strings and paths (a name can be numeric)."""
     tp, optional = unwrap_optional(field_types(cls)[name])
     if value is None or (optional and isinstance(value, str) and value.lower() in ("none", "null", "")):
         if optional:
@@ -119,26 +223,25 @@ def coerce(cls, name: str, value: Any, source: str):
         raise PipelineError(f"{source}: `{name}` must be set (got null).")
     try:
         if typing.get_origin(tp) is list:
-            (item,) = typing.get_args(tp)
+            (item_tp,) = typing.get_args(tp)
             if isinstance(value, str):
                 value = [v for v in value.replace(" ", "").split(",") if v]
-            return [item(v) for v in value]
-        if tp is bool:
-            if isinstance(value, str):
-                if value.lower() in ("1", "true", "yes"):
-                    return True
-                if value.lower() in ("0", "false", "no"):
-                    return False
-                raise ValueError(value)
-            return bool(value)
-        if tp is Path:
-            return Path(value)
-        if tp in (int, float, str):
-            if tp is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError(value)
-            return tp(value)
+            elif not isinstance(value, (list, tuple)):
+                raise _wrong_kind(cls, name, tp, value, source)
+            out = []
+            for i, v in enumerate(value):
+                try:
+                    out.append(_scalar(item_tp, v))
+                except _WrongKind:
+                    raise _wrong_kind(cls, name, tp, v, source, item=i) from None
+            return out
+        if tp in _TAKES:
+            return _scalar(tp, value)
+    except _WrongKind:
+        raise _wrong_kind(cls, name, tp, value, source) from None
     except (TypeError, ValueError) as e:
-        raise PipelineError(f"{source}: `{name}` = {value!r} is not a valid {tp}.") from e
+        raise PipelineError(f"{source}: `{name}` = {value!r} is not a valid value: `{name}` takes {_words(tp)} "
+                            f"(--{name.replace('_', '-')}).") from e
     return value
 
 

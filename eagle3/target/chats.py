@@ -22,18 +22,27 @@ reason into the one-line advice a stage prints when nothing usable is left. Bad 
 array holding such bytes, text with unpaired surrogates (the tokenizer would raise),
 and the point where a truncated or corrupt gzip stream stops are each one record
 with a reason and a line, never a traceback.
+
+No file is read whole: a JSONL file goes line by line, a `.json` file item by item
+(eagle3/target/json_items.py), and a record longer than MAX_RECORD_BYTES is a bad record
+(`record_too_long`) skipped without being held. An exact duplicate, a record whose
+conversation (the messages a stage reads from it) equals an earlier record's, is a bad
+record too (`duplicate`, `mark_duplicates`): a copy on each side of the held-out split
+would make every held-out figure a figure on training data.
 """
 from __future__ import annotations
 
 import codecs
 import gzip
+import hashlib
 import json
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from eagle3.core.errors import PipelineError
+from eagle3.target.json_items import json_items, text_pieces
 
 ROLES = {
     "system": "system",
@@ -41,6 +50,11 @@ ROLES = {
     "assistant": "assistant", "gpt": "assistant", "model": "assistant", "chatgpt": "assistant",
 }
 LOCAL_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz")
+# The longest record a chat file may hold: bytes of a JSONL line, characters of a .json item.
+# 16 MiB of JSON is several million tokens, many times the longest context any target serves
+# (262,144 for Kimi-K2.5); a longer line is a bad record (`record_too_long`), skipped without
+# being held whole, so one runaway line cannot take the stage's memory.
+MAX_RECORD_BYTES = 16 << 20
 # What a gzip stream raises when it was cut short (EOFError) or its bytes are wrong.
 _GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
 
@@ -75,10 +89,12 @@ class RawRecord:
         return f"{self.source}:{self.line}"
 
 
-def iter_records(source: str, split: str = "train") -> Iterator[RawRecord]:
+def iter_records(source: str, split: str = "train", max_record_bytes: int | None = None) -> Iterator[RawRecord]:
+    """The records of a chat file or `datasets` source, in order. A local file's record longer than
+    `max_record_bytes` (default MAX_RECORD_BYTES) is a bad record, `record_too_long`."""
     if is_local_file_name(source):
         check_local_files([source])
-        yield from _iter_local(Path(source))
+        yield from _iter_local(Path(source), max_record_bytes or MAX_RECORD_BYTES)
         return
     for i, row in enumerate(_load_dataset(source, split)):
         yield RawRecord(source, i + 1, row)
@@ -110,26 +126,29 @@ def _load_dataset(source: str, split: str):
             f"and --data-split (local files must end in {', '.join(LOCAL_SUFFIXES)}).") from e
 
 
-def _iter_local(path: Path) -> Iterator[RawRecord]:
+def _iter_local(path: Path, max_bytes: int) -> Iterator[RawRecord]:
     if str(path).endswith((".jsonl", ".jsonl.gz")):
-        yield from _iter_jsonl(path)
+        yield from _iter_jsonl(path, max_bytes)
     else:
-        yield from _iter_json_array(path)
+        yield from _iter_json_array(path, max_bytes)
 
 
-def _gzip_bad_record(e: Exception, lines_read: int) -> BadRecord:
+def _gzip_bad_record(e: Exception, records_read: int, unit: str = "line") -> BadRecord:
     reason = "truncated_gzip" if isinstance(e, EOFError) else "corrupt_gzip"
-    return BadRecord(reason, f"{e}; nothing after line {lines_read} could be read")
+    return BadRecord(reason, f"{e}; nothing after {unit} {records_read} could be read")
 
 
-def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
+def _iter_jsonl(path: Path, max_bytes: int) -> Iterator[RawRecord]:
     # Bytes, decoded line by line: one undecodable line is one bad record, not a
     # UnicodeDecodeError that ends the stage.
     opener = gzip.open if path.suffix == ".gz" else open
     n = 0
     try:
         with opener(path, "rb") as f:
-            for n, raw in enumerate(f, 1):
+            for n, raw in enumerate(_bounded_lines(f, max_bytes), 1):
+                if isinstance(raw, int):
+                    yield RawRecord(str(path), n, _too_long(raw, max_bytes))
+                    continue
                 if n == 1 and raw.startswith(codecs.BOM_UTF8):
                     raw = raw[len(codecs.BOM_UTF8):]
                 try:
@@ -149,39 +168,48 @@ def _iter_jsonl(path: Path) -> Iterator[RawRecord]:
         yield RawRecord(str(path), n + 1, _gzip_bad_record(e, n))
 
 
-def _iter_json_array(path: Path) -> Iterator[RawRecord]:
+def _bounded_lines(f, max_bytes: int) -> Iterator[bytes | int]:
+    """A binary file's lines, each as bytes, or as its length in bytes when it holds more than
+    `max_bytes` (the line end aside): such a line is read on a megabyte at a time and dropped,
+    never held whole."""
+    step = min(max_bytes + 1, 1 << 20)
+    while raw := f.readline(step):
+        parts: list[bytes] | None = [raw]
+        length = len(raw)
+        while len(raw) == step and not raw.endswith(b"\n"):  # the line goes on
+            raw = f.readline(step)
+            length += len(raw)
+            if parts is not None:
+                parts.append(raw)
+                if length > max_bytes + 2:  # more than any line end can explain: drop what was read
+                    parts = None
+        if parts is not None:
+            line = parts[0] if len(parts) == 1 else b"".join(parts)
+            if length <= max_bytes or len(line.rstrip(b"\r\n")) <= max_bytes:
+                yield line
+                continue
+        yield length
+
+
+def _too_long(length: int, max_bytes: int) -> BadRecord:
+    return BadRecord("record_too_long", f"{length:,} bytes, over the limit of {max_bytes:,} on one record")
+
+
+def _iter_json_array(path: Path, max_bytes: int) -> Iterator[RawRecord]:
+    """A `.json` file's records, streamed (eagle3/target/json_items.py): an item's problem is one
+    bad record, and where the file breaks (or its gzip stream ends early) reading stops with one."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    n = 0
     try:
-        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        with opener(path, "rb") as f:
+            # a file holding one chat ({"messages": [...]}) is that chat, not a wrapper of its turns
+            one_record = ("messages", "conversations") + PROMPT_FIELDS
+            for item in json_items(text_pieces(f), max_bytes, record_keys=one_record):
+                n = item.number
+                record = item.value if item.problem is None else BadRecord(item.problem, item.detail)
+                yield RawRecord(str(path), n, record)
     except _GZIP_ERRORS as e:
-        yield RawRecord(str(path), 1, _gzip_bad_record(e, 0))
-        return
-    try:
-        text, bad_bytes = raw.decode("utf-8-sig"), False
-    except UnicodeDecodeError:
-        # Keep the undecodable bytes as U+DC80..U+DCFF so the JSON still parses; the
-        # items that hold them become bad records below, the others are used.
-        text, bad_bytes = raw.decode("utf-8-sig", errors="surrogateescape"), True
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        yield RawRecord(str(path), e.lineno, BadRecord("malformed_json", str(e)))
-        return
-    if isinstance(data, dict):  # {"data": [...]} style wrappers are common
-        data = next((v for v in data.values() if isinstance(v, list)), [data])
-    for n, rec in enumerate(data, 1):
-        if bad_bytes and _holds_escaped_bytes(rec):
-            rec = BadRecord("invalid_utf8", "the item holds bytes that are not UTF-8")
-        yield RawRecord(str(path), n, rec)
-
-
-def _holds_escaped_bytes(obj: Any) -> bool:
-    if isinstance(obj, str):
-        return any("\udc80" <= c <= "\udcff" for c in obj) if not obj.isascii() else False
-    if isinstance(obj, dict):
-        return any(_holds_escaped_bytes(k) or _holds_escaped_bytes(v) for k, v in obj.items())
-    if isinstance(obj, list):
-        return any(_holds_escaped_bytes(v) for v in obj)
-    return False
+        yield RawRecord(str(path), n + 1, _gzip_bad_record(e, n, "item"))
 
 
 def _check_encodable(text: str, role: str) -> str:
@@ -346,6 +374,11 @@ FIXES = {
     "malformed_json": "the file must be JSON Lines (one object per line, .jsonl) or one JSON array (.json)",
     "not_an_object": "each record must be a JSON object",
     "invalid_utf8": "the file must be UTF-8 encoded",
+    "record_too_long": f"a record may hold at most {MAX_RECORD_BYTES >> 20} MiB of JSON: split the conversation or "
+                       f"drop what no turn needs (attachments, tool dumps)",
+    "duplicate": "the input repeats conversations (records whose messages equal an earlier record's); the first of "
+                 "each is kept: remove the copies, and check that no file was passed twice or concatenated with "
+                 "itself",
 }
 
 
@@ -384,6 +417,41 @@ def _turns_from_columns(columns: dict) -> list:
         raise BadRecord("malformed_turns", f"turns are a dict that is not equal-length columns: {str(columns)[:60]!r}")
     keys = list(columns)
     return [dict(zip(keys, row)) for row in zip(*(columns[k] for k in keys))]
+
+
+def conversation_key(messages: list[dict]) -> bytes:
+    """Two conversations have the same key exactly when their messages are equal: the same
+    roles and the same text, turn by turn (no whitespace or case folding). Each text goes in
+    with its length, so no two lists of texts hash the same bytes."""
+    digest = hashlib.blake2b(digest_size=16)
+    for m in messages:
+        for text in (m["role"], m["content"]):
+            data = text.encode("utf-8", "surrogatepass")
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    return digest.digest()
+
+
+def mark_duplicates(records: list[RawRecord], messages_of: Callable[[Any], list[dict]]) -> list[RawRecord]:
+    """`records` with each exact duplicate turned into a bad record, `duplicate`, naming the first
+    copy: a later record whose `messages_of(record)` equals an earlier one's. The first copy (in
+    input order, over all sources) is kept, so the result does not depend on workers or the split.
+    Records `messages_of` refuses (BadRecord) are left as they are: each is counted by its own
+    reason."""
+    first: dict[bytes, str] = {}
+    out = []
+    for raw in records:
+        try:
+            key = conversation_key(messages_of(raw.record))
+        except BadRecord:
+            out.append(raw)
+            continue
+        if key in first:
+            raw = RawRecord(raw.source, raw.line, BadRecord("duplicate", f"the same conversation as {first[key]}"))
+        else:
+            first[key] = raw.where
+        out.append(raw)
+    return out
 
 
 def sample_id(raw: RawRecord) -> str:

@@ -3,6 +3,7 @@ import json
 
 import numpy as np
 import pytest
+from fixtures import DEMO_CHATS, numbered
 
 from eagle3.artifacts.manifest import read_manifest, record_of
 from eagle3.artifacts.workdir import WorkDir
@@ -56,7 +57,8 @@ def test_normalize_reasons(reason):
 
 
 def test_bad_records_are_counted_by_reason(tmp_path, tiny_llama):
-    data = write_jsonl(tmp_path / "chats.jsonl", [GOOD_OPENAI, GOOD_SHAREGPT] * 5 + list(BAD.values()),
+    chats = [numbered(r, i) for i in range(5) for r in (GOOD_OPENAI, GOOD_SHAREGPT)]
+    data = write_jsonl(tmp_path / "chats.jsonl", chats + list(BAD.values()),
                        raw_lines=["{not json"])
     wd = tmp_path / "w"
     m = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(data)],
@@ -68,7 +70,8 @@ def test_bad_records_are_counted_by_reason(tmp_path, tiny_llama):
 
 
 def test_strict_stops_at_first_bad_record_naming_file_and_line(tmp_path, tiny_llama):
-    data = write_jsonl(tmp_path / "chats.jsonl", [GOOD_OPENAI, GOOD_OPENAI, BAD["unknown_role"], GOOD_OPENAI])
+    data = write_jsonl(tmp_path / "chats.jsonl", [numbered(GOOD_OPENAI, 1), numbered(GOOD_OPENAI, 2),
+                                                  BAD["unknown_role"], numbered(GOOD_OPENAI, 3)])
     with pytest.raises(PipelineError, match=r"chats\.jsonl:3: bad record \(unknown_role"):
         prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)],
                                       strict=True, num_workers=1))
@@ -83,7 +86,10 @@ def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog)
     r = record_of(m)
     train, evals = datasets.load_from_disk(str(wd.dataset("train"))), datasets.load_from_disk(str(wd.dataset("eval")))
     assert len(train) == r.samples["train"] and len(evals) == r.samples["eval"]
-    assert r.samples["train"] + r.samples["eval"] == 400 and r.bad_records == {}
+    # The demo's 400 chats hold a few exact copies (the same messages): each is dropped, counted.
+    distinct = {json.dumps(normalize(json.loads(line))[0]) for line in DEMO_CHATS.read_text().splitlines()}
+    assert r.records == 400 and r.bad_records == {"duplicate": 400 - len(distinct)}
+    assert r.samples["train"] + r.samples["eval"] == len(distinct)
     assert 20 <= len(evals) <= 60  # ~10% of 400, by hash
     assert not set(train["sample_id"]) & set(evals["sample_id"])
     assert all(is_eval(s, 0, 0.1) for s in evals["sample_id"])
@@ -108,7 +114,7 @@ def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog)
 
 
 def test_truncation_and_changed_params_redo(tmp_path, tiny_llama):
-    data = write_jsonl(tmp_path / "c.jsonl", [GOOD_SHAREGPT] * 3)
+    data = write_jsonl(tmp_path / "c.jsonl", [numbered(GOOD_SHAREGPT, i) for i in range(3)])
     cfg = dict(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)], eval_fraction=0.0,
                num_workers=1)
     full = prepare_dataset(PrepareConfig(**cfg, max_length=4096))
@@ -149,10 +155,81 @@ def test_no_training_sample_is_one_line_with_the_counts_and_the_fix(tmp_path, ti
 
 
 def test_dropping_most_records_warns_with_the_counts(tmp_path, tiny_llama, caplog):
-    data = write_jsonl(tmp_path / "mixed.jsonl", [GOOD_OPENAI] * 2 + [{"prompt": "Hi"}] * 3)
+    data = write_jsonl(tmp_path / "mixed.jsonl", [numbered(GOOD_OPENAI, i) for i in range(2)] + [{"prompt": "Hi"}] * 3)
     with caplog.at_level("WARNING"):
         m = prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)],
                                           eval_fraction=0.0, num_workers=1))
     assert record_of(m).samples["train"] == 2
     (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert "only 2 of 5 records" in line and "no_assistant_turn 3" in line and "00_generate_responses.py" in line
+
+
+def test_exact_duplicates_are_dropped_before_the_split_and_counted(tmp_path, tiny_llama):
+    """20 copies of one chat used to land on both sides of the split (17 train, 3 held out),
+    which inflates every held-out figure; now the first copy is kept and the rest counted."""
+    chat = numbered(GOOD_OPENAI, 0)
+    sharegpt_copy = {"conversations": [{"from": "system", "value": "Be brief."},
+                                       {"from": "human", "value": chat["messages"][1]["content"]},
+                                       {"from": "gpt", "value": chat["messages"][2]["content"]}]}
+    asked_again = {"messages": chat["messages"] + [{"role": "user", "content": "And Spain?"}]}  # trimmed: the same
+    spaced = {"messages": chat["messages"][:2] + [{"role": "assistant",
+                                                   "content": "The capital of France is  Paris. (0)"}]}
+    others = [numbered(GOOD_SHAREGPT, i) for i in range(6)]
+    first = write_jsonl(tmp_path / "chats.jsonl", [chat] * 20 + others + [sharegpt_copy, asked_again, spaced])
+    second = write_jsonl(tmp_path / "more.jsonl", [others[2], numbered(GOOD_SHAREGPT, 6)])
+    seed = next(s for s in range(100) if len({is_eval(f"chats.jsonl:{i}", s, 0.5) for i in range(1, 21)}) == 2)
+    m = prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama),
+                                      data=[str(first), str(second)], eval_fraction=0.5, seed=seed, num_workers=1))
+    rec = record_of(m)
+    assert rec.records == 31 and rec.bad_records == {"duplicate": 19 + 2 + 1}
+    kept = {s for name in ("train", "eval") for s in load_ids(WorkDir(tmp_path / "w").dataset(name))}
+    # the first copy of each conversation, wherever the split put it; a changed space is another chat
+    assert kept == {"chats.jsonl:1", *(f"chats.jsonl:{21 + i}" for i in range(6)), "chats.jsonl:29", "more.jsonl:2"}
+    assert rec.samples["train"] + rec.samples["eval"] == len(kept)
+
+    # --strict stops at the first copy, naming it and the record it repeats
+    with pytest.raises(PipelineError, match=r"chats\.jsonl:2: bad record \(duplicate: the same conversation as "
+                                            r"\S*chats\.jsonl:1\); fix or remove it"):
+        prepare_dataset(PrepareConfig(work_dir=tmp_path / "w2", target_model=str(tiny_llama), data=[str(first)],
+                                      strict=True, num_workers=1))
+
+
+def load_ids(path) -> list[str]:
+    import datasets
+
+    return datasets.load_from_disk(str(path))["sample_id"]
+
+
+def test_stage00_answers_a_duplicate_once_and_stage01_counts_it(tmp_path, tiny_llama):
+    from eagle3.stages.s00_generate.config import GenerateConfig
+    from eagle3.stages.s00_generate.conversation import Generation
+    from eagle3.stages.s00_generate.run import generate_responses
+
+    class Echo:  # a scripted engine: the same short answer to every prompt
+        max_model_len = 4096
+
+        def __init__(self):
+            self.prompts = 0
+
+        def set_sampling(self, temperature, top_p, stop_ids):
+            self.stop = stop_ids[0]
+
+        def generate(self, requests):
+            self.prompts += len(requests)
+            return [Generation([5, 6, 7, self.stop], "stop") for _ in requests]
+
+    prompts = [{"prompt": f"Name a colour ({i})."} for i in range(4)]
+    data = write_jsonl(tmp_path / "prompts.jsonl", prompts + [prompts[1]] * 3 + [{"messages": [
+        {"role": "user", "content": "Name a colour (2)."}]}])  # the same turns in another shape
+    engine = Echo()
+    m0 = generate_responses(GenerateConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=[str(data)],
+                                           max_new_tokens=8), engine=engine)
+    assert engine.prompts == 4 and record_of(m0).conversations == 4
+    assert m0.counts["bad_records"] == {"duplicate": 4}
+    lines = [json.loads(x) for x in WorkDir(tmp_path / "w").generate_chunk(0).read_text().splitlines()]
+    assert [ln.get("bad") for ln in lines] == [None] * 4 + ["duplicate"] * 4
+    assert lines[4]["detail"].endswith("prompts.jsonl:2") and lines[7]["detail"].endswith("prompts.jsonl:3")
+    # stage 01 reads the duplicates' lines as duplicates; the 4 answered prompts differ, so all stay
+    m1 = prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama), data=["generated"],
+                                       eval_fraction=0.0, num_workers=1))
+    assert record_of(m1).bad_records == {"duplicate": 4} and record_of(m1).samples["train"] == 4

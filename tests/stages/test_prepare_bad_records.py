@@ -5,7 +5,7 @@ tests/unit/test_chats.py."""
 import gzip
 
 import pytest
-from fixtures import GOOD_UNICODE, bad_utf8_line, good_line
+from fixtures import GOOD, GOOD_UNICODE, bad_utf8_line, good_line, numbered
 
 from eagle3.artifacts.manifest import record_of
 from eagle3.core.errors import PipelineError
@@ -16,13 +16,14 @@ from eagle3.target.chats import BadRecord, iter_records
 
 def test_stage01_counts_bad_bytes_and_strict_names_file_and_line(tmp_path, tiny_llama):
     f = tmp_path / "chats.jsonl.gz"
-    body = good_line() * 4 + bad_utf8_line() + good_line(GOOD_UNICODE) * 2
+    body = (b"".join(good_line(numbered(GOOD, i)) for i in range(4)) + bad_utf8_line()
+            + b"".join(good_line(numbered(GOOD_UNICODE, i)) for i in range(2)))
     f.write_bytes(gzip.compress(body))
     cut = tmp_path / "cut.jsonl.gz"
-    numbered = b"".join(good_line({"messages": [{"role": "user", "content": f"Is {i * 7919} prime?"},
-                                                {"role": "assistant", "content": f"{i * 7919 % 97} ..."}]})
-                        for i in range(200))
-    packed = gzip.compress(numbered)
+    primes = b"".join(good_line({"messages": [{"role": "user", "content": f"Is {i * 7919} prime?"},
+                                              {"role": "assistant", "content": f"{i * 7919 % 97} ..."}]})
+                      for i in range(200))
+    packed = gzip.compress(primes)
     cut.write_bytes(packed[: len(packed) // 2])
     m = prepare_dataset(PrepareConfig(work_dir=tmp_path / "w", target_model=str(tiny_llama),
                                       data=[str(f), str(cut)], eval_fraction=0.0, num_workers=1))

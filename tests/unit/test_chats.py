@@ -1,8 +1,9 @@
 """Bad bytes are bad records: invalid UTF-8, unpaired surrogates, gzip'd and truncated
 files, `datasets` rows of the wrong shape. Each is counted by reason with its line, the
 good records around it are kept (stage 01 counting them and `--strict` naming them:
-tests/stages/test_prepare_bad_records.py). About 2 s (one `datasets.load_dataset` of a
-local parquet folder).
+tests/stages/test_prepare_bad_records.py). Large files are read a record at a time, an
+over-long record is a bad record never held whole, and exact duplicates are marked. About
+10 s (one `datasets.load_dataset` of a local parquet folder; files of 16 and 40 MB).
 """
 import gzip
 import json
@@ -12,7 +13,7 @@ import pytest
 from fixtures import GOOD, GOOD_UNICODE, bad_utf8_line, good_line
 
 from eagle3.core.errors import PipelineError
-from eagle3.target.chats import BadRecord, iter_records, normalize
+from eagle3.target.chats import FIXES, BadRecord, RawRecord, iter_records, normalize
 
 
 def reasons(source) -> tuple[Counter, list]:
@@ -67,9 +68,11 @@ def test_json_array_with_bad_bytes_keeps_the_other_items(tmp_path):
     assert [r.line for r in raws] == [1, 2, 3]
     assert raws[1].record.reason == "invalid_utf8" and raws[2].record == GOOD_UNICODE
     assert reasons(f) == (Counter(invalid_utf8=1), [1, 3])
-    # Bad bytes between items break the JSON itself: one malformed_json record, no traceback.
+    # Bad bytes between items break the array itself: the items before are kept (the file is
+    # read item by item), one malformed_json record says where reading stopped, no traceback.
     f.write_bytes(b"[" + items[0] + b",\xff" + items[2] + b"]")
-    assert reasons(f) == (Counter(malformed_json=1), [])
+    assert reasons(f) == (Counter(malformed_json=1), [1])
+    assert "item 2 starts with byte 0xff (not UTF-8)" in list(iter_records(str(f)))[1].record.detail
 
 
 def test_gzip_files_are_read_and_a_truncated_one_keeps_its_complete_lines(tmp_path):
@@ -124,6 +127,117 @@ def test_datasets_rows_of_the_wrong_shape_are_counted(tmp_path):
     assert e.value.reason == "malformed_turns"
     with pytest.raises(PipelineError, match="datasets.load_dataset"):
         list(iter_records(str(tmp_path / "no-such-dataset-folder")))
+
+
+# -- large files: read a record at a time, an over-long record refused unread ---------------
+
+def peak_bytes_reading(source) -> tuple[list, int]:
+    """(line, bad reason or None) of each record of `source`, and the most memory Python held
+    while reading them (tracemalloc), the records dropped as they come."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        seen = [(r.line, getattr(r.record, "reason", None)) for r in iter_records(str(source))]
+        return seen, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_an_over_long_record_is_a_bad_record_and_never_held_whole(tmp_path):
+    from eagle3.target.chats import MAX_RECORD_BYTES
+
+    # A record of 2.5 times the limit, between two good ones: once as a JSONL line (plain and
+    # gzip'd), once as an item of a .json array. It used to be read whole, and parsed.
+    huge = {"messages": [{"role": "user", "content": "x" * (MAX_RECORD_BYTES * 5 // 2)}, A("ok")]}
+    text = json.dumps(huge)
+    line = tmp_path / "chats.jsonl"
+    line.write_bytes(good_line() + text.encode() + b"\n" + good_line(GOOD_UNICODE))
+    packed = tmp_path / "chats.jsonl.gz"
+    packed.write_bytes(gzip.compress(line.read_bytes(), compresslevel=1))
+    array = tmp_path / "chats.json"
+    array.write_text("[" + json.dumps(GOOD) + ",\n" + text + ",\n" + json.dumps(GOOD_UNICODE) + "]")
+    for source in (line, packed, array):
+        seen, peak = peak_bytes_reading(source)
+        assert seen == [(1, None), (2, "record_too_long"), (3, None)], source
+        assert peak < len(text) / 2, (source, peak)  # the record's text was never held whole
+    detail = list(iter_records(str(line)))[1].record.detail
+    assert f"{len(text) + 1:,} bytes, over the limit of {MAX_RECORD_BYTES:,}" in detail
+    assert "record_too_long" in FIXES and f"{MAX_RECORD_BYTES >> 20} MiB" in FIXES["record_too_long"]
+
+
+def test_a_large_json_array_is_read_one_item_at_a_time(tmp_path):
+    items = [{"id": i, "messages": [U(f"question {i} " + "y" * (1 << 20)), A(f"answer {i}")]} for i in range(16)]
+    for name, write in (("chats.json", lambda p, b: p.write_bytes(b)),
+                        ("chats.json.gz", lambda p, b: p.write_bytes(gzip.compress(b, compresslevel=1)))):
+        f = tmp_path / name
+        body = json.dumps(items).encode()
+        write(f, body)
+        seen, peak = peak_bytes_reading(f)
+        assert seen == [(i, None) for i in range(1, 17)]
+        assert peak < len(body) / 2, (name, peak)  # json.loads held the text and every record at once
+    raws = list(iter_records(str(tmp_path / "chats.json")))
+    assert [r.record["messages"][1]["content"] for r in raws] == [f"answer {i}" for i in range(16)]
+
+
+def test_a_malformed_item_of_a_json_array_is_one_bad_record_its_neighbours_kept(tmp_path):
+    f = tmp_path / "chats.json"
+    good = json.dumps(GOOD)
+    # a trailing comma inside item 2: the array's shape holds, so only that item is bad
+    f.write_text(f'[{good}, {{"messages": [{{"role": "user", "content": "a"}},]}}, {good}]')
+    assert reasons(f) == (Counter(malformed_json=1), [1, 3])
+    # a wrapper object: the records are its first array-valued member
+    f.write_text(f'{{"version": 2, "meta": {{"n": [1]}}, "data": [{good}, {good}]}}')
+    assert reasons(f) == (Counter(), [1, 2])
+    # the file ends inside item 2: item 1 kept, one bad record says where reading stopped
+    f.write_text(f'[{good}, {good[:-9]}')
+    raws = list(iter_records(str(f)))
+    assert [r.line for r in raws] == [1, 2] and raws[1].record.reason == "malformed_json"
+    assert "the file ends inside this item" in raws[1].record.detail
+    # one object, and a top-level string, are one record each (a string is not a record)
+    f.write_text(good)
+    assert reasons(f) == (Counter(), [1])
+    f.write_text('"just text"')
+    assert reasons(f) == (Counter(not_an_object=1), [])
+
+
+def test_json_items_equal_json_loads_whatever_the_piece_boundaries():
+    from eagle3.target.json_items import json_items
+
+    # strings holding every character the scan looks for, escapes cut after the backslash,
+    # numbers cut mid-way, nesting, non-ASCII text
+    records = [{"messages": [U('a "quoted" [x] {y}, \\'), A("\\\"\u00e9 😊\n")]}, [1, [2, {"k": []}]],
+               {"n": -12.5e3, "t": True, "f": False, "z": None, "s": "]}"}, 1234567890, "x,y", {}, []]
+    for text in (json.dumps(records), json.dumps(records, indent=2, ensure_ascii=False),
+                 json.dumps({"count": 7, "rows": records})):
+        for size in range(1, 40):
+            pieces = (text[i:i + size] for i in range(0, len(text), size))
+            items = list(json_items(pieces, max_chars=1000))
+            assert [(x.problem, x.value) for x in items] == [(None, r) for r in records], (text, size)
+
+
+def test_exact_duplicates_are_marked_naming_the_first_copy():
+    from eagle3.target.chats import mark_duplicates
+
+    chat = {"messages": [SYSTEM, U("Hi"), A("Hello!")]}
+    same_in_sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                                          {"from": "gpt", "value": "Hello!"}]}
+    in_parts = {"messages": [SYSTEM, {"role": "user", "content": [{"type": "text", "text": "H"},
+                                                                  {"type": "text", "text": "i"}]}, A("Hello!")]}
+    with_a_last_question = {"messages": chat["messages"] + [U("Why?")]}  # trimmed by normalize: the same
+    other_space = {"messages": [SYSTEM, U("Hi "), A("Hello!")]}
+    no_system = {"messages": [U("Hi"), A("Hello!")]}
+    records = [chat, same_in_sharegpt, in_parts, with_a_last_question, other_space, no_system, {"text": "x"},
+               {"text": "x"}, chat]
+    raws = mark_duplicates([RawRecord("a.jsonl", i + 1, r) for i, r in enumerate(records)],
+                           lambda record: normalize(record)[0])
+    marked = [(r.line, r.record.detail) for r in raws if isinstance(r.record, BadRecord)]
+    assert marked == [(2, "the same conversation as a.jsonl:1"), (3, "the same conversation as a.jsonl:1"),
+                      (4, "the same conversation as a.jsonl:1"), (9, "the same conversation as a.jsonl:1")]
+    assert all(r.record.reason == "duplicate" for r in raws if isinstance(r.record, BadRecord))
+    # records that are no conversation keep their own record (and reason), whatever they repeat
+    assert [r.record for r in raws[6:8]] == [{"text": "x"}, {"text": "x"}]
+    assert "duplicate" in FIXES
 
 
 # -- prompt shapes: what stage 00 answers (record_turns + answer_slots) ---------------------

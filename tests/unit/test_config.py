@@ -179,8 +179,78 @@ def test_coerce_converts_exact_values_and_refuses_lossy_or_unknown_ones():
     assert [c("strict", v) for v in ("yes", "True", "1", "no", "FALSE", "0", True)] == [True] * 3 + [False] * 3 + [True]
     assert c("limit", "none") is None and c("limit", "12") == 12
     # a fractional step count is not rounded away, an unknown word is not a truth value
-    with pytest.raises(PipelineError, match=r"c\.yaml: `steps` = 100\.5 is not a valid <class 'int'>"):
+    with pytest.raises(PipelineError, match=r"c\.yaml: `steps` = 100\.5 is not a valid value: `steps` takes a whole "
+                                            r"number \(--steps\)"):
         c("steps", 100.5)
     for word in ("maybe", "on", "enabled"):
-        with pytest.raises(PipelineError, match=rf"c\.yaml: `strict` = '{word}' is not a valid <class 'bool'>"):
+        with pytest.raises(PipelineError, match=rf"c\.yaml: `strict` = '{word}' is not a valid value: `strict` takes "
+                                                f"true or false"):
             c("strict", word)
+
+
+@pytest.mark.parametrize("key, yaml_value, message", [
+    # YAML's true, [0] and [a, b] used to become 1.0, 1, True and the string "['a', 'b']"
+    ("train.learning_rate", "true", r"`learning_rate` = True is a boolean, but `learning_rate` takes a "
+                                    r"number; write a number, e.g. `learning_rate: 0.0001` \(--learning-rate 0.0001"),
+    ("train.epochs", "true", r"`epochs` = True is a boolean, but `epochs` takes a whole number; write a "
+                             r"whole number, e.g. `epochs: 1` \(--epochs 1 on the command line\)"),
+    ("train.keep_windows", "[0]", r"`keep_windows` = \[0\] is a list, but `keep_windows` takes true or "
+                                  r"false; write true or false, e.g. `keep_windows: true` \(--keep-windows / "
+                                  r"--no-keep-windows\)"),
+    ("target_model", "[a, b]", r"`target_model` = \['a', 'b'\] is a list, but `target_model` takes a "
+                               r"string"),
+    ("train.max_steps", "{a: 1}", r"`max_steps` = \{'a': 1\} is a mapping, but `max_steps` takes a whole number"),
+    ("train.init_from", "no", r"`init_from` = False is a boolean, but `init_from` takes a string; .*quote the word"),
+    # the other way round: a list field given a single value or a mapping, or items of the wrong kind
+    ("train.report_to", "{wandb: 1}", r"`report_to` = \{'wandb': 1\} is a mapping, but `report_to` takes a list of "
+                                      r"strings; write a list of strings, e.g. `report_to: \[a, b\]` "
+                                      r"\(--report-to a,b"),
+    ("train.report_to", "true", r"`report_to` = True is a boolean, but `report_to` takes a list of strings"),
+    ("train.report_to", "[[wandb]]", r"`report_to` item 1 \(\['wandb'\]\) is a list, but `report_to` takes a string"),
+])
+def test_values_of_the_wrong_kind_are_refused_naming_the_file_key_and_fix(tmp_path, key, yaml_value, message):
+    y = tmp_path / "c.yaml"
+    section, _, name = key.rpartition(".")
+    y.write_text(f"work_dir: w\ntarget_model: t\n{section}:\n  {name}: {yaml_value}\n" if section
+                 else f"work_dir: w\n{name}: {yaml_value}\n")
+    where = r"\[train\]" if section else r"\(top level\)"
+    with pytest.raises(PipelineError, match=rf"{y} {where}: {message}"):
+        build_config(TrainConfig, "train", y)
+
+
+def test_wrong_kinds_in_lists_and_mappings_and_on_the_command_line_are_refused(tmp_path):
+    from eagle3.stages.s00_generate.config import GenerateConfig
+
+    y = tmp_path / "c.yaml"
+    y.write_text("work_dir: w\ntarget_model: t\nextract:\n  aux_layers: [2, true, 58]\n")
+    with pytest.raises(PipelineError, match=r"`aux_layers` item 2 \(True\) is a boolean, but `aux_layers` takes a "
+                                            r"whole number; write a list of whole numbers, e.g. `aux_layers: "
+                                            r"\[2, 30, 58\]` \(--aux-layers 2,30,58"):
+        build_config(ExtractConfig, "extract", y)
+    y.write_text("work_dir: w\ntarget_model: t\nextract:\n  aux_layers: 30\n")
+    with pytest.raises(PipelineError, match=r"`aux_layers` = 30 is a number, but `aux_layers` takes a list"):
+        build_config(ExtractConfig, "extract", y)
+    y.write_text("work_dir: w\ntarget_model: t\ngenerate:\n  data: a.jsonl\n  chat_template_kwargs: [thinking]\n")
+    with pytest.raises(PipelineError, match=r"\[generate\]: `chat_template_kwargs` = \['thinking'\] is a list, but "
+                                            r"`chat_template_kwargs` takes a mapping"):
+        build_config(GenerateConfig, "generate", y)
+    # a flag's text that is not a number names the flag
+    with pytest.raises(PipelineError, match=r"command line: `learning_rate` = 'true' is not a valid value: "
+                                            r"`learning_rate` takes a number \(--learning-rate\)"):
+        from_flags(TrainConfig, "train", ["--work-dir", "w", "--target-model", "t", "--learning-rate", "true"])
+
+
+def test_values_of_the_right_kind_still_pass(tmp_path):
+    from eagle3.stages.s00_generate.config import GenerateConfig
+
+    y = tmp_path / "c.yaml"
+    y.write_text("work_dir: w\ntarget_model: 2024\nextract:\n  aux_layers: '2, 30, 58'\n  window: 3.0\n"
+                 "generate:\n  data: [a.jsonl, b.jsonl]\n  chat_template_kwargs: {thinking: false}\n  top_p: 1\n"
+                 "  enforce_eager: 1\n")
+    ext = build_config(ExtractConfig, "extract", y)
+    assert ext.aux_layers == [2, 30, 58] and ext.window == 3 and type(ext.window) is int
+    assert ext.target_model == "2024" and ext.work_dir == Path("w")
+    gen = build_config(GenerateConfig, "generate", y, {"chat_template_kwargs": '{"thinking": true}'})
+    assert gen.data == ["a.jsonl", "b.jsonl"] and gen.top_p == 1.0 and type(gen.top_p) is float
+    assert gen.enforce_eager is True and gen.chat_template_kwargs == {"thinking": True}
+    assert build_config(GenerateConfig, "generate", y).chat_template_kwargs == {"thinking": False}

@@ -16,6 +16,10 @@ eagle3/target/chats.py: OpenAI `messages`, ShareGPT `conversations`, a `prompt` 
                                               the JSONL: its presence marks the chunk complete
     00_generate/manifest.json
 
+A record whose turns equal an earlier record's, role for role and text for text (an exact
+duplicate, eagle3/target/chats.py `mark_duplicates`), is not answered again: its line is
+`"bad": "duplicate"`, its detail naming the first copy, and stage 01 counts it so too.
+
 Each message list holds the answers' decoded text (thinking markup included) for
 reading; stage 01 takes the `generated` ids as they are (eagle3/target/loss_mask.py,
 `spliced_samples`). `samples` lists the conversation's training samples: one, unless the
@@ -42,6 +46,7 @@ boxes' chunks into one folder and rerun once without shard flags to write the ma
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
@@ -64,7 +69,8 @@ from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s00_generate.conversation import (EMPTY_ANSWER, PROMPT_TOO_LONG, Conversation, Engine, Turns,
                                                      from_raw, regenerate)
 from eagle3.stages.s00_generate.vllm_runner import VllmEngine
-from eagle3.target.chats import RawRecord, check_local_files, iter_records, likely_fix, reasons_text
+from eagle3.target.chats import (RawRecord, check_local_files, iter_records, likely_fix, mark_duplicates, reasons_text,
+                                 record_turns)
 from eagle3.target.info import chat_template_fingerprint, load_tokenizer, tokenizer_fingerprint, weights_fingerprint
 from eagle3.target.loss_mask import assistant_suffix
 from eagle3.target.tokenizer_check import check_tokenizer
@@ -133,6 +139,8 @@ def plan(cfg: GenerateConfig) -> Plan:
     check_tokenizer(cfg.target_model, tok, trust_remote_code=cfg.trust_remote_code, suffix=suffix)
     check_local_files(cfg.data)
     records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
+    # An exact copy of an earlier record is not answered again: a bad line, `duplicate`.
+    records = mark_duplicates(records, functools.partial(record_turns, prompt_field=cfg.prompt_field))
     if not records:
         raise PipelineError(f"no records in {cfg.data}; check --data.")
     inputs = {"tokenizer": tokenizer_fingerprint(tok), "target_weights": weights_fingerprint(cfg.target_model)}

@@ -28,7 +28,9 @@ keeps all samples of a conversation on one side. The manifest counts those sampl
 and the history tokens they repeat (`samples_in_served_context`,
 `served_history_tokens`).
 
-Records that give no sample are counted by reason. No training sample at all stops the
+Records that give no sample are counted by reason; so is each exact duplicate of an earlier
+record (`duplicate`: the same messages after reading, `conversation_of`), dropped before the
+split so that no conversation is on both sides of it. No training sample at all stops the
 stage with one line (the input, the counts by reason, the likely fix: prompts without
 answers, for one, go through stage 00 first); more than half of the records dropped is
 a warning with the same counts.
@@ -56,8 +58,8 @@ from eagle3.core.config import identity_params
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import quiet_tokenizers
 from eagle3.stages.s01_prepare.config import PrepareConfig
-from eagle3.target.chats import (BadRecord, RawRecord, check_local_files, iter_records, likely_fix, normalize,
-                                 reasons_text, sample_id)
+from eagle3.target.chats import (BadRecord, RawRecord, check_local_files, iter_records, likely_fix, mark_duplicates,
+                                 normalize, reasons_text, sample_id)
 from eagle3.target.info import chat_template_fingerprint, load_tokenizer, read_target_info, tokenizer_fingerprint
 from eagle3.target.loss_mask import Answer, Sample, assistant_suffix, build_samples, reencode_differs, spliced_samples
 from eagle3.target.tokenizer_check import check_tokenizer
@@ -122,6 +124,12 @@ def _init_worker(target_model: str, trust_remote_code: bool, max_length: int,
               kw=template_kwargs)
 
 
+def is_generated_line(record) -> bool:
+    """A line of stage 00's chunks (an answered conversation, or a record it could not answer)."""
+    return isinstance(record, dict) and "sample_id" in record and (
+        "generated" in record or "bad" in record or "dropped" in record)
+
+
 def _generated_samples(rec: dict, where: str) -> tuple[str, list[Sample], int, int]:
     """A stage-00 line: (sample id, its samples, regenerated turns, turns that re-tokenize differently)."""
     if "bad" in rec or "dropped" in rec:
@@ -153,8 +161,7 @@ def _process(raw: RawRecord) -> list[PreparedSample] | BadRecord:
     try:
         gen_turns = differs = fuzzy = 0
         trimmed = False
-        if isinstance(raw.record, dict) and "sample_id" in raw.record and (
-                "generated" in raw.record or "bad" in raw.record or "dropped" in raw.record):
+        if is_generated_line(raw.record):
             sid, samples, gen_turns, differs = _generated_samples(raw.record, raw.where)
         else:
             sid = sample_id(raw)
@@ -252,8 +259,20 @@ def token_frequencies(samples: list[PreparedSample], vocab_size: int) -> np.ndar
     return freq
 
 
+def conversation_of(record) -> list[dict]:
+    """The messages an exact duplicate repeats (docs/STAGES.md, stage 01): a chat record's after
+    `normalize` (roles, text, a trailing user turn trimmed), a stage-00 line's as generated. A
+    record that gives none raises BadRecord (it is counted by its own reason)."""
+    if is_generated_line(record):
+        if "generated" not in record:
+            raise BadRecord(record.get("bad") or record["dropped"])
+        return record["messages"]
+    return normalize(record)[0]
+
+
 def read_records(cfg: PrepareConfig, wd: WorkDir, gen: Manifest | None) -> list[RawRecord]:
-    """Every input record: stage 00's regenerated chats, or the chat files / datasets ids."""
+    """Every input record: stage 00's regenerated chats, or the chat files / datasets ids; each
+    exact duplicate of an earlier one is a bad record, `duplicate`, before any split."""
     check_local_files(cfg.data)
     if gen is not None:
         records = list(generated_records(wd, gen))
@@ -261,6 +280,11 @@ def read_records(cfg: PrepareConfig, wd: WorkDir, gen: Manifest | None) -> list[
     else:
         records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
         log.info("read %d records from %s", len(records), ", ".join(cfg.data))
+    records = mark_duplicates(records, conversation_of)
+    copies = sum(isinstance(r.record, BadRecord) and r.record.reason == "duplicate" for r in records)
+    if copies:
+        log.info("stage 01: %d records repeat an earlier record's conversation exactly; only the first copy of each "
+                 "is kept (counted as `duplicate`)", copies)
     return records
 
 
