@@ -352,5 +352,6 @@ def mapped_files(folder: Path) -> list[str]:
     except OSError:
         return []
     prefix = str(Path(folder).resolve()) + os.sep
-    paths = {line.split(maxsplit=5)[5] for line in lines if len(line.split(maxsplit=5)) == 6}
-    return sorted(p.removesuffix(" (deleted)") for p in paths if p.startswith(prefix))
+    columns = [line.split(maxsplit=5) for line in lines]  # address perms offset dev inode [path]
+    paths = {c[5].removesuffix(" (deleted)") for c in columns if len(c) == 6}
+    return sorted(path for path in paths if path.startswith(prefix))
