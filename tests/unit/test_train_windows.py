@@ -117,7 +117,7 @@ def test_a_checkpoint_older_than_progress_json_rewrites_it_down_and_deletes_no_r
     for r in (2, 3, 4):
         fake_round(wdir, r)
     windows.write_progress(wdir, 4, "step-0000099.pt", s.end(3))
-    rounds_of(tmp_path, s).resumed(s.end(1), tmp_path / "step-0000042.pt")
+    rounds_of(tmp_path, s).resumed(2, s.end(1), tmp_path / "step-0000042.pt")
     assert windows.present_rounds(wdir) == [2, 3, 4]
     assert windows.read_progress(wdir) == {"trained_rounds": 2, "checkpoint": "step-0000042.pt", "step": s.end(1)}
 
@@ -127,10 +127,10 @@ def test_a_start_from_scratch_or_a_torn_progress_json_is_rewritten_from_the_chec
     wdir = tmp_path / "windows"
     fake_round(wdir, 0)
     windows.write_progress(wdir, 2, "step-0000099.pt", s.end(1))  # no checkpoint survived
-    rounds_of(tmp_path, s).resumed(0, None)
+    rounds_of(tmp_path, s).resumed(0, 0, None)
     assert windows.read_progress(wdir)["trained_rounds"] == 0 and windows.present_rounds(wdir) == [0]
     (wdir / windows.PROGRESS_JSON).write_text('{"trained_rou')  # torn
-    rounds_of(tmp_path, s).resumed(s.end(0), tmp_path / "step-0000007.pt")
+    rounds_of(tmp_path, s).resumed(1, s.end(0), tmp_path / "step-0000007.pt")
     assert windows.read_progress(wdir)["trained_rounds"] == 1 and windows.present_rounds(wdir) == []
 
 

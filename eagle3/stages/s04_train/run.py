@@ -582,13 +582,14 @@ class Trainer:
     def resume(self) -> None:
         ckpt = latest_checkpoint(self.wd, self.src.identity)
         path = self.wd.checkpoint(ckpt.step) if ckpt is not None else None
+        if self.rounds is not None:
+            # First: progress.json follows the checkpoint (the record of what is trained) before
+            # anything is deleted, and before the run can stop (a refused resume, a missing round).
+            self.rounds.resumed(ckpt.rounds_trained if ckpt else 0, ckpt.step if ckpt else 0, path)
         if ckpt is not None:
             self.load_state_dict(ckpt)
             self.resumed_from = ckpt.step
             log.info("resuming from %s at step %d of %d", path, self.step, self.total)
-        if self.rounds is not None:
-            # Before anything is deleted, and before the run can stop at a missing round.
-            self.rounds.resumed(self.step, path)
 
     # -- the loop ----------------------------------------------------------------------
     def fit(self) -> Manifest | None:

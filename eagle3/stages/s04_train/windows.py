@@ -320,13 +320,12 @@ class Rounds:
         for r in windows.sweep(self.dir, done):
             log.info("stage 04: round %d deleted (covered by %s)", r, checkpoint)
 
-    def resumed(self, step: int, checkpoint: Path | None) -> None:
-        """At the start, resumed at `step` from `checkpoint` (None: from scratch): progress.json
-        says what the checkpoint covers, up or down, before anything is deleted or the run
-        stops; then the folders of the rounds it covers go. Rank 0; the others return."""
+    def resumed(self, done: int, step: int, checkpoint: Path | None) -> None:
+        """At the start, from `checkpoint` (None: from scratch), which covers `done` rounds at its
+        `step`: progress.json says so, up or down, before anything is deleted or the run stops;
+        then the folders of the rounds it covers go. Rank 0; the others return."""
         if not self.main_rank:
             return
-        done = self.schedule.rounds_done(step)
         try:
             recorded = windows.read_progress(self.dir)["trained_rounds"]
         except PipelineError as e:
