@@ -60,9 +60,6 @@ def test_a_resume_under_another_process_count_trains_every_round(tmp_path, tiny_
     two = counts["steps_per_round"]  # the 2-process schedule
     start, end = sum(two[:2]), sum(two)
     assert one > start, "the 1-process checkpoint's step number must not be a step of the 2-process schedule"
-    log = wd.log_file("04_train").read_text()
-    assert f"it covers 2 round(s), so training goes on at step {start} of {end}, the start of round 2" in log
-    assert "collective timeout 900 s" in log
     # Round 2 trained on two processes, every one of its steps, then deleted; the run ends at its end.
     rows = [json.loads(line) for line in wd.train_metrics().read_text().splitlines()]
     trained = [row["step"] for row in rows if row["split"] == "train"]
@@ -71,3 +68,6 @@ def test_a_resume_under_another_process_count_trains_every_round(tmp_path, tiny_
     assert windows.read_progress(wdir)["trained_rounds"] == 3 and windows.present_rounds(wdir) == []
     # The 1-process files numbered above it were superseded by the 2-process ones and pruned.
     assert max(WorkDir.checkpoint_step(p) for p in wd.checkpoints().glob("step-*.pt")) == end
+    log = wd.log_file("04_train").read_text()
+    assert f"it covers 2 round(s), so training goes on at step {start} of {end}, the start of round 2" in log
+    assert "collective timeout 900 s" in log
