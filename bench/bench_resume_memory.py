@@ -62,7 +62,8 @@ def main() -> None:
         ckpt = TrainCheckpoint(
             model={"w": w}, drafter_config={}, aux_layers=[2, 4, 5],
             optimizer={"state": {0: {"exp_avg": torch.randn(n), "exp_avg_sq": torch.rand(n)}}}, scheduler={},
-            step=2, epoch=0, batch_in_epoch=2, rng=[{"torch": torch.get_rng_state()}], train_config={},
+            step=2, epoch=0, batch_in_epoch=2, batch_geometry={"processes": 1}, rounds_trained=0,
+            rng=[{"torch": torch.get_rng_state()}], train_config={},
             identity="bench", best={"expected_accept_length": -1.0, "step": None}, eval={})
         torch.save(ckpt.to_file(), path)
         del ckpt

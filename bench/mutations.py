@@ -11,7 +11,8 @@ tree, runs pytest, and puts the file back before the next one:
 
   1. the test files of the mutated module first (`first`): the likely catchers, seconds;
   2. if those pass, the rest of tests/unit. A mutation of tier `e2e` is caught only by a
-     test that imports vLLM (tests/e2e): its `first` files alone run.
+     test in tests/e2e (one that imports vLLM, or runs stages end to end): its `first`
+     files alone run.
 
 It prints one row per mutation: name, file, the failing test ids (or SURVIVED, and
 where), and seconds. A substitution whose original text does not occur exactly once
@@ -51,7 +52,7 @@ class Mutation:
     old: str
     new: str
     first: tuple[str, ...]  # test files (relative to the root) to run before the rest of the tier
-    tier: str = "unit"  # "e2e": needs vLLM; only `first` runs
+    tier: str = "unit"  # "e2e": needs a tests/e2e test (vLLM, or stages end to end); only `first` runs
 
 
 LOSS_MASK = ("tests/unit/test_loss_mask.py",)
@@ -62,6 +63,9 @@ MANIFEST = ("tests/unit/test_manifest.py", "tests/unit/test_records.py")
 CONFIG = ("tests/unit/test_config.py",)
 VOCAB_MAP = ("tests/unit/test_vocab_map.py", "tests/unit/test_vocab_selection.py")
 VLLM_RULES = ("tests/e2e/test_vllm_layer_rules.py",)
+TRAIN_WINDOWS = ("tests/unit/test_train_windows.py",)
+TRAIN_CHECKPOINT = ("tests/unit/test_train_checkpoint.py",)
+WINDOWS_PROCESSES = ("tests/e2e/test_windows_processes.py",)
 
 MUTATIONS: tuple[Mutation, ...] = (
     # build_samples: a turn continues the sample only if its prompt extends the sample so far
@@ -121,6 +125,18 @@ MUTATIONS: tuple[Mutation, ...] = (
              " + abs(a.draft_vocab_size - b.draft_vocab_size)", "", VOCAB_MAP),
     Mutation("vocab_map: coverage of nothing counted is 0", "eagle3/artifacts/vocab_map.py",
              'if total else float("nan")', "if total else 0.0", VOCAB_MAP),
+    Mutation("windows: a round's checksums never verified", "eagle3/stages/s04_train/windows.py",
+             "problem = store.file_problem(d, entry, verify_checksum=True)",
+             "problem = store.file_problem(d, entry, verify_checksum=False)", TRAIN_WINDOWS),
+    Mutation("checkpoint: the identity check turned off", "eagle3/stages/s04_train/checkpoint.py",
+             "if ckpt.identity != identity:", "if False:", TRAIN_CHECKPOINT),
+    Mutation("read_checkpoint: torch.load(weights_only=False)", "eagle3/artifacts/train_outputs.py",
+             'data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)',
+             'data = torch.load(path, map_location="cpu", weights_only=False, mmap=True)', TRAIN_CHECKPOINT),
+    # the e2e config of tests/e2e/test_windows.py saves every step, which hides it
+    Mutation("train: a round's end not forced to save", "eagle3/stages/s04_train/run.py",
+             "if is_best or self.step % cfg.save_every == 0 or end or round_end:",
+             "if is_best or self.step % cfg.save_every == 0 or end:", WINDOWS_PROCESSES, "e2e"),
     Mutation("layer rules: vLLM V1 takes an empty top-level list", "eagle3/serving/engine_rules.py",
              "ids = [int(k) for k in top] if top else (nested or None)",
              "ids = [int(k) for k in top] if top is not None else (nested or None)", VLLM_RULES, "e2e"),

@@ -19,6 +19,11 @@ Scenarios:
     rounds       stage 04 over windows (`Rounds.ensure`) where a round is complete for
                  rank 0 and not (yet) for rank 1 after --window-wait-s, then where rank 1
                  finds the round damaged: both ranks must make the same choice.
+    release      stage 04 over windows: both ranks open round 0 (a real round folder, `Rounds.ensure`)
+                 and read samples of both its files, then call `Rounds.covered` at the round's
+                 end. At the moment rank 0 deletes the round, neither rank may map a file of
+                 it (each rank's /proc/PID/maps): on NFS a mapped file stays as .nfsXXXX and
+                 keeps its folder.
     uneven       a drafter wrapped as stage 04 wraps it (`wrap_ddp`); rank 0 runs two
                  held-out forwards, rank 1 none, then both sum their counts, as a held-out
                  evaluation whose batches do not divide evenly does. The group's timeout is
@@ -184,7 +189,7 @@ def rounds(rank: int, local_rank: int) -> dict:
         return True
 
     found = Rounds(WorkDir(Path(tempfile.mkdtemp())), None, Schedule(), windows_dir=None, keep=False, wait_s=0.5,
-                   main_rank=rank == 0)
+                   rank=rank, world=2)
     found._open = opened_by_rank_0_only
     goes_on = found.ensure(40)
     current = found.current
@@ -197,12 +202,68 @@ def rounds(rank: int, local_rank: int) -> dict:
     return {"goes_on": goes_on, "current": current, "damaged_error": error}
 
 
+def release(rank: int, local_rank: int, out: Path) -> dict:
+    from datetime import timedelta
+
+    from fixtures import train_checkpoint
+    from round_stores import MAIN, write_round
+
+    from eagle3.artifacts import windows
+    from eagle3.artifacts.workdir import WorkDir
+    from eagle3.stages.s04_train.checkpoint import save_checkpoint
+    from eagle3.stages.s04_train.windows import Rounds, mapped_files
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    wd, wdir = WorkDir(out / "work"), out / "windows"
+    folder = wdir / windows.round_name(0)
+    if rank == 0:
+        write_round(wdir, 0)
+        save_checkpoint(wd, train_checkpoint({}, {}, step=4, rounds_trained=1), keep=2, is_best=False)
+    dist.barrier()
+
+    class Schedule:  # rounds of 4 steps
+        total, starts = 8, [0, 4]
+
+        def locate(self, step):
+            return (step // 4, step % 4)
+
+        def end(self, r):
+            return 4 * (r + 1)
+
+        def rounds_done(self, step):
+            return step // 4
+
+    rounds = Rounds(wd, MAIN, Schedule(), windows_dir=str(wdir), keep=False, wait_s=10, rank=rank, world=2)
+    assert rounds.ensure(0)
+    tokens = [rounds.split[i].num_tokens for i in (rank, 2 + rank)]  # a sample of each file: both mapped
+    mapped_before = mapped_files(folder)
+    pids = [None] * 2
+    dist.all_gather_object(pids, os.getpid())
+    seen: dict = {"mapped_at_deletion": None}
+    real_delete = windows.delete_round
+
+    def delete_round(wdir_, r):  # rank 0, at the deletion: what does each rank map of the round?
+        held = []
+        for pid in pids:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            held += [f"pid {pid}: {line.split()[-1]}" for line in maps if str(folder.resolve()) in line]
+        seen["mapped_at_deletion"] = held
+        return real_delete(wdir_, r)
+
+    windows.delete_round = delete_round
+    rounds.covered(4, wd.checkpoint(4))
+    dist.barrier()  # rank 1 stays alive (and would keep its mappings) until rank 0 has deleted
+    return {"tokens": tokens, "mapped_before": len(mapped_before), **seen, "deleted": not folder.exists(),
+            "progress": windows.read_progress(wdir)["trained_rounds"]}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     try:
-        result = {"cuda_group": cuda_group, "foreign": foreign, "rng": rng, "rounds": rounds,
-                  "uneven": uneven}[scenario](rank, local_rank)
+        scenarios = {"cuda_group": cuda_group, "foreign": foreign, "rng": rng, "rounds": rounds, "uneven": uneven,
+                     "release": lambda rank, local_rank: release(rank, local_rank, out)}
+        result = scenarios[scenario](rank, local_rank)
     except Exception:  # noqa: BLE001 - the test shows what any rank met
         result = {"crash": traceback.format_exc()}
     (out / f"rank{rank}.json").write_text(json.dumps(result))

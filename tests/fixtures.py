@@ -10,6 +10,7 @@
   template and special-token ids come from eagle3/tools/kimi_k25_tokenizer.py
   (`kimi_k25_tokenizer`, `save_kimi_k25_target`).
 - `kill_after_entries`: a stage-02 command killed -9 part way.
+- `torchrun`: a command under `torchrun --nproc-per-node N`, its workers killed on a timeout.
 - `draft_labels`: `ttt_loss`'s labels from a small target's full logits.
 
 Tests in tests/unit, tests/stages and tests/e2e import this as a top-level module
@@ -110,6 +111,47 @@ def kill_after_entries(cmd: list[str], store_dir: Path, entries: int = 2, timeou
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+
+
+def torchrun(nproc: int, args: list, timeout_s: float, logs: Path) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node NPROC ARGS` (gloo, one thread per rank), its output in files under
+    `logs`. On a timeout its workers are killed too (torchrun starts each in a session of its
+    own, so killing torchrun alone would leave them waiting in a collective), then it fails."""
+    import os
+    import socket
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+           *map(str, args)]
+    logs.mkdir(parents=True)
+    with open(logs / "stdout", "w") as out, open(logs / "stderr", "w") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            workers = [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+                       if _parent_pid(stat) == proc.pid]
+            proc.kill()
+            proc.wait()
+            for pid in workers:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            raise AssertionError(f"{nproc} processes did not finish in {timeout_s} s: "
+                                 f"{(logs / 'stderr').read_text()[-2000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, (logs / "stdout").read_text(),
+                                       (logs / "stderr").read_text())
+
+
+def _parent_pid(stat: Path) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 # -- chat records ------------------------------------------------------------------------------
@@ -298,6 +340,9 @@ def train_checkpoint(model: dict, drafter_config: dict, **fields):
     from eagle3.artifacts.train_outputs import TrainCheckpoint
 
     base = dict(model=model, drafter_config=drafter_config, aux_layers=[2, 4, 5], optimizer={"state": {}},
-                scheduler={}, step=2, epoch=0, batch_in_epoch=2, rng=[{"torch": torch.get_rng_state()}],
+                scheduler={}, step=2, epoch=0, batch_in_epoch=2,
+                batch_geometry={"processes": 1, "grad_accum": 1, "batch_tokens": 1024, "max_seq_len": 256,
+                                "packing": True},
+                rounds_trained=0, rng=[{"torch": torch.get_rng_state()}],
                 train_config={}, identity="x", best={"expected_accept_length": -1.0, "step": None}, eval={})
     return TrainCheckpoint(**{**base, **fields})

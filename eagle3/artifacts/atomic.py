@@ -4,6 +4,14 @@ A stage killed midway must never leave a file that looks complete. `os.replace`
 within one filesystem is atomic, so readers see either the old file or the new
 one, never half of one.
 
+A rename is atomic, not durable: after a power loss (or, on a network filesystem,
+when the client's page cache never reached the server) the new name can point to a
+file whose bytes were never written, while a deletion made after it was committed at
+once. So `atomic_path` fsyncs what it wrote (the file, or every file and folder of a
+written folder) before the rename, and the folder that holds the name after it:
+once it returns, the file and its name are on disk. Stage 04 relies on that before it
+deletes a trained window (eagle3/stages/s04_train/windows.py).
+
 A full disk (ENOSPC, or a quota: EDQUOT) while writing becomes a `DiskFullError`
 naming the path, the bytes it needs and the bytes free; the temporary file is
 removed, so the next run after space is freed starts that file again.
@@ -12,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -22,6 +31,11 @@ from typing import Iterator
 from eagle3.core.errors import PipelineError
 
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# fsync of a folder: some filesystems refuse it (EINVAL); its entries are then as durable
+# as that filesystem makes them, and nothing more can be asked of it.
+_NO_DIR_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF)
+
+log = logging.getLogger(__name__)
 
 
 class DiskFullError(PipelineError):
@@ -69,12 +83,39 @@ def _bytes_under(p: Path) -> int:
     return sum(q.stat().st_size for q in p.rglob("*") if q.is_file()) if p.is_dir() else 0
 
 
+def fsync_path(path: Path | str) -> None:
+    """Flush a file's (or a folder's entries') data to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if not (os.path.isdir(path) and e.errno in _NO_DIR_FSYNC):
+            raise
+        log.debug("fsync of folder %s refused by its filesystem (%s)", path, e)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """fsync a file, or every file and folder under a folder and the folder itself."""
+    if path.is_dir() and not path.is_symlink():
+        for root, dirs, files in os.walk(path):
+            for name in files:
+                if not os.path.islink(os.path.join(root, name)):
+                    fsync_path(os.path.join(root, name))
+            for name in dirs:
+                fsync_path(os.path.join(root, name))
+    if path.exists():
+        fsync_path(path)
+
+
 @contextmanager
 def atomic_path(path: Path | str, expected_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` on success.
 
     Works for files and for folders (e.g. a `datasets.save_to_disk` target).
     `expected_bytes` (when the caller knows it) is what a disk-full message names.
+    What was written is fsynced before the rename, `path`'s folder after it.
     """
     path = Path(path)
     try:
@@ -87,9 +128,11 @@ def atomic_path(path: Path | str, expected_bytes: int | None = None) -> Iterator
     target = tmp / path.name
     try:
         yield target
+        fsync_tree(target)
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)
         os.replace(target, path)
+        fsync_path(path.parent)
     except (OSError, RuntimeError) as e:
         full, written = _looks_disk_full(e, path.parent), _bytes_under(target)
         shutil.rmtree(tmp, ignore_errors=True)  # first, so the message counts the space it held as free

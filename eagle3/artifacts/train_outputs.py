@@ -24,9 +24,11 @@ import torch
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 
-# 1: the fields of TrainCheckpoint below. Files written before the format had a version
-# hold exactly these fields and no `format_version`: they are read as version 1.
-CHECKPOINT_FORMAT = 1
+# 1: the fields of TrainCheckpoint below but `batch_geometry` and `rounds_trained`. Files
+# written before the format had a version hold exactly those and no `format_version`: they
+# are read as version 1. 2: + batch_geometry (the process count is part of what a step
+# reads) and rounds_trained (over windows, the record of what is trained).
+CHECKPOINT_FORMAT = 2
 _VERSION_KEY = "format_version"
 
 
@@ -42,6 +44,14 @@ class TrainCheckpoint:
     step: int  # optimizer steps taken
     epoch: int  # the data position after `step`: the epoch (over windows: the round) of the last step taken
     batch_in_epoch: int  # and how many of its steps are done ((0, 0) at the start)
+    # What decides which samples a step reads: {"processes", "grad_accum", "batch_tokens",
+    # "max_seq_len", "packing"}. The process count is not part of the identity (a resume may
+    # change it), so the same step number means other data under another count.
+    batch_geometry: dict
+    # Over windows (stage 02's --disk-budget): the rounds whose every step this checkpoint
+    # holds, the record of what is trained (progress.json is derived from it, and no round
+    # from this one on is ever deleted); 0 without windows.
+    rounds_trained: int
     # One entry per rank, by rank: that process's torch CPU generator state and, on a GPU,
     # its own GPU's (never the other GPUs': each rank restores its own entry, so a
     # resumed run draws what each rank would have drawn).

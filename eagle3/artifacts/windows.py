@@ -16,10 +16,19 @@ the window folders inside `--windows-dir` when given, e.g. a shared mount):
     windows/window-NNNNN/window.json  written last, once every file is complete: the round,
                                 its counts, and each file's bytes and checksum. A folder
                                 without it is being written and is never trained on.
-    windows/progress.json       rounds trained: written by stage 04 after the checkpoint that
-                                covers them, before it deletes their folders.
+    windows/progress.json       rounds trained (`read_progress`, `write_progress`): derived from
+                                stage 04's checkpoint, the record of what is trained. Stage 04
+                                writes it after the checkpoint that covers the rounds is on disk
+                                (fsynced), before it deletes their folders, and rewrites it to
+                                its checkpoint's rounds at every start (down too, when the
+                                checkpoint it resumes is older). Missing: no round trained; torn
+                                or unreadable: an error naming the file (never a zero), which
+                                stage 04's next start repairs.
     windows/.deleting-window-NNNNN/  a folder being deleted (renamed first, so a kill during
-                                the deletion never leaves a folder that looks complete).
+                                the deletion never leaves a folder that looks complete). On NFS a
+                                file still open somewhere is kept as a `.nfsXXXX` file until it
+                                is closed: the removal retries, then leaves the folder to the
+                                next `sweep` and says so.
 
 The held-out split is extracted once, into the store folder itself, and kept.
 
@@ -35,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +53,7 @@ import torch
 from eagle3.artifacts import store
 from eagle3.artifacts.atomic import write_json
 from eagle3.artifacts.manifest import sha256_json
+from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
@@ -268,44 +279,104 @@ def write_complete(d: Path, info: dict) -> None:
 
 
 def read_progress(wdir: Path) -> dict:
+    """progress.json: {"trained_rounds": N, "checkpoint": name, "step": S}; N = 0 when it
+    does not exist. A torn or unreadable file is an error naming it: read as 0, it would
+    make producers extract again, and a trainer delete nothing, every round trained."""
+    path = Path(wdir) / PROGRESS_JSON
     try:
-        return json.loads((Path(wdir) / PROGRESS_JSON).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        progress = json.loads(path.read_text())
+    except FileNotFoundError:
         return {"trained_rounds": 0}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _progress_error(path, f"cannot be read ({type(e).__name__}: {e})") from e
+    trained = progress.get("trained_rounds") if isinstance(progress, dict) else None
+    if not isinstance(trained, int) or isinstance(trained, bool) or trained < 0:
+        raise _progress_error(path, f"holds no count of trained rounds ({str(progress)[:200]!r})")
+    return progress
 
 
-def write_progress(wdir: Path, trained_rounds: int, checkpoint: str, step: int) -> None:
+def _progress_error(path: Path, what: str) -> PipelineError:
+    return PipelineError(
+        f"{path} {what}: it records the rounds stage 04 has trained. Rerun stage 04 (`python "
+        f"{WorkDir.script('train')}` with your --config and --windows-dir): at its start it rewrites the file from "
+        f"its latest checkpoint, the record of what is trained.")
+
+
+def write_progress(wdir: Path, trained_rounds: int, checkpoint: str | None, step: int) -> None:
+    """Record `trained_rounds` (covered by `checkpoint` at `step`; None: no checkpoint yet)."""
     Path(wdir).mkdir(parents=True, exist_ok=True)
     write_json(Path(wdir) / PROGRESS_JSON, {"trained_rounds": trained_rounds, "checkpoint": checkpoint,
                                             "step": step})
 
 
+# A file deleted on NFS while a process still has it open (or mapped) is renamed by the
+# client to `.nfsXXXX` and removed only once the last holder closes it; until then its
+# folder cannot be removed. The removal retries for a while, then leaves the folder.
+NFS_LEFTOVER = ".nfs"
+REMOVE_RETRIES = 10
+REMOVE_RETRY_S = 1.0
+
+
+def _remove_tree(path: Path) -> list[str]:
+    """Remove a folder, retrying while only `.nfs*` files keep it; those files' names when
+    they still do (empty: it is gone). Any other failure raises."""
+    left: list[str] = []
+    for attempt in range(REMOVE_RETRIES):
+        if attempt:
+            time.sleep(REMOVE_RETRY_S)
+        try:
+            shutil.rmtree(path)
+            return []
+        except OSError:
+            if not path.exists():
+                return []
+            left = sorted(str(f.relative_to(path)) for f in path.rglob("*") if not f.is_dir())
+            if any(not Path(name).name.startswith(NFS_LEFTOVER) for name in left):
+                raise
+    return left
+
+
 def delete_round(wdir: Path, r: int) -> bool:
     """Delete round r's folder: renamed first (one atomic step: it no longer looks like a
-    window), then removed. True when something was deleted."""
+    window), then removed. True when something was deleted. Files some process still
+    holds open on NFS (`.nfs*`) keep the renamed folder: a warning names them and a later
+    `sweep` removes it."""
     d = Path(wdir) / round_name(r)
     gone = Path(wdir) / f".deleting-{round_name(r)}"
     if d.exists():
-        os.replace(d, gone) if not gone.exists() else shutil.rmtree(d)
-    if gone.exists():
-        shutil.rmtree(gone)
-        return True
-    return False
+        if gone.exists() and _remove_tree(gone):  # an older leftover still held: keep it aside
+            os.replace(gone, Path(wdir) / f".deleting-{round_name(r)}.{time.time_ns()}")
+        os.replace(d, gone)
+    if not gone.exists():
+        return False
+    left = _remove_tree(gone)
+    if left:
+        log.warning("round %d: %s still holds %s after %d tries %.0f s apart: files deleted while some process "
+                    "has them open (NFS keeps them as .nfs files until the last holder closes them: a process "
+                    "outside this run, or on another box). Their space is freed when it closes them; a later "
+                    "start of stage 04 removes the folder.", r, gone, ", ".join(left[:5]), REMOVE_RETRIES,
+                    REMOVE_RETRY_S)
+    return True
 
 
 def sweep(wdir: Path, trained_rounds: int) -> list[int]:
-    """Delete every folder of a round already trained, and leftovers of a killed deletion."""
+    """Delete every folder of a round already trained (rounds < `trained_rounds`), and
+    leftovers of a killed or held deletion; never a round at or after `trained_rounds`."""
     wdir = Path(wdir)
     if not wdir.is_dir():
         return []
-    done = []
+    done = set()
     for p in sorted(wdir.iterdir()):
-        name = p.name.removeprefix(".deleting-")
-        r = round_of(name)
-        if r is not None and (r < trained_rounds or p.name.startswith(".deleting-")):
+        deleting = p.name.startswith(".deleting-")
+        r = round_of(p.name.removeprefix(".deleting-").split(".")[0])
+        if r is None or not (deleting or r < trained_rounds):
+            continue
+        if deleting and p.name != f".deleting-{round_name(r)}":  # a leftover kept aside by delete_round
+            _remove_tree(p)
+        else:
             delete_round(wdir, r)
-            done.append(r)
-    return done
+        done.add(r)
+    return sorted(done)
 
 
 def present_rounds(wdir: Path) -> list[int]:

@@ -113,6 +113,37 @@ def test_ranks_agree_on_a_round_found_by_one_rank_only(tmp_path):
     assert "another rank found round 1 damaged" in first and "round 1 is damaged (a file's checksum" in second
 
 
+def test_every_rank_lets_go_of_a_round_before_rank_0_deletes_it(tmp_path):
+    """Before, rank 1 kept its mappings of a covered round until it opened the next one, and
+    rank 0's store and split (which reference each other) kept theirs until a garbage
+    collection: on NFS the deletion left .nfs files and the folder's removal failed."""
+    results = two_ranks("release", tmp_path / "out")
+    for rank, seen in enumerate(results):
+        assert all(n > 0 for n in seen["tokens"]) and seen["mapped_before"] == 2, (rank, seen)
+    assert results[0]["mapped_at_deletion"] == [], results[0]["mapped_at_deletion"]
+    assert results[0]["deleted"] and results[0]["progress"] == 1
+
+
+def test_the_process_group_gets_the_configured_timeout(monkeypatch):
+    """--dist-timeout-s reaches the group: torch's default (30 min gloo, 10 min NCCL) is shorter
+    than what a collective may wait for (docs/OPERATIONS.md)."""
+    from datetime import timedelta
+
+    from eagle3.stages.s04_train.config import TrainConfig
+
+    made = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kwargs: made.update(backend=backend, **kwargs))
+    monkeypatch.setattr(dist, "get_backend_config", lambda: "cpu:gloo,cuda:gloo")  # a gloo group's
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    d = distributed.init_distributed(torch.device("cpu"), timeout_s=5400)
+    assert made == {"backend": "gloo", "timeout": timedelta(seconds=5400)} and (d.rank, d.world) == (1, 2)
+    default = TrainConfig.__dataclass_fields__["dist_timeout_s"].default
+    assert default > 1800  # above torch's own defaults
+
+
 def test_the_ddp_keyword_follows_torchs_signature(monkeypatch):
     """torch 2.13 renamed DDP's switch (broadcast_buffers deprecated, forward_sync_buffers);
     a GPU box's older torch knows only broadcast_buffers."""

@@ -6,6 +6,8 @@ runs; well under a second."""
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
 
 import pytest
 import torch
@@ -50,14 +52,17 @@ def test_a_checkpoint_comes_back_field_by_field(tmp_path):
     # On disk a plain dict of the fields and the format version (torch.load(weights_only=True) reads it).
     raw = torch.load(path, map_location="cpu", weights_only=True)
     assert set(raw) == {f.name for f in dataclasses.fields(TrainCheckpoint)} | {"format_version"}
-    assert raw["format_version"] == CHECKPOINT_FORMAT == 1
+    assert raw["format_version"] == CHECKPOINT_FORMAT == 2
 
 
-def test_a_file_without_a_format_version_is_read_as_version_1(tmp_path):
-    """What stage 04 wrote before the record existed: the same keys, no version."""
-    raw = {f.name: getattr(sample(), f.name) for f in dataclasses.fields(TrainCheckpoint)}
+def test_a_file_without_a_format_version_is_refused_as_version_1(tmp_path):
+    """What stage 04 wrote before the record existed: the version 1 keys, no version; version 2
+    added the process count and the rounds trained, which a resume cannot guess."""
+    raw = {f.name: getattr(sample(), f.name) for f in dataclasses.fields(TrainCheckpoint)
+           if f.name not in ("batch_geometry", "rounds_trained")}
     torch.save(raw, tmp_path / "step_00000003.pt")
-    assert read_checkpoint(tmp_path / "step_00000003.pt").step == 3
+    with pytest.raises(PipelineError, match=r"step_00000003\.pt has checkpoint format 1, this code reads 2"):
+        read_checkpoint(tmp_path / "step_00000003.pt")
 
 
 def test_a_missing_field_is_refused_naming_the_file(tmp_path):
@@ -88,3 +93,95 @@ def test_not_a_checkpoint_and_no_file_are_refused(tmp_path):
         read_checkpoint(tmp_path / "t.pt")
     with pytest.raises(PipelineError, match="missing.pt does not exist"):
         read_checkpoint(tmp_path / "missing.pt")
+
+
+def saved_steps(wd: WorkDir, steps, identity: str = "x") -> None:
+    for step in steps:
+        save_checkpoint(wd, dataclasses.replace(sample(), step=step, identity=identity), keep=3, is_best=False)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_readable_one_and_says_which_it_skipped(tmp_path,
+                                                                                                     caplog):
+    """Before, a truncated step-0000004.pt stopped the resume ("delete it"); deleted, latest.json
+    named a missing file ("pass --force"): the intact step-0000003.pt was never tried."""
+    wd = WorkDir(tmp_path)
+    saved_steps(wd, [2, 3, 4])
+    newest = wd.checkpoint(4)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a power loss, a full disk
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(wd, "x").step == 3
+    assert f"resuming from {wd.checkpoint(3)}" in caplog.text
+    assert f"skipped: {newest} (cannot read checkpoint" in caplog.text
+    newest.unlink()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(wd, "x").step == 3
+    assert f"skipped: {newest} (missing)" in caplog.text
+
+
+def test_a_torn_latest_json_scans_the_checkpoints(tmp_path, caplog):
+    """Before: a bare JSONDecodeError traceback."""
+    wd = WorkDir(tmp_path)
+    saved_steps(wd, [3, 4])
+    pointer = wd.latest_checkpoint()
+    pointer.write_text(pointer.read_text()[:9])
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(wd, "x").step == 4
+    assert f"skipped: {pointer} (unreadable: JSONDecodeError" in caplog.text
+
+
+def test_no_readable_checkpoint_is_an_error_naming_each_file_and_no_checkpoint_is_a_fresh_start(tmp_path):
+    wd = WorkDir(tmp_path)
+    assert latest_checkpoint(wd, "x") is None
+    saved_steps(wd, [3])
+    wd.checkpoint(3).write_bytes(b"PK\x03\x04 torn")
+    with pytest.raises(PipelineError, match=rf"no checkpoint in {wd.checkpoints()} can be read: "
+                                            rf"{wd.checkpoint(3)} \(cannot read checkpoint.*--force"):
+        latest_checkpoint(wd, "x")
+
+
+def test_a_checkpoint_of_another_run_is_refused_not_skipped(tmp_path):
+    wd = WorkDir(tmp_path)
+    saved_steps(wd, [3, 4], identity="another run")
+    with pytest.raises(PipelineError, match=rf"{wd.checkpoint(4)} belongs to a run with other parameters or inputs "
+                                            r"\(identity another run, this run x\); pass --force"):
+        latest_checkpoint(wd, "x")
+    wd.latest_checkpoint().write_text("{")  # a torn pointer: the scan refuses it too
+    with pytest.raises(PipelineError, match=r"step-0000004\.pt belongs to a run with other parameters"):
+        latest_checkpoint(wd, "x")
+
+
+class RunsCode:
+    """Unpickled, calls os.mkdir(path): what a checkpoint from elsewhere could do instead."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_checkpoint_that_unpickles_code_is_refused_before_running_it(tmp_path):
+    """read_checkpoint loads with weights_only=True: tensors and plain containers only."""
+    ran = tmp_path / "ran"
+    import torch
+
+    torch.save({**sample().to_file(), "eval": RunsCode(ran)}, tmp_path / "c.pt")
+    with pytest.raises(PipelineError, match=r"cannot read checkpoint .*c\.pt with torch\.load\(weights_only=True"):
+        read_checkpoint(tmp_path / "c.pt")
+    assert not ran.exists()
+
+
+def test_a_save_keeps_its_own_file_after_a_resume_that_renumbered_the_steps(tmp_path):
+    """A resume under another process count goes on at a lower step number (1 -> 2 processes):
+    pruning by step number alone deleted the checkpoint just written, which latest.json names.
+    Files above the saved step are superseded by it."""
+    wd = WorkDir(tmp_path)
+    saved_steps(wd, [24, 25])  # written by 1 process
+    save_checkpoint(wd, dataclasses.replace(sample(), step=13), keep=2, is_best=False)  # 2 processes, round start
+    assert sorted(p.name for p in wd.checkpoints().glob("step-*.pt")) == [wd.checkpoint(13).name]
+    assert latest_checkpoint(wd, "x").step == 13
+    save_checkpoint(wd, dataclasses.replace(sample(), step=14), keep=2, is_best=False)
+    save_checkpoint(wd, dataclasses.replace(sample(), step=15), keep=2, is_best=False)
+    assert sorted(p.name for p in wd.checkpoints().glob("step-*.pt")) == [wd.checkpoint(14).name,
+                                                                          wd.checkpoint(15).name]

@@ -1,4 +1,10 @@
-"""The window plan (eagle3/artifacts/windows.py): sizes, the one shuffle, deletions that survive a kill."""
+"""The window plan (eagle3/artifacts/windows.py): sizes, the one shuffle, deletions that survive a kill
+and NFS's kept files, a progress record that is never read as zero when it cannot be read."""
+import errno
+import logging
+import shutil
+from pathlib import Path
+
 import pytest
 
 from eagle3.artifacts import store, windows
@@ -75,3 +81,60 @@ def test_a_deletion_killed_half_way_never_leaves_a_complete_looking_round_and_is
     assert windows.present_rounds(tmp_path) == [1, 2]
     assert windows.sweep(tmp_path, trained_rounds=2) == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == [windows.round_name(2)]
+
+
+@pytest.mark.parametrize("text", ['{"trained_rounds": 3, "checkp', "", '{"trained_rounds": -1}', '[3]', '\udcff'])
+def test_an_unreadable_progress_json_is_an_error_naming_the_file_never_zero_trained(tmp_path, text):
+    """Before, a torn progress.json read as 0 rounds trained: restarted producers extracted
+    every trained round again. A missing one still means none trained."""
+    assert windows.read_progress(tmp_path) == {"trained_rounds": 0}
+    (tmp_path / windows.PROGRESS_JSON).write_text(text, errors="surrogateescape")
+    with pytest.raises(PipelineError, match=rf"{tmp_path / windows.PROGRESS_JSON} (cannot be read|holds no count).*"
+                                            r"04_train_drafter\.py.*rewrites the file from its latest checkpoint"):
+        windows.read_progress(tmp_path)
+    windows.write_progress(tmp_path, 3, "step-0000010.pt", 10)
+    assert windows.read_progress(tmp_path)["trained_rounds"] == 3
+
+
+def test_a_round_whose_files_nfs_keeps_is_left_for_a_later_sweep_with_a_warning(tmp_path, monkeypatch, caplog):
+    """NFS renames a deleted file that a process still has open to .nfsXXXX and keeps it until
+    it is closed; until then the folder cannot be removed (ENOTEMPTY). Before, that error
+    stopped stage 04 after progress.json was written. Now the removal retries, then leaves the
+    renamed folder (never a round) to a later sweep, and says so."""
+    d = tmp_path / windows.round_name(0)
+    d.mkdir()
+    (d / "train-00000.safetensors").write_bytes(b"x" * 10)
+    (d / ".nfs0000000000b16d00000001").write_bytes(b"x" * 10)  # a deleted file some process still maps
+    real_rmtree, tries = shutil.rmtree, []
+
+    def nfs_rmtree(path, *args, **kwargs):  # the files go, the held one stays, the folder cannot go
+        tries.append(path)
+        for f in Path(path).iterdir():
+            if not f.name.startswith(".nfs"):
+                f.unlink()
+        raise OSError(errno.ENOTEMPTY, "Directory not empty", str(path))
+
+    monkeypatch.setattr(windows, "REMOVE_RETRY_S", 0.0)
+    monkeypatch.setattr(shutil, "rmtree", nfs_rmtree)
+    with caplog.at_level(logging.WARNING, logger=windows.__name__):
+        assert windows.delete_round(tmp_path, 0)
+    left = tmp_path / f".deleting-{windows.round_name(0)}"
+    assert len(tries) == windows.REMOVE_RETRIES
+    assert windows.present_rounds(tmp_path) == [] and [p.name for p in left.iterdir()] == [".nfs0000000000b16d00000001"]
+    assert f"{left} still holds .nfs0000000000b16d00000001" in caplog.text
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)  # the holder closed it: the next start's sweep removes it
+    assert windows.sweep(tmp_path, trained_rounds=0) == [0] and list(tmp_path.iterdir()) == []
+
+
+def test_a_removal_that_fails_for_another_reason_still_raises(tmp_path, monkeypatch):
+    d = tmp_path / windows.round_name(0)
+    d.mkdir()
+    (d / "train-00000.safetensors").write_bytes(b"x")
+
+    def denied(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(windows, "REMOVE_RETRY_S", 0.0)
+    monkeypatch.setattr(shutil, "rmtree", denied)
+    with pytest.raises(PermissionError):
+        windows.delete_round(tmp_path, 0)

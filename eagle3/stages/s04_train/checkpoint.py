@@ -4,6 +4,16 @@ A checkpoint is a `TrainCheckpoint` (eagle3/artifacts/train_outputs.py: its fiel
 file's keys, each with what it holds; `read_checkpoint` is the one reader, for the resume
 here and for stage 05). File names come from WorkDir: one per saved step, the best one,
 and a JSON pointer to the latest (what a resume reads).
+
+Every file is written atomically and fsynced with its folder (eagle3/artifacts/atomic.py)
+before `save_checkpoint` returns: what stage 04 deletes after it (a trained window, older
+checkpoints) is only deleted once the checkpoint that replaces it is on disk.
+
+A resume (`latest_checkpoint`) takes the file latest.json names. When latest.json is torn
+or missing, or the file it names is missing or unreadable (a power loss, a full disk, a
+truncated copy), it takes the newest readable step file instead and logs each file it
+skipped and why; only when none can be read does it stop, naming them all. A checkpoint
+of another run's identity is refused, never skipped: the folder is another run's.
 """
 from __future__ import annotations
 
@@ -53,29 +63,58 @@ def set_rng_state(states: list[dict], rank: int, world: int, device: torch.devic
 
 
 def save_checkpoint(wd: WorkDir, ckpt: TrainCheckpoint, *, keep: int, is_best: bool) -> Path:
+    """Write `ckpt` (and best.pt when `is_best`), point latest.json at it, then prune: the
+    newest `keep` step files at or below its step stay (keep <= 0: all). Files of a higher
+    step were written before a resume that renumbered the steps (another process count,
+    eagle3/stages/s04_train/windows.py `resume_step`) or skipped by it as unreadable: this
+    one supersedes them."""
     path = wd.checkpoint(ckpt.step)
     save_torch(path, ckpt.to_file())
     if is_best:
         save_torch(wd.best_checkpoint(), ckpt.to_file())
     write_json(wd.latest_checkpoint(), {"step": ckpt.step, "file": path.name, "identity": ckpt.identity})
-    steps = sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
-    for s in steps[:-keep] if keep > 0 else []:
-        wd.checkpoint(s).unlink(missing_ok=True)
+    if keep > 0:
+        steps = sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
+        older = [s for s in steps if s < ckpt.step]
+        for s in older[:max(0, len(older) - (keep - 1))] + [s for s in steps if s > ckpt.step]:
+            wd.checkpoint(s).unlink(missing_ok=True)
     return path
 
 
 def latest_checkpoint(wd: WorkDir, identity: str) -> TrainCheckpoint | None:
-    """The checkpoint to resume from, or None. Refuses one from another run setup."""
-    pointer = wd.latest_checkpoint()
+    """The checkpoint to resume from (see the module docstring), or None when there is none."""
+    pointer, folder = wd.latest_checkpoint(), wd.checkpoints()
+    steps = sorted((s for s in map(wd.checkpoint_step, folder.iterdir()) if s is not None),
+                   reverse=True) if folder.is_dir() else []
+    candidates = [wd.checkpoint(s) for s in steps]
+    skipped: list[str] = []
     if not pointer.is_file():
-        return None
-    info = json.loads(pointer.read_text())
-    if info["identity"] != identity:
-        raise PipelineError(
-            f"{pointer} belongs to a run with other parameters or inputs (identity {info['identity'][:12]}, "
-            f"this run {identity[:12]}); pass --force to discard its checkpoints and start over, or use "
-            f"another --work-dir.")
-    path = wd.checkpoint(info["step"])
-    if not path.is_file():
-        raise PipelineError(f"{pointer} names {path}, which is missing; pass --force to start over.")
-    return read_checkpoint(path)  # memory-mapped (its docstring says why)
+        if not steps:
+            return None
+        skipped.append(f"{pointer} (missing)")
+    else:
+        try:
+            named = folder / json.loads(pointer.read_text())["file"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            skipped.append(f"{pointer} (unreadable: {type(e).__name__}: {e})")
+        else:
+            candidates = [named] + [c for c in candidates if c != named]
+    for path in candidates:
+        if not path.is_file():
+            skipped.append(f"{path} (missing)")
+            continue
+        try:
+            ckpt = read_checkpoint(path)  # memory-mapped (its docstring says why)
+        except PipelineError as e:
+            skipped.append(f"{path} ({e})")
+            continue
+        if ckpt.identity != identity:
+            raise PipelineError(
+                f"{path} belongs to a run with other parameters or inputs (identity {ckpt.identity[:12]}, "
+                f"this run {identity[:12]}); pass --force to discard its checkpoints and start over, or use "
+                f"another --work-dir.")
+        if skipped:
+            log.warning("resuming from %s, the newest readable checkpoint; skipped: %s", path, "; ".join(skipped))
+        return ckpt
+    raise PipelineError(f"no checkpoint in {folder} can be read: {'; '.join(skipped)}. Restore one from a copy, or "
+                        f"pass --force to train from scratch.")

@@ -91,6 +91,11 @@ class TrainConfig(StageConfig):
                                     "(default 02_hidden_states/windows; the shared mount of several boxes)")
     # runtime
     device: str = param("auto", identity=False, help="auto, cpu, cuda")
+    dist_timeout_s: float = param(3600.0, gt=0, identity=False,
+                                  help="under torchrun: seconds a rank waits in a collective for the others before "
+                                       "the run fails (torch's defaults: 30 min gloo, 10 min NCCL). What can hold "
+                                       "the others that long: a window's checksums (each rank reads its share), "
+                                       "rank 0 writing a checkpoint (docs/OPERATIONS.md)")
     prefetch: int = param(2, min=0, identity=False,
                           help="micro-batches loaded ahead in a background thread (pinned memory, fp8 decoded on "
                                "the GPU); 0: load each in the training thread. The weights are the same either way")

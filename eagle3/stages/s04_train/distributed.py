@@ -13,7 +13,11 @@ ProcessGroup.cpp) with "No backend type associated with device type cpu": the fa
 a host-side metric sum on an NCCL-only group. A CPU run never shows it (its gloo group
 serves CPU tensors), so the rules live here, in one place a CPU test can hold them to:
 
-- `init_distributed` creates the group with a backend for every device type stage 04
+- `init_distributed` creates the group with an explicit timeout (stage 04's
+  --dist-timeout-s: how long a rank waits in a collective for the others; torch's own
+  defaults are 30 min for gloo and 10 min for NCCL, less than the wait for a rank that
+  verifies its share of a large window or writes a large checkpoint) and with a backend
+  for every device type stage 04
   hands a collective: "gloo" on CPU; "cpu:gloo,cuda:nccl" on GPUs, NCCL for DDP's
   gradients and gloo for what lives on the host (the metric sums, the pickled RNG
   states of `all_gather_object`). On a GPU it also makes this rank's GPU the current
@@ -36,6 +40,7 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -74,8 +79,9 @@ def served_device_types() -> set[str]:
     return {pair.split(":")[0] for pair in dist.get_backend_config().split(",")}
 
 
-def init_distributed(device: torch.device) -> Dist:
-    """Join the run `torchrun` started (WORLD_SIZE, RANK, LOCAL_RANK), training on `device`."""
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> Dist:
+    """Join the run `torchrun` started (WORLD_SIZE, RANK, LOCAL_RANK), training on `device`;
+    a rank waits `timeout_s` seconds in a collective (None: torch's default) before failing."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return Dist()
@@ -85,14 +91,17 @@ def init_distributed(device: torch.device) -> Dist:
         torch.cuda.set_device(device)  # also for a group created before stage 04: collectives find it here
     if not dist.is_initialized():
         bind = {"device_id": device} if device.type == "cuda" else {}
+        if timeout_s is not None:
+            bind["timeout"] = timedelta(seconds=timeout_s)
         dist.init_process_group(backend_for(device), **bind)
     served = served_device_types()
     if device.type not in served:
         raise PipelineError(f"the process group created before stage 04 (backend {dist.get_backend_config()}) "
                             f"cannot reduce {device.type} tensors; let stage 04 create it, or create it with "
                             f"backend {backend_for(device)!r}.")
-    log.info("process group: rank %d of %d, backend %s, device %s", dist.get_rank(), dist.get_world_size(),
-             dist.get_backend_config(), device)
+    log.info("process group: rank %d of %d, backend %s, device %s, collective timeout %s", dist.get_rank(),
+             dist.get_world_size(), dist.get_backend_config(), device,
+             f"{timeout_s:g} s" if timeout_s is not None else "torch's default")
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank)
 
 

@@ -277,6 +277,7 @@ class Trainer:
 
         # Progress: with the weights, optimizer and RNG, what a checkpoint holds.
         self.step = 0
+        self.resumed_from = 0  # the resumed checkpoint's own step (another process count numbers steps otherwise)
         self.best: dict = {"expected_accept_length": -1.0, "step": None}
         self.last_eval: dict | None = None
         self.metrics: MetricsLog | None = None  # opened by fit, once the resumed step is known
@@ -331,7 +332,7 @@ class Trainer:
                                   grad_accum=cfg.grad_accum, epochs=cfg.epochs)
         self.total = min(cfg.max_steps, self.plan.total) if cfg.max_steps else self.plan.total
         self.rounds = Rounds(self.wd, self.store, self.plan, windows_dir=cfg.windows_dir, keep=cfg.keep_windows,
-                             wait_s=cfg.window_wait_s, main_rank=d.main)
+                             wait_s=cfg.window_wait_s, rank=d.rank, world=d.world)
         self.train_split = None
         self.loss_positions = None
         if d.main:
@@ -511,9 +512,16 @@ class Trainer:
         return TrainCheckpoint(
             model=self.drafter.state_dict(), drafter_config=self.dcfg.to_dict(), aux_layers=self.store.aux_layers,
             optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step,
-            **self.data_position(self.step), rng=rng,
+            **self.data_position(self.step), batch_geometry=self.batch_geometry(),
+            rounds_trained=self.plan.rounds_done(self.step) if self.rounds is not None else 0, rng=rng,
             train_config=json.loads(json.dumps(self.src.params, default=str)), identity=self.src.identity,
             best=self.best, eval=evaluated)
+
+    def batch_geometry(self) -> dict:
+        """What decides the samples of each step, the process count included (a checkpoint records it)."""
+        cfg = self.cfg
+        return {"processes": self.d.world, "grad_accum": cfg.grad_accum, "batch_tokens": cfg.batch_tokens,
+                "max_seq_len": cfg.max_seq_len, "packing": cfg.packing}
 
     def data_position(self, step: int) -> dict:
         """Where the data stands after `step` steps (what a checkpoint records beside the
@@ -533,6 +541,16 @@ class Trainer:
         self.sched.load_state_dict(ckpt.scheduler)
         set_rng_state(ckpt.rng, self.d.rank, self.d.world, self.device)
         self.step, self.best = ckpt.step, ckpt.best
+        if self.rounds is not None:  # over windows another process count maps by rounds, or is refused
+            step = self.plan.resume_step(ckpt, self.wd.checkpoint(ckpt.step), self.d.world)
+            if step != ckpt.step:
+                self.move_schedule(step)
+                log.warning("the checkpoint at step %d was written by %d process(es), this run has %d: it covers "
+                            "%d round(s), so training goes on at step %d of %d, the start of round %d under this "
+                            "count (metrics.jsonl continues with this count's step numbers)", ckpt.step,
+                            ckpt.batch_geometry["processes"], self.d.world, ckpt.rounds_trained, step, self.total,
+                            ckpt.rounds_trained)
+                return
         ours = self.data_position(self.step)
         theirs = {"epoch": ckpt.epoch, "batch_in_epoch": ckpt.batch_in_epoch}
         if theirs != ours:
@@ -542,6 +560,16 @@ class Trainer:
                         "%s: the rest of the run reads this schedule's batches, not the ones the interrupted run "
                         "would have read (pass --force to train from scratch instead)", self.step, theirs,
                         self.step, ours)
+
+    def move_schedule(self, step: int) -> None:
+        """Go on at `step` of this run's schedule (a resume under another process count): the
+        learning rate is the schedule's at `step`, as if the run had taken this count's steps."""
+        self.step = step
+        self.sched.last_epoch = step  # LambdaLR: after s steps, last_epoch is s and lr = base * f(s)
+        lrs = [base * f(step) for base, f in zip(self.sched.base_lrs, self.sched.lr_lambdas)]
+        for group, lr in zip(self.opt.param_groups, lrs):
+            group["lr"] = lr
+        self.sched._last_lr = lrs  # what get_last_lr() reports until the next step
 
     def save(self, is_best: bool) -> None:
         # A collective: every rank calls save at the same steps (the reduced held-out
@@ -553,11 +581,15 @@ class Trainer:
 
     def resume(self) -> None:
         ckpt = latest_checkpoint(self.wd, self.src.identity)
+        path = self.wd.checkpoint(ckpt.step) if ckpt is not None else None
+        if self.rounds is not None:
+            # First: progress.json follows the checkpoint (the record of what is trained) before
+            # anything is deleted, and before the run can stop (a refused resume, a missing round).
+            self.rounds.resumed(ckpt.rounds_trained if ckpt else 0, ckpt.step if ckpt else 0, path)
         if ckpt is not None:
             self.load_state_dict(ckpt)
-            log.info("resuming from %s at step %d of %d", self.wd.checkpoint(self.step), self.step, self.total)
-        if self.rounds is not None:
-            self.rounds.resumed(self.step, self.wd.checkpoint(self.step))
+            self.resumed_from = ckpt.step
+            log.info("resuming from %s at step %d of %d", path, self.step, self.total)
 
     # -- the loop ----------------------------------------------------------------------
     def fit(self) -> Manifest | None:
@@ -566,8 +598,8 @@ class Trainer:
 
         cfg = self.cfg
         self.resume()
-        self.metrics = MetricsLog(  # drops lines past the resumed step; feeds the trackers of --report-to
-            self.wd, self.d.main, self.step, report_to=cfg.report_to,
+        self.metrics = MetricsLog(  # drops lines past the resumed checkpoint; feeds the trackers of --report-to
+            self.wd, self.d.main, self.resumed_from, report_to=cfg.report_to,
             run_config=run_config(self.src.params, self.src.identity, self.src.inputs, self.dcfg.to_dict(),
                                   self.store.aux_layers, self.d.world, all_settings(cfg)) if self.d.main else None)
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", disable=not self.d.main)
@@ -643,7 +675,7 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
     wd = WorkDir(cfg.work_dir)
     device = pick_device(cfg.device)
     configure_cuda_allocator(device)  # before init_distributed: torch reads it when CUDA initialises
-    d = init_distributed(device)
+    d = init_distributed(device, timeout_s=cfg.dist_timeout_s)
     try:
         src = read_inputs(cfg, wd)
         done = already_complete(wd, "train", src.params, src.inputs, force=cfg.force)

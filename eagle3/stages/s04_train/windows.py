@@ -19,12 +19,36 @@ and adds nothing). A sample stage 02 rejected for NaN/Inf is dropped from its mi
 Deletion. At the last step of round r the trainer saves a checkpoint whatever
 --save-every says; only then `covered` writes `progress.json` (rounds trained, the
 checkpoint) and deletes the round's folder (renamed first, then removed), never with
---keep-windows. A run killed between the checkpoint and the deletion deletes the round on
-its next start (`sweep`), from the checkpoint it resumes: the checkpoint decides what is
-trained, never the folder's presence.
+--keep-windows. The checkpoint, latest.json and their folder are fsynced by then
+(eagle3/artifacts/atomic.py): on a network filesystem a deletion is committed at once,
+a write only when flushed. Every rank first lets go of the round's files (`close`: the
+store and its split reference each other, so their mappings go at a garbage collection,
+forced there) and the ranks meet before rank 0 deletes: a file still mapped stays on NFS
+as a `.nfsXXXX` file and keeps its folder (`windows.delete_round` retries, then leaves it
+for a later start and says so).
+
+The checkpoint is the record of what is trained: it holds the rounds it covers
+(`rounds_trained`) and the process count that took its steps. At every start `resumed`
+rewrites progress.json to the resumed checkpoint's rounds, down too (the newest
+checkpoint was unreadable, a power loss lost it), before anything is deleted or the run
+stops, so stage 02 extracts the rounds still needed again; then it deletes the folders of
+the rounds the checkpoint covers (a run killed between its checkpoint and the deletion
+left them), never a round from the checkpoint's coverage on.
+
+Another process count. A round's steps scale with the count (`EpochPlan` deals each step's
+micro-batches to the processes), and the count is not part of the run's identity, so
+`resume_step` maps by rounds: a checkpoint at a round's end continues at the start of the
+next round of this run's schedule; one in the middle of a round is refused with the
+command that finishes the round under the count that wrote it.
+
+Verification. A round's checksums are read once before it is trained, split over the
+ranks (file i by rank i mod the count): the collective in `ensure` then waits for the
+slowest rank's share, not for one rank reading all of a window (~1.8 TB for Kimi-K2.5)
+while the others sit in it (see --dist-timeout-s, docs/OPERATIONS.md).
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -38,10 +62,11 @@ import torch
 from eagle3.artifacts import store, windows
 from eagle3.artifacts.dataset import load_split
 from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.train_outputs import TrainCheckpoint
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s04_train.data import Batching, EpochPlan
-from eagle3.stages.s04_train.distributed import all_reduce_sum
+from eagle3.stages.s04_train.distributed import all_reduce_sum, barrier
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +97,7 @@ class RoundSchedule:
     def __init__(self, plan: windows.WindowPlan, lengths: list[int], trainable: np.ndarray, batching: Batching, *,
                  rank: int, world: int, grad_accum: int, epochs: int):
         self.plan, self.epochs = plan, epochs
+        self._inputs = (plan, lengths, trainable, batching, grad_accum, epochs)  # for `for_world`
         self.plans: list[EpochPlan] = []
         self.starts: list[int] = []
         self.steps: list[int] = []
@@ -114,15 +140,43 @@ class RoundSchedule:
         r, s = self.locate(step - 1)
         return {"epoch": r, "batch_in_epoch": s + 1}
 
+    def for_world(self, world: int) -> "RoundSchedule":
+        """The same rounds dealt to `world` processes (rank 0's view: the step counts are every rank's)."""
+        plan, lengths, trainable, batching, grad_accum, epochs = self._inputs
+        return RoundSchedule(plan, lengths, trainable, batching, rank=0, world=world, grad_accum=grad_accum,
+                             epochs=epochs)
+
+    def resume_step(self, ckpt: TrainCheckpoint, path: Path, world: int) -> int:
+        """The step of this schedule (`world` processes) at which the training `ckpt` holds
+        goes on (the module docstring says why another count maps by rounds)."""
+        processes = ckpt.batch_geometry["processes"]
+        if processes == world:
+            return ckpt.step
+        trained = ckpt.rounds_trained
+        # `position` of a round's last step is (that round, its step count): a checkpoint
+        # at the end of round trained - 1; otherwise its last step lies inside round `trained`.
+        if ckpt.step == 0 or ckpt.epoch == trained - 1:
+            return self.starts[trained] if trained < len(self.starts) else self.total
+        theirs = self.for_world(processes)
+        raise PipelineError(
+            f"{path} was written by {processes} process(es) in the middle of round {ckpt.epoch} "
+            f"({ckpt.batch_in_epoch} of its {theirs.steps[ckpt.epoch]} steps done); this run has {world}, which "
+            f"deals that round's samples into other steps, so no step of it continues where the checkpoint "
+            f"stopped. Finish the round with the count that wrote it: `torchrun --nproc-per-node {processes} "
+            f"{WorkDir.script('train')} ARGS --stop-after {theirs.end(ckpt.epoch)}` (your arguments; `python` "
+            f"for 1 process) saves at the round's end, from which any count resumes. Or pass --force to train "
+            f"from scratch.")
+
 
 class Rounds:
     """The rounds' folders as the trainer meets them: open in order, delete once covered."""
 
     def __init__(self, wd: WorkDir, main: HiddenStateStore, schedule: RoundSchedule, *, windows_dir: str | None,
-                 keep: bool, wait_s: float, main_rank: bool):
+                 keep: bool, wait_s: float, rank: int = 0, world: int = 1):
         self.wd, self.main, self.schedule = wd, main, schedule
         self.dir = windows.windows_dir(wd.store(), windows_dir)
-        self.keep, self.wait_s, self.main_rank = keep, wait_s, main_rank
+        self.keep, self.wait_s = keep, wait_s
+        self.rank, self.world, self.main_rank = rank, world, rank == 0
         self.current: int | None = None
         self.split = None
         self.index_of: list[int | None] = []  # window position -> index in the round's split (None: rejected)
@@ -131,9 +185,15 @@ class Rounds:
         d = self.dir / windows.round_name(r)
         if windows.read_complete(d) is None:
             return False  # not extracted yet, or still being written
-        # Rank 0 reads every file once to check it (the other ranks check sizes): a round
-        # its writer called complete and whose bytes differ is damaged, not late.
-        problem = windows.window_problem(d, verify_checksums=self.main_rank)
+        # Every rank checks the sizes, and reads its share of the files (file i: rank i mod
+        # the count) to check their checksums: a round its writer called complete and whose
+        # bytes differ is damaged, not late. The ranks read at once, so the collective in
+        # `ensure` waits for the slowest share, not for one rank reading the whole window.
+        problem = windows.window_problem(d, verify_checksums=False)
+        for entry in [] if problem else windows.read_complete(d)["files"][self.rank::self.world]:
+            problem = store.file_problem(d, entry, verify_checksum=True)
+            if problem:
+                break
         if problem:
             raise PipelineError(f"stage 04: round {r} is damaged ({problem}); rerun `python "
                                 f"{WorkDir.script('extract')} --window {r}` with your --config and --disk-budget: it "
@@ -150,7 +210,7 @@ class Rounds:
             raise PipelineError(f"stage 04: {d} was extracted for another store or round (differs in {diff or 'round'} "
                                 f"from {self.wd.store() / store.INDEX_JSON}); delete it and rerun stage 02 with "
                                 f"--window {r}.")
-        # The checksums were verified just now (window_problem, rank 0): the reader checks sizes only.
+        # The checksums were verified just now (each rank its share): the reader checks sizes only.
         st = HiddenStateStore(d, index, None, verify="off", needed_by="stage 04 (train)")
         self.split = st.split("train")
         mapping, k = [], 0
@@ -175,7 +235,7 @@ class Rounds:
         r, _ = self.schedule.locate(step)
         if self.current == r:
             return True
-        self.split, self.current = None, None
+        self.close()
         error = None
         try:
             opened = self._wait_open(r)
@@ -224,24 +284,73 @@ class Rounds:
     def is_end(self, step: int) -> bool:
         return self.schedule.rounds_done(step) > self.schedule.rounds_done(step - 1)
 
+    def close(self) -> None:
+        """Let go of the open round's files. Its store and split reference each other, so
+        dropping them frees their mappings only at the next garbage collection: forced here.
+        A file of the round still mapped after it (a tensor kept somewhere) is logged."""
+        if self.current is None and self.split is None:
+            return
+        folder = self.dir / windows.round_name(self.current) if self.current is not None else None
+        self.split, self.current, self.index_of = None, None, []
+        gc.collect()
+        held = mapped_files(folder) if folder is not None else []
+        if held:
+            log.warning("stage 04 (rank %d): %s still mapped after closing its round (a tensor of it is kept); on "
+                        "NFS their deletion leaves .nfs files until this process exits", self.rank,
+                        ", ".join(held[:3]))
+
     def covered(self, step: int, checkpoint: Path) -> None:
-        """A checkpoint at `step` is on disk: record the rounds it covers, then delete them."""
+        """A checkpoint at `step` is on disk (rank 0 saved it, fsynced): record the rounds it
+        covers, then delete them. A collective: every rank calls it at the same step, lets
+        go of the covered round's files, and the ranks meet before rank 0 deletes them."""
+        done = self.schedule.rounds_done(step)
+        if self.current is not None and self.current < done:
+            self.close()
+        barrier()  # no rank maps a file rank 0 is about to delete
         if not self.main_rank:
             return
-        done = self.schedule.rounds_done(step)
+        pointer = self.wd.latest_checkpoint()
+        assert checkpoint.is_file() and json.loads(pointer.read_text())["file"] == checkpoint.name, (
+            f"round(s) up to {done - 1} would be deleted, but {pointer} does not name {checkpoint}: the trainer must "
+            f"save at every round's end before `covered`")
         _kill_point(f"covered:{done - 1}")
         windows.write_progress(self.dir, done, checkpoint.name, step)
-        if self.current is not None and self.current < done:
-            self.split, self.current = None, None  # drop the mappings before the files go
         if self.keep:
             return
         for r in windows.sweep(self.dir, done):
             log.info("stage 04: round %d deleted (covered by %s)", r, checkpoint)
 
-    def resumed(self, step: int, checkpoint: Path) -> None:
-        """After a resume at `step`: the rounds its checkpoint covers are trained, whatever
-        the last run managed to record or delete before it stopped."""
-        if step and self.main_rank and self.schedule.rounds_done(step) > windows.read_progress(self.dir)["trained_rounds"]:
-            self.covered(step, checkpoint)
-        elif self.main_rank and not self.keep:
-            windows.sweep(self.dir, windows.read_progress(self.dir)["trained_rounds"])
+    def resumed(self, done: int, step: int, checkpoint: Path | None) -> None:
+        """At the start, from `checkpoint` (None: from scratch), which covers `done` rounds at its
+        `step`: progress.json says so, up or down, before anything is deleted or the run stops;
+        then the folders of the rounds it covers go. Rank 0; the others return."""
+        if not self.main_rank:
+            return
+        try:
+            recorded = windows.read_progress(self.dir)["trained_rounds"]
+        except PipelineError as e:
+            log.warning("stage 04: %s Rewriting it from %s.", e, checkpoint or "the start (no checkpoint)")
+            recorded = None
+        if recorded != done:
+            if recorded is not None and recorded > done:
+                log.warning("stage 04: %s says %d round(s) trained, but the checkpoint this run resumes (%s) covers "
+                            "%d: rewritten to %d. Rounds %d.. are trained again; stage 02 extracts those already "
+                            "deleted again.", self.dir / windows.PROGRESS_JSON, recorded,
+                            checkpoint or "none: from scratch", done, done, done)
+            windows.write_progress(self.dir, done, checkpoint.name if checkpoint is not None else None, step)
+        if self.keep:
+            return
+        for r in windows.sweep(self.dir, done):
+            log.info("stage 04: round %d deleted (covered by %s)", r, checkpoint)
+
+
+def mapped_files(folder: Path) -> list[str]:
+    """The files under `folder` this process maps (Linux /proc/self/maps; [] elsewhere)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    prefix = str(Path(folder).resolve()) + os.sep
+    columns = [line.split(maxsplit=5) for line in lines]  # address perms offset dev inode [path]
+    paths = {c[5].removesuffix(" (deleted)") for c in columns if len(c) == 6}
+    return sorted(path for path in paths if path.startswith(prefix))
