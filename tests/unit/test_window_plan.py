@@ -75,3 +75,23 @@ def test_a_deletion_killed_half_way_never_leaves_a_complete_looking_round_and_is
     assert windows.present_rounds(tmp_path) == [1, 2]
     assert windows.sweep(tmp_path, trained_rounds=2) == [0, 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == [windows.round_name(2)]
+
+
+def test_names_in_window_json_outside_the_store_pattern_are_refused_unread(tmp_path, monkeypatch):
+    """A window.json on a shared folder naming an absolute or ../ path would make rank 0 read
+    and hash any file; such a name is a problem before anything is opened."""
+    from eagle3.artifacts.store import format as store_format
+
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not a store file")
+    d = tmp_path / "shared" / windows.round_name(0)
+    d.mkdir(parents=True)
+    checksum = store.file_checksum(secret)
+    hashed = []
+    monkeypatch.setattr(store_format, "file_checksum", lambda path, *a: hashed.append(path) or checksum)
+    for name in (str(secret), "../../secret.txt", "train-00000.safetensors/../../../secret.txt"):
+        windows.write_complete(d, {"round": 0, "files": [{"name": name, "bytes": secret.stat().st_size,
+                                                           "checksum": checksum}]})
+        problem = windows.window_problem(d, verify_checksums=True)
+        assert problem is not None and "not a store file name" in problem and repr(name) in problem
+    assert hashed == []
