@@ -62,6 +62,7 @@ MANIFEST = ("tests/unit/test_manifest.py", "tests/unit/test_records.py")
 CONFIG = ("tests/unit/test_config.py",)
 VOCAB_MAP = ("tests/unit/test_vocab_map.py", "tests/unit/test_vocab_selection.py")
 VLLM_RULES = ("tests/e2e/test_vllm_layer_rules.py",)
+PRODUCERS = ("tests/unit/test_window_producers.py",)
 
 MUTATIONS: tuple[Mutation, ...] = (
     # build_samples: a turn continues the sample only if its prompt extends the sample so far
@@ -121,6 +122,13 @@ MUTATIONS: tuple[Mutation, ...] = (
              " + abs(a.draft_vocab_size - b.draft_vocab_size)", "", VOCAB_MAP),
     Mutation("vocab_map: coverage of nothing counted is 0", "eagle3/artifacts/vocab_map.py",
              'if total else float("nan")', "if total else 0.0", VOCAB_MAP),
+    # Both were caught only by tests/e2e/test_windows.py (two producers, a trainer) until the
+    # producer's functions got unit tests of their own.
+    Mutation("windows: the budget check leaves out the round's own bytes", "eagle3/stages/s02_extract/windowed.py",
+             "rounds = set(present) | {r}", "rounds = set(present) - {r}", PRODUCERS),
+    Mutation("windows: producers skip the next untrained round", "eagle3/stages/s02_extract/windowed.py",
+             "r % num_shards == shard_index and r >= trained", "r % num_shards == shard_index and r > trained",
+             PRODUCERS),
     Mutation("layer rules: vLLM V1 takes an empty top-level list", "eagle3/serving/engine_rules.py",
              "ids = [int(k) for k in top] if top else (nested or None)",
              "ids = [int(k) for k in top] if top is not None else (nested or None)", VLLM_RULES, "e2e"),
