@@ -63,12 +63,14 @@ def _boot_id() -> str:
 
 
 def _process_start(pid: int) -> str:
-    """The process's start time in clock ticks since boot ('' when unknown or gone)."""
+    """The process's start time in clock ticks since boot ('' when unknown, gone, or a zombie
+    that no parent reaped: it runs no more)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return ""
-    return stat.rsplit(")", 1)[-1].split()[19]  # field 22; the name before ')' may hold spaces
+    fields = stat.rsplit(")", 1)[-1].split()  # from field 3 (state) on; the name before ')' may hold spaces
+    return "" if fields[0] in ("Z", "X") else fields[19]  # field 22: start time
 
 
 def writer_name() -> str:
@@ -238,7 +240,7 @@ class Claim:
                 return
             try:
                 self._beat()
-            except OSError as e:  # a full disk or a lost mount: the claim ages; the writer's own writes fail too
+            except (OSError, PipelineError) as e:  # a full disk, a lost mount: the claim ages; the writes fail too
                 log.warning("%s: could not write this run's heartbeat (%s)", self.folder, e)
 
     def _beat(self) -> None:

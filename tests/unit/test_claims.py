@@ -105,3 +105,10 @@ def test_a_dead_process_on_this_machine_is_gone_and_a_live_one_or_a_remote_one_i
     assert not me.gone()
     assert claims.Holder(host=me.host, pid=os.getpid(), token="b", what="x", started="", boot="another boot").gone()
     assert not claims.Holder(host="other-box", pid=child.pid, token="c", what="x", started="").gone()
+    # Exited but not reaped (a zombie: a parent that never waits, a container without init): gone.
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # it has exited; it stays in the process table
+    try:
+        assert claims.Holder(host=me.host, pid=zombie.pid, token="d", what="x", started="", boot=me.boot).gone()
+    finally:
+        zombie.wait()
