@@ -125,9 +125,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     # Both were caught only by tests/e2e/test_windows.py (two producers, a trainer) until the
     # producer's functions got unit tests of their own.
     Mutation("windows: the budget check leaves out the round's own bytes", "eagle3/stages/s02_extract/windowed.py",
-             "rounds = set(present) | {r}", "rounds = set(present) - {r}", PRODUCERS),
+             "rounds = set(present) | {round_no}", "rounds = set(present) - {round_no}", PRODUCERS),
     Mutation("windows: producers skip the next untrained round", "eagle3/stages/s02_extract/windowed.py",
-             "r % num_shards == shard_index and r >= trained", "r % num_shards == shard_index and r > trained",
+             "and round_no >= trained]", "and round_no > trained]",
              PRODUCERS),
     Mutation("layer rules: vLLM V1 takes an empty top-level list", "eagle3/serving/engine_rules.py",
              "ids = [int(k) for k in top] if top else (nested or None)",

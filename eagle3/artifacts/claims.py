@@ -251,9 +251,9 @@ class Claim:
         """Raise when this process no longer holds the folder: nothing more may be finished in it."""
         holder = holder_of(self.folder)
         if holder is None or holder.token != self.holder.token:
-            raise PipelineError(f"{self.folder}: this run's claim was {'taken over by ' + str(holder) if holder else 'removed'} "
-                                f"while it wrote; it stops without finishing the folder (the holder, if any, "
-                                f"writes it).")
+            how = f"taken over by {holder}" if holder else "removed"
+            raise PipelineError(f"{self.folder}: this run's claim was {how} while it wrote; it stops without "
+                                f"finishing the folder (the holder, if any, writes it).")
 
     def release(self) -> None:
         """Stop beating and remove the claim, if it is still ours."""

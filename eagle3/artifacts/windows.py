@@ -342,25 +342,25 @@ def is_round_file(name: str) -> bool:
     base = name[1:] if name.startswith(".") else name
     fixed = (store.STORE_JSON, store.INDEX_JSON, COMPLETE_JSON, claims.CLAIM_JSON)
     return (re.fullmatch(r"(?:train|eval)-\d{5,}\.(?:safetensors|json|partial)(?:[-.].*)?", base) is not None
-            or any(base == f or base.startswith(f + ".") for f in fixed)
+            or any(base == known or base.startswith(known + ".") for known in fixed)
             or re.fullmatch(r"claim-[0-9a-f]+\.beat(?:\..*)?", base) is not None)
 
 
-def round_state(d: Path, watch: Watch) -> str:
-    """Round folder d as a waiter sees it: missing, claimed by host:pid (heartbeat age as seen
+def round_state(folder: Path, watch: Watch) -> str:
+    """A round's folder as a waiter sees it: missing, claimed by host:pid (heartbeat age as seen
     by `watch`) with its files complete so far, not claimed though unfinished, or complete;
     and how long this process has seen it so."""
-    d = Path(d)
-    if not d.is_dir():
+    folder = Path(folder)
+    if not folder.is_dir():
         kind = text = "missing (no writer has started it)"
-    elif read_complete(d) is not None:
+    elif read_complete(folder) is not None:
         kind = text = "complete"
     else:
-        files = sum(1 for x in d.glob("*.safetensors") if (d / (x.stem + ".json")).is_file())
-        holder = claims.holder_of(d)
+        files = sum(1 for path in folder.glob("*.safetensors") if (folder / (path.stem + ".json")).is_file())
+        holder = claims.holder_of(folder)
         if holder is None:
             kind, text = "unclaimed", "not claimed: no writer holds it (its last one stopped before it finished)"
         else:
-            kind, text = f"claimed {holder.token}", watch.describe(d, holder)
+            kind, text = f"claimed {holder.token}", watch.describe(folder, holder)
         text += f", {files} file(s) complete"
-    return f"{text}; so for {watch.same_for(str(d), kind):.0f} s"
+    return f"{text}; so for {watch.same_for(str(folder), kind):.0f} s"

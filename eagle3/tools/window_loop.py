@@ -110,13 +110,13 @@ def run_loop(args) -> int:
     train = [*train_head, WorkDir.script("train"), *common, *shlex.split(args.train_args)]
     wdir = windows.windows_dir(wd.store(), cfg.windows_dir)
     dirs = [wd.store()] + ([wdir] if cfg.windows_dir else [])
-    m = wd.manifest("train")
-    manifest_at_start = file_stamp(m)  # stage 04's manifest, written anew when the last round is trained
+    manifest = wd.manifest("train")
+    manifest_at_start = file_stamp(manifest)  # stage 04's manifest, written anew when the last round is trained
     while True:
         plan = windows.read_plan(wd.store())
         trained = windows.read_progress(wdir)["trained_rounds"]
-        if plan is not None and (trained >= plan.rounds or written_since(m, manifest_at_start)):
-            if not m.is_file():  # every round trained, the manifest not yet written (killed just before)
+        if plan is not None and (trained >= plan.rounds or written_since(manifest, manifest_at_start)):
+            if not manifest.is_file():  # every round trained, the manifest not yet written (killed just before)
                 _run(train, "stage 04")
             log.info("window loop: done, %d round(s) trained -> %s", trained, wd.stage_dir("train"))
             return 0
@@ -129,7 +129,7 @@ def run_loop(args) -> int:
             t2 = time.perf_counter()
         plan = windows.read_plan(wd.store())
         progress = windows.read_progress(wdir)
-        if progress["trained_rounds"] <= r and not written_since(m, manifest_at_start):
+        if progress["trained_rounds"] <= r and not written_since(manifest, manifest_at_start):
             raise PipelineError(f"stage 04 stopped before finishing round {r} ({wdir / windows.PROGRESS_JSON} says "
                                 f"{progress['trained_rounds']} round(s) trained); see {wd.log_file('04_train')}.")
         w = plan.window_of(r)

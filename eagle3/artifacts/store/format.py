@@ -97,9 +97,9 @@ from eagle3.artifacts.manifest import sha256_json
 from eagle3.core.errors import PipelineError
 
 __all__ = ['STORE_FORMAT', 'STORE_JSON', 'INDEX_JSON', 'CHECKSUM', 'STORE_DTYPE', 'FINALIZE_CHUNK_ELEMS', 'FP8_DTYPE',
-           'FP8_HEADROOM_BITS', 'SCALE_LOG2_MIN', 'SCALE_LOG2_MAX', 'file_name', 'entry_name', 'FILE_NAME_PATTERN', 'is_file_name',
-           'partial_name',
-           'out_name', 'Encoding', 'BF16', 'FP8', 'ENCODINGS', 'encoding_named', 'encoding_of', 'identity_fields',
+           'FP8_HEADROOM_BITS', 'SCALE_LOG2_MIN', 'SCALE_LOG2_MAX', 'file_name', 'entry_name', 'FILE_NAME_PATTERN',
+           'is_file_name', 'partial_name', 'out_name', 'Encoding', 'BF16', 'FP8', 'ENCODINGS', 'encoding_named',
+           'encoding_of', 'identity_fields',
            'encoding_fields', 'bytes_per_token', 'identity_hash', 'write_identity', 'read_identity', 'quantize_fp8',
            'dequantize_fp8', 'FileLayout', 'file_bytes', 'file_checksum', 'buffer_checksum', 'label_positions',
            'file_problem']

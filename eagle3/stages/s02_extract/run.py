@@ -186,18 +186,19 @@ def check_store_identity(p: Prepared, force: bool, claim: claims.Claim | None = 
         store.write_identity(d, p.identity)
 
 
-def delete_store_files(d: Path, claim: claims.Claim | None) -> None:
+def delete_store_files(store_dir: Path, claim: claims.Claim | None) -> None:
     """--force: delete what the store folder holds, never the folder itself, and nothing while
     another run holds the folder or a round folder in it (its claim, eagle3/artifacts/claims.py)."""
-    inside = [d] + ([x for x in (d / windows.WINDOWS_DIR).iterdir() if x.is_dir()]
-                    if (d / windows.WINDOWS_DIR).is_dir() else [])
-    busy = [(f, h) for f, h in claims.live_claims(inside) if claim is None or h.token != claim.holder.token]
+    rounds_dir = store_dir / windows.WINDOWS_DIR
+    inside = [store_dir] + ([sub for sub in rounds_dir.iterdir() if sub.is_dir()] if rounds_dir.is_dir() else [])
+    busy = [(folder, holder) for folder, holder in claims.live_claims(inside)
+            if claim is None or holder.token != claim.holder.token]
     if busy:
         folder, holder = busy[0]
-        raise PipelineError(f"--force would delete {d}, but {claims.refusal(folder, holder)}")
-    log.warning("--force: deleting the existing store's files in %s", d)
+        raise PipelineError(f"--force would delete {store_dir}, but {claims.refusal(folder, holder)}")
+    log.warning("--force: deleting the existing store's files in %s", store_dir)
     ours = {claims.CLAIM_JSON, claims.beat_name(claim.holder.token)} if claim is not None else set()
-    for entry in d.iterdir():
+    for entry in store_dir.iterdir():
         if entry.name in ours:
             continue
         if entry.is_dir() and not entry.is_symlink():

@@ -120,16 +120,17 @@ def _round_done(d, p: _run.Prepared, verify: bool) -> bool:
             and windows.window_problem(d, verify_checksums=verify) is None)
 
 
-def budget_need(plan: windows.WindowPlan, present, r: int) -> int:
-    """Bytes on disk at the peak if round r is written beside the rounds `present` (folders in
-    the windows folder, complete or being written): the held-out split, each of those rounds
-    and round r itself, counted once whether its own folder is among them or not."""
-    rounds = set(present) | {r}
-    return plan.held_out_bytes + sum(plan.window_of(x)["bytes"] for x in rounds)
+def budget_need(plan: windows.WindowPlan, present, round_no: int) -> int:
+    """Bytes on disk at the peak if round `round_no` is written beside the rounds `present`
+    (folders in the windows folder, complete or being written): the held-out split, each of
+    those rounds and this one, counted once whether its own folder is among them or not."""
+    rounds = set(present) | {round_no}
+    return plan.held_out_bytes + sum(plan.window_of(other)["bytes"] for other in rounds)
 
 
 def _round_states(wdir, rounds, watch: claims.Watch) -> str:
-    return "; ".join(f"round {x}: {windows.round_state(wdir / windows.round_name(x), watch)}" for x in rounds) or "none"
+    return "; ".join(f"round {other}: {windows.round_state(wdir / windows.round_name(other), watch)}"
+                     for other in rounds) or "none"
 
 
 def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -> claims.Claim:
@@ -156,7 +157,7 @@ def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -
         claim.release()
         if made:
             _remove_if_empty(rd)
-        others = [x for x in present if x != r]
+        others = [other for other in present if other != r]
         now = time.monotonic()
         if now >= deadline:
             raise PipelineError(
@@ -173,16 +174,16 @@ def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -
         time.sleep(min(random.uniform(0.5, 1.5), max(0.05, deadline - now)))
 
 
-def _remove_if_empty(d) -> None:
+def _remove_if_empty(folder) -> None:
     try:
-        d.rmdir()
+        folder.rmdir()
     except OSError:
         pass  # not empty (or gone): another writer's or ours to keep
 
 
 def shard_rounds(rounds: int, num_shards: int, shard_index: int, trained: int) -> list[int]:
     """The rounds box `shard_index` of `num_shards` writes (i, i + N, ...) not yet trained."""
-    return [r for r in range(rounds) if r % num_shards == shard_index and r >= trained]
+    return [round_no for round_no in range(rounds) if round_no % num_shards == shard_index and round_no >= trained]
 
 
 def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: _run.Prepared, wdir) -> list[int]:
@@ -216,7 +217,7 @@ def _force_own_rounds(cfg: ExtractConfig, wdir) -> None:
         busy = claims.live_claims([rd])
         if busy:
             raise PipelineError(f"--force would delete round {r}, but {claims.refusal(rd, busy[0][1])}")
-        strange = sorted(x.name for x in rd.iterdir() if not windows.is_round_file(x.name))
+        strange = sorted(path.name for path in rd.iterdir() if not windows.is_round_file(path.name))
         if strange:
             raise PipelineError(f"--force: {rd} holds {strange[:5]}, which are not a round's files: not deleting it. "
                                 f"Is --windows-dir {wdir} the folder of the rounds? Move those files, or delete the "
@@ -292,17 +293,17 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
 def _write_round(engine: _Engine, cfg: ExtractConfig, plan: windows.WindowPlan, rp: _run.Prepared, rd, r: int, train,
                  train_lengths: list[int], claim: claims.Claim) -> None:
     """Round r's files, index and, last, window.json, in its folder (claimed by this run)."""
-    w = plan.window_of(r)
-    files = _extract(engine, cfg, rp, rd, {"train": train.select(w["samples"])},
-                     {"train": [train_lengths[i] for i in w["samples"]]}, f"round {r}", claim)
+    window = plan.window_of(r)
+    files = _extract(engine, cfg, rp, rd, {"train": train.select(window["samples"])},
+                     {"train": [train_lengths[i] for i in window["samples"]]}, f"round {r}", claim)
     entries = [store.read_entry(rd, s.split, s.file_no) for s in files]
     claim.check()  # window.json only from the folder's holder
     store.write_index(rd, rp.identity, entries, rp.num_samples, cfg.samples_per_file)
     windows.write_complete(rd, {
         "round": r, "window": r % plan.num_windows, "pass": r // plan.num_windows,
-        "num_samples": len(w["samples"]), "tokens": w["tokens"], "bytes": sum(e["bytes"] for e in entries),
+        "num_samples": len(window["samples"]), "tokens": window["tokens"], "bytes": sum(e["bytes"] for e in entries),
         "identity_hash": rp.identity_hash, "plan": plan.fingerprint,
         "files": [{k: e[k] for k in ("name", "bytes", "checksum")} for e in entries]})
     log.info("stage 02: round %d (window %d, pass %d): %d samples, %d tokens, %.1f MB -> %s", r,
-             r % plan.num_windows, r // plan.num_windows, len(w["samples"]), w["tokens"],
+             r % plan.num_windows, r // plan.num_windows, len(window["samples"]), window["tokens"],
              sum(e["bytes"] for e in entries) / 1e6, rd)
