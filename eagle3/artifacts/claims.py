@@ -4,14 +4,14 @@ Stage 02 claims the store folder (`WORK/02_hidden_states/`) while it writes the 
 or the held-out split, and each round's folder (`windows/window-NNNNN/`, possibly on a
 folder shared by several boxes) while it writes that round. Files, inside the claimed folder:
 
-    claim.json          who holds the folder: host, pid (and the process's start time and the
+    .claim.json         who holds the folder: host, pid (and the process's start time and the
                         machine's boot id, so a pid reused after a reboot or a restart is not
                         taken for the holder), a random token, what it writes and when it
                         started (the holder's clock, for people only). Created with link(2),
                         which fails when the name exists (atomic on local file systems and on
                         NFS alike), from a temporary file already complete: a claim file is
                         never seen half-written.
-    claim-TOKEN.beat    the holder's heartbeat: a counter rewritten (atomically) every
+    .claim-TOKEN.beat   the holder's heartbeat: a counter rewritten (atomically) every
                         `HEARTBEAT_S` seconds by a thread of the holding process.
 
 A second writer is refused in one line naming the holder. A claim is taken over only when
@@ -42,13 +42,15 @@ from eagle3.core.errors import PipelineError
 
 log = logging.getLogger(__name__)
 
-CLAIM_JSON = "claim.json"
+# Dot-named, as the store's other files that are not results (partial files): a listing of the
+# finished files, and a copy of them, leaves the claim out.
+CLAIM_JSON = ".claim.json"
 HEARTBEAT_S = 30.0  # how often a holder rewrites its beat file
 STALE_MIN_BEATS = 3  # a claim is stale after at least this many missed heartbeats
 
 
 def beat_name(token: str) -> str:
-    return f"claim-{token}.beat"
+    return f".claim-{token}.beat"
 
 
 def _utc_now() -> str:
@@ -236,7 +238,7 @@ class Claim:
             if holder is None or holder.token != self.holder.token:
                 self._lost = holder
                 log.error("%s: this run's claim is gone (%s); it stops before its next file is complete",
-                          self.folder, f"taken over by {holder}" if holder else "claim.json removed")
+                          self.folder, f"taken over by {holder}" if holder else f"{CLAIM_JSON} removed")
                 return
             try:
                 self._beat()
@@ -281,8 +283,8 @@ def holder_of(folder: Path) -> Holder | None:
 
 
 def _create(folder: Path, me: Holder) -> bool:
-    """Create folder/claim.json for `me` unless it exists: a complete temporary file, linked."""
-    tmp = folder / f".{CLAIM_JSON}.{me.token}.tmp"
+    """Create folder/.claim.json for `me` unless it exists: a complete temporary file, linked."""
+    tmp = folder / f"{CLAIM_JSON}.{me.token}.tmp"
     tmp.write_text(json.dumps(asdict(me), indent=2, sort_keys=True) + "\n")
     try:
         os.link(tmp, folder / CLAIM_JSON)
@@ -311,7 +313,7 @@ def _silent_for(folder: Path, holder: Holder, seconds: float, watch: Watch) -> b
 def _remove_claim_of(folder: Path, holder: Holder) -> None:
     """Remove `holder`'s claim: renamed aside first (only one of two takers can), then deleted,
     unless the name held another claim by then (put back)."""
-    aside = folder / f".{CLAIM_JSON}.{holder.token}.taken"
+    aside = folder / f"{CLAIM_JSON}.{holder.token}.taken"
     try:
         os.rename(folder / CLAIM_JSON, aside)
     except FileNotFoundError:

@@ -17,8 +17,8 @@ the window folders inside `--windows-dir` when given, e.g. a shared mount):
                                 its counts, and each file's bytes and checksum. A folder
                                 without it is being written and is never trained on. Its file
                                 names are accepted only when they are store file names.
-    windows/window-NNNNN/claim.json  the claim of the stage 02 run writing the round, made
-                                before its first byte, and `claim-TOKEN.beat`, its heartbeat
+    windows/window-NNNNN/.claim.json  the claim of the stage 02 run writing the round, made
+                                before its first byte, and `.claim-TOKEN.beat`, its heartbeat
                                 (eagle3/artifacts/claims.py): one writer per round.
     windows/progress.json       rounds trained: written by stage 04 after the checkpoint that
                                 covers them, before it deletes their folders.
@@ -342,7 +342,7 @@ def is_round_file(name: str) -> bool:
     base = name[1:] if name.startswith(".") else name
     fixed = (store.STORE_JSON, store.INDEX_JSON, COMPLETE_JSON, claims.CLAIM_JSON)
     return (re.fullmatch(r"(?:train|eval)-\d{5,}\.(?:safetensors|json|partial)(?:[-.].*)?", base) is not None
-            or any(base == known or base.startswith(known + ".") for known in fixed)
+            or any(base == known.lstrip(".") or base.startswith(known.lstrip(".") + ".") for known in fixed)
             or re.fullmatch(r"claim-[0-9a-f]+\.beat(?:\..*)?", base) is not None)
 
 

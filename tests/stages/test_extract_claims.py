@@ -18,7 +18,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.run import extract_hidden_states
 
-CLAIM_JSON = "claim.json"
+CLAIM_JSON = ".claim.json"
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from eagle3.stages.s04_train.windows import Rounds
 from eagle3.tools import window_loop
 
 H, A, SPF = 64, 3, 4
-CLAIM_JSON = "claim.json"  # eagle3/artifacts/claims.py's; spelled out so this file runs against older code too
+CLAIM_JSON = ".claim.json"  # eagle3/artifacts/claims.py's; spelled out so this file runs against older code too
 
 
 def plan_of(windows_in_budget: int = 1, samples: int = 64) -> windows.WindowPlan:

@@ -22,7 +22,7 @@ inside `WorkDir.store()` (`WORK/02_hidden_states/`):
                                read; removed by the next run that holds the folder's claim).
     .{split}-{nnnnn}.partial-{writer}.out  fp8 only: the compact file being written from the
                                partial one (never read; removed likewise).
-    claim.json, claim-*.beat   the claim of the stage 02 run writing the folder, and its
+    .claim.json, .claim-*.beat  the claim of the stage 02 run writing the folder, and its
                                heartbeat (eagle3/artifacts/claims.py): one writer at a time.
 
 One file holds, for its S samples and their T tokens in total (safetensors layout,
