@@ -339,9 +339,9 @@ def dir_bytes(d: Path) -> int:
 def is_round_file(name: str) -> bool:
     """A name a round's folder holds: the store's files (complete, partial, index entries,
     store.json, index.json, their atomic writes' temporary folders), window.json, the claim."""
-    base = name[1:] if name.startswith(".") else name
+    base = name.lstrip(".")  # a dot-named file's atomic write goes through "..NAME.*.tmp"
     fixed = (store.STORE_JSON, store.INDEX_JSON, COMPLETE_JSON, claims.CLAIM_JSON)
-    return (re.fullmatch(r"(?:train|eval)-\d{5,}\.(?:safetensors|json|partial)(?:[-.].*)?", base) is not None
+    return (re.fullmatch(r"(?:train|eval)-\d{5,}\.(?:safetensors|json(?:\..*\.tmp)?|partial(?:[-.].*)?)", base) is not None
             or any(base == known.lstrip(".") or base.startswith(known.lstrip(".") + ".") for known in fixed)
             or re.fullmatch(r"claim-[0-9a-f]+\.beat(?:\..*)?", base) is not None)
 

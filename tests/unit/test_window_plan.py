@@ -95,3 +95,13 @@ def test_names_in_window_json_outside_the_store_pattern_are_refused_unread(tmp_p
         problem = windows.window_problem(d, verify_checksums=True)
         assert problem is not None and "not a store file name" in problem and repr(name) in problem
     assert hashed == []
+
+
+def test_a_round_folder_is_told_from_other_folders_by_its_file_names():
+    """--force deletes a round folder of a shared --windows-dir only when it holds a round's files."""
+    round_files = ["train-00000.safetensors", "train-00000.json", ".train-00001.partial-box-7.out", "store.json",
+                   "index.json", "window.json", ".claim.json", ".claim-0123abcd.beat", "..claim-0123abcd.beat.x.tmp",
+                   ".window.json.x.tmp", ".train-00000.json.x.tmp"]
+    assert all(windows.is_round_file(name) for name in round_files)
+    assert not any(windows.is_round_file(name) for name in ("thesis.pdf", "train-00000.safetensors.bak", "projects",
+                                                            "claims.txt", "window-00001"))
