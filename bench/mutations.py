@@ -66,6 +66,7 @@ VLLM_RULES = ("tests/e2e/test_vllm_layer_rules.py",)
 TRAIN_WINDOWS = ("tests/unit/test_train_windows.py",)
 TRAIN_CHECKPOINT = ("tests/unit/test_train_checkpoint.py",)
 WINDOWS_PROCESSES = ("tests/e2e/test_windows_processes.py",)
+PRODUCERS = ("tests/unit/test_window_producers.py",)
 
 MUTATIONS: tuple[Mutation, ...] = (
     # build_samples: a turn continues the sample only if its prompt extends the sample so far
@@ -137,6 +138,13 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("train: a round's end not forced to save", "eagle3/stages/s04_train/run.py",
              "if is_best or self.step % cfg.save_every == 0 or end or round_end:",
              "if is_best or self.step % cfg.save_every == 0 or end:", WINDOWS_PROCESSES, "e2e"),
+    # Both were caught only by tests/e2e/test_windows.py (two producers, a trainer) until the
+    # producer's functions got unit tests of their own.
+    Mutation("windows: the budget check leaves out the round's own bytes", "eagle3/stages/s02_extract/windowed.py",
+             "rounds = set(present) | {round_no}", "rounds = set(present) - {round_no}", PRODUCERS),
+    Mutation("windows: producers skip the next untrained round", "eagle3/stages/s02_extract/windowed.py",
+             "and round_no >= trained]", "and round_no > trained]",
+             PRODUCERS),
     Mutation("layer rules: vLLM V1 takes an empty top-level list", "eagle3/serving/engine_rules.py",
              "ids = [int(k) for k in top] if top else (nested or None)",
              "ids = [int(k) for k in top] if top is not None else (nested or None)", VLLM_RULES, "e2e"),

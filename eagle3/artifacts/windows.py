@@ -15,7 +15,11 @@ the window folders inside `--windows-dir` when given, e.g. a shared mount):
                                 index.json, train-*.safetensors in window order).
     windows/window-NNNNN/window.json  written last, once every file is complete: the round,
                                 its counts, and each file's bytes and checksum. A folder
-                                without it is being written and is never trained on.
+                                without it is being written and is never trained on. Its file
+                                names are accepted only when they are store file names.
+    windows/window-NNNNN/.claim.json  the claim of the stage 02 run writing the round, made
+                                before its first byte, and `.claim-TOKEN.beat`, its heartbeat
+                                (eagle3/artifacts/claims.py): one writer per round.
     windows/progress.json       rounds trained (`read_progress`, `write_progress`): derived from
                                 stage 04's checkpoint, the record of what is trained. Stage 04
                                 writes it after the checkpoint that covers the rounds is on disk
@@ -50,8 +54,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3.artifacts import store
+from eagle3.artifacts import claims, store
 from eagle3.artifacts.atomic import write_json
+from eagle3.artifacts.claims import Watch  # what a waiter keeps between looks at a round (`round_state`)
 from eagle3.artifacts.manifest import sha256_json
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
@@ -62,6 +67,7 @@ PLAN_JSON = "windows.json"
 WINDOWS_DIR = "windows"
 COMPLETE_JSON = "window.json"
 PROGRESS_JSON = "progress.json"
+WAIT_LOG_S = 300.0  # a producer waiting for room, or the trainer for a round, logs what it waits for this often
 _UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12, "PB": 10 ** 15,
           "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30, "TIB": 2 ** 40}
 
@@ -396,3 +402,36 @@ def dir_bytes(d: Path) -> int:
             except FileNotFoundError:
                 pass
     return total
+
+
+# --------------------------------------------------------------------------- what a waiter sees
+
+
+def is_round_file(name: str) -> bool:
+    """A name a round's folder holds: the store's files (complete, partial, index entries,
+    store.json, index.json, their atomic writes' temporary folders), window.json, the claim."""
+    base = name.lstrip(".")  # a dot-named file's atomic write goes through "..NAME.*.tmp"
+    fixed = (store.STORE_JSON, store.INDEX_JSON, COMPLETE_JSON, claims.CLAIM_JSON)
+    return (re.fullmatch(r"(?:train|eval)-\d{5,}\.(?:safetensors|json(?:\..*\.tmp)?|partial(?:[-.].*)?)", base) is not None
+            or any(base == known.lstrip(".") or base.startswith(known.lstrip(".") + ".") for known in fixed)
+            or re.fullmatch(r"claim-[0-9a-f]+\.beat(?:\..*)?", base) is not None)
+
+
+def round_state(folder: Path, watch: Watch) -> str:
+    """A round's folder as a waiter sees it: missing, claimed by host:pid (heartbeat age as seen
+    by `watch`) with its files complete so far, not claimed though unfinished, or complete;
+    and how long this process has seen it so."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        kind = text = "missing (no writer has started it)"
+    elif read_complete(folder) is not None:
+        kind = text = "complete"
+    else:
+        files = sum(1 for path in folder.glob("*.safetensors") if (folder / (path.stem + ".json")).is_file())
+        holder = claims.holder_of(folder)
+        if holder is None:
+            kind, text = "unclaimed", "not claimed: no writer holds it (its last one stopped before it finished)"
+        else:
+            kind, text = f"claimed {holder.token}", watch.describe(folder, holder)
+        text += f", {files} file(s) complete"
+    return f"{text}; so for {watch.same_for(str(folder), kind):.0f} s"

@@ -77,6 +77,23 @@ def _run(cmd: list[str], what: str) -> None:
                             f"logs/ folder. Fix the cause and rerun this command: it continues where it stopped.")
 
 
+def file_stamp(path: Path) -> tuple | None:
+    """What identifies one writing of a file: its inode, size and modification time, or None
+    when it is missing. Only compared with another stamp of the same file, never with this
+    machine's clock: on a network file system the server sets the time, by its own clock."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def written_since(path: Path, stamp_at_start: tuple | None) -> bool:
+    """True when `path` exists and was (re)written after `stamp_at_start` was taken."""
+    now = file_stamp(path)
+    return now is not None and now != stamp_at_start
+
+
 def run_loop(args) -> int:
     overrides = {"work_dir": args.work_dir, "disk_budget": args.disk_budget}
     cfg = build_config(ExtractConfig, "extract", args.config, overrides)
@@ -93,13 +110,13 @@ def run_loop(args) -> int:
     train = [*train_head, WorkDir.script("train"), *common, *shlex.split(args.train_args)]
     wdir = windows.windows_dir(wd.store(), cfg.windows_dir)
     dirs = [wd.store()] + ([wdir] if cfg.windows_dir else [])
-    started = time.time()
+    manifest = wd.manifest("train")
+    manifest_at_start = file_stamp(manifest)  # stage 04's manifest, written anew when the last round is trained
     while True:
         plan = windows.read_plan(wd.store())
         trained = windows.read_progress(wdir)["trained_rounds"]
-        m = wd.manifest("train")
-        if plan is not None and (trained >= plan.rounds or (m.is_file() and m.stat().st_mtime > started)):
-            if not m.is_file():  # every round trained, the manifest not yet written (killed just before)
+        if plan is not None and (trained >= plan.rounds or written_since(manifest, manifest_at_start)):
+            if not manifest.is_file():  # every round trained, the manifest not yet written (killed just before)
                 _run(train, "stage 04")
             log.info("window loop: done, %d round(s) trained -> %s", trained, wd.stage_dir("train"))
             return 0
@@ -112,7 +129,7 @@ def run_loop(args) -> int:
             t2 = time.perf_counter()
         plan = windows.read_plan(wd.store())
         progress = windows.read_progress(wdir)
-        if progress["trained_rounds"] <= r and not (m.is_file() and m.stat().st_mtime > started):
+        if progress["trained_rounds"] <= r and not written_since(manifest, manifest_at_start):
             raise PipelineError(f"stage 04 stopped before finishing round {r} ({wdir / windows.PROGRESS_JSON} says "
                                 f"{progress['trained_rounds']} round(s) trained); see {wd.log_file('04_train')}.")
         w = plan.window_of(r)

@@ -213,7 +213,7 @@ def test_stage02_full_disk_at_a_finalize_also_frees_the_next_files_partial(base,
         failed.append(partial.name)
         others = []
         for _ in range(3000):  # the order under test: the next file's partial exists
-            others = [p.name for p in partial.parent.glob(".*.partial") if p != partial]
+            others = [p.name for p in partial.parent.glob(".*.partial-*") if p != partial]
             if others:
                 break
             time.sleep(0.01)

@@ -5,7 +5,10 @@
   and rerun each time ends with the weights of an unbroken windowed run, bitwise;
 - a consumer (stage 04) and two producers (stage 02, --num-shards 2) over a shared folder:
   the producers never hold more than the budget, the consumer trains the rounds in order
-  and ends with the same weights.
+  and ends with the same weights;
+- one writer per round: while a producer writes a round, a second one with the same
+  --shard-index and the `--window r` recovery run are each refused in one line naming it,
+  and the round ends complete, every sample with the states the first one wrote.
 
 The reference is the same windowed run with the stages called in this process, one round
 at a time, as the loop calls them.
@@ -13,6 +16,7 @@ at a time, as the loop calls them.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +28,7 @@ import yaml
 from fixtures import ROOT, copy_stages, run_stages
 
 from eagle3.artifacts import windows
+from eagle3.artifacts.store import HiddenStateStore
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
 from eagle3.stages.s02_extract.config import ExtractConfig
@@ -148,6 +153,20 @@ def test_loop_killed_at_three_points_ends_with_the_unbroken_runs_weights(tmp_pat
     assert wd.log_file("02_extract").is_file() and wd.log_file("04_train").is_file()
 
 
+def rounds_holding_data(wdir: Path) -> dict[int, list[str]]:
+    """Round folders holding any file but a claim, with their files: a producer claims a
+    round's folder before it counts the budget, and one over the budget removes it, data-less."""
+    out = {}
+    for r in windows.present_rounds(wdir):
+        try:
+            names = sorted(p.name for p in (wdir / windows.round_name(r)).iterdir())
+        except FileNotFoundError:  # deleted (or backed off from) since it was listed
+            continue
+        if any(not n.lstrip(".").startswith("claim") for n in names):  # the heartbeat's write: "..claim-*.tmp"
+            out[r] = names
+    return out
+
+
 def test_producers_and_a_consumer_over_a_shared_folder(tmp_path, base, tiny_llama, reference):
     work = copy_stages(base, tmp_path / "work", stages=("prepare", "vocab"))
     config = write_config(tmp_path / "c.yaml", tiny_llama, work)
@@ -158,7 +177,7 @@ def test_producers_and_a_consumer_over_a_shared_folder(tmp_path, base, tiny_llam
                                    "--num-shards", "2", "--shard-index", str(i)], cwd=ROOT,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(2)]
     consumer = None
-    most, peak = 0, 0
+    most, most_seen, peak = 0, {}, 0
     deadline = time.monotonic() + 400
     try:
         while any(p.poll() is None for p in producers) or (consumer and consumer.poll() is None):
@@ -166,7 +185,9 @@ def test_producers_and_a_consumer_over_a_shared_folder(tmp_path, base, tiny_llam
             if consumer is None and wd.manifest("extract").is_file():  # the held-out split is there
                 consumer = subprocess.Popen([sys.executable, WorkDir.script("train"), *common, "--window-wait-s",
                                              "300"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            most = max(most, len(windows.present_rounds(shared)))
+            seen = rounds_holding_data(shared)
+            if len(seen) > most:
+                most, most_seen = len(seen), seen
             peak = max(peak, windows.dir_bytes(wd.store()) + windows.dir_bytes(shared))
             time.sleep(0.05)
     finally:
@@ -176,9 +197,51 @@ def test_producers_and_a_consumer_over_a_shared_folder(tmp_path, base, tiny_llam
                 p.wait()
     assert [p.returncode for p in producers] == [0, 0]
     assert consumer is not None and consumer.returncode == 0
-    assert most <= 2, f"{most} rounds on disk at once; the budget holds 2"
+    assert most <= 2, f"{most} rounds on disk at once; the budget holds 2: {most_seen}"
     # The budget counts the stored files; one file of slack covers the small JSON files beside them.
     one_file = reference["plan"].bytes_per_token * 8 * 256  # 8 samples of at most 256 tokens
     assert peak <= BUDGET + one_file, peak
     assert windows.read_progress(shared)["trained_rounds"] == 3 and windows.present_rounds(shared) == []
     assert_same_weights(final_weights(wd), reference["weights"])
+
+
+def test_a_second_writer_of_a_round_is_refused_and_the_first_ones_round_is_whole(tmp_path, base, tiny_llama):
+    """The same --shard-index on a second box (or a second loop after an SSH drop), and the
+    `--window r` recovery, while a producer writes round 0: both refused in one line naming it.
+    The producer is frozen (SIGSTOP) while it holds the round, so the others meet it there."""
+    work = copy_stages(base, tmp_path / "work", stages=("prepare", "vocab"))
+    config = write_config(tmp_path / "c.yaml", tiny_llama, work)
+    shared = tmp_path / "shared"
+    producer = [sys.executable, WorkDir.script("extract"), "--config", str(config), "--windows-dir", str(shared),
+                "--produce", "--num-shards", "2", "--shard-index", "0"]
+    first = subprocess.Popen(producer, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    round0 = shared / windows.round_name(0)
+    try:
+        deadline = time.monotonic() + 300
+        # Its claim on round 0 (or, with code that made none, its first partial file there).
+        while not ((round0 / ".claim.json").is_file() or any(round0.glob(".train-*.partial*"))):
+            assert first.poll() is None, f"the producer ended (status {first.returncode}) before it wrote round 0"
+            assert time.monotonic() < deadline, "the producer never started round 0"
+            time.sleep(0.005)
+        os.kill(first.pid, signal.SIGSTOP)
+        holder = f"{socket.gethostname()}:{first.pid}"
+        for second in (producer, [*producer[:-5], "--num-shards", "2", "--shard-index", "1", "--window", "0"]):
+            r = subprocess.run(second, cwd=ROOT, capture_output=True, text=True, timeout=300)
+            last = r.stderr.strip().splitlines()[-1]
+            assert r.returncode != 0 and f"is claimed by {holder} " in last, (second, r.returncode, r.stderr[-2000:])
+        os.kill(first.pid, signal.SIGCONT)
+        assert first.wait(timeout=300) == 0
+    finally:
+        if first.poll() is None:
+            os.kill(first.pid, signal.SIGCONT)
+            first.kill()
+            first.wait()
+    for r in (0, 2):  # shard 0's rounds of 3
+        d = shared / windows.round_name(r)
+        assert windows.window_problem(d, verify_checksums=True) is None
+        index = json.loads((d / "index.json").read_text())
+        split = HiddenStateStore(d, {**index, "identity": json.loads((d / "store.json").read_text())}, None,
+                                 verify="lazy").split("train")
+        empty = [s.sample_id for s in split if not s.aux.abs().sum() or not s.final.abs().sum()]
+        assert len(split) and not empty, f"round {r}: samples {empty} hold no states"
+        assert sorted(p.name for p in d.iterdir() if p.name.startswith(("claim", "."))) == []  # claim released

@@ -227,3 +227,36 @@ def test_flipped_byte_is_refused_before_training_reads_it(tmp_path, store_dtype)
     ident = _reader(tmp_path, [entry], 2, store_dtype)
     off = store.HiddenStateStore(tmp_path, ident.index, None, verify="off").split("train")
     assert off[0].num_tokens == 4
+
+
+@pytest.mark.parametrize("store_dtype", ENCODINGS)
+def test_finalize_refuses_a_file_with_a_sample_never_written(tmp_path, store_dtype):
+    """Sample 1's states were never written (a second writer recreated the file, a request the
+    engine dropped): its zeros must not become data with a valid checksum."""
+    with pytest.raises(PipelineError, match=r"1 of 3 samples were never written \(positions \[1\]"):
+        _build(tmp_path, [4, 5, 6], order=[2, 0], store_dtype=store_dtype)
+    assert not (tmp_path / store.file_name("train", 0)).exists() and store.read_entry(tmp_path, "train", 0) is None
+
+
+def test_two_writers_of_one_file_never_share_a_partial_file(tmp_path):
+    """Each process writes its own partial file; one cleaning up its leftovers leaves the other's."""
+    ids, masks, _, _ = _samples([4, 5])
+    partials = {}
+    for writer in ("box-a-101", "box-b-202"):
+        partials[writer] = tmp_path / store.partial_name("train", 0, writer)
+        store.create_partial_file(partials[writer], split="train", file_no=0, first_sample=0, input_ids=ids,
+                                  loss_masks=masks, hidden_size=H, aux_layers=[1, 2, 3], identity_hash="h")
+    assert partials["box-a-101"] != partials["box-b-202"]
+    store.remove_partial(tmp_path, "train", 0, writer="box-b-202")
+    assert partials["box-a-101"].exists() and not partials["box-b-202"].exists()
+    store.remove_partial(tmp_path, "train", 0)  # the holder of the folder's claim: every writer's leftovers
+    assert not partials["box-a-101"].exists()
+
+
+def test_a_write_must_cover_whole_samples_of_the_file(tmp_path):
+    ids, masks, aux, pre = _samples([4, 5])
+    partial = tmp_path / store.partial_name("train", 0)
+    lay = store.create_partial_file(partial, split="train", file_no=0, first_sample=0, input_ids=ids, loss_masks=masks,
+                                    hidden_size=H, aux_layers=[1, 2, 3], identity_hash="h")
+    with pytest.raises(AssertionError, match="not whole samples"):
+        store.write_sample_states(partial, 2, aux[1][:4], pre[1][:4], lay)  # rows 2..6 straddle samples 0 and 1

@@ -138,3 +138,33 @@ def test_a_removal_that_fails_for_another_reason_still_raises(tmp_path, monkeypa
     monkeypatch.setattr(shutil, "rmtree", denied)
     with pytest.raises(PermissionError):
         windows.delete_round(tmp_path, 0)
+
+
+def test_names_in_window_json_outside_the_store_pattern_are_refused_unread(tmp_path, monkeypatch):
+    """A window.json on a shared folder naming an absolute or ../ path would make rank 0 read
+    and hash any file; such a name is a problem before anything is opened."""
+    from eagle3.artifacts.store import format as store_format
+
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"not a store file")
+    d = tmp_path / "shared" / windows.round_name(0)
+    d.mkdir(parents=True)
+    checksum = store.file_checksum(secret)
+    hashed = []
+    monkeypatch.setattr(store_format, "file_checksum", lambda path, *a: hashed.append(path) or checksum)
+    for name in (str(secret), "../../secret.txt", "train-00000.safetensors/../../../secret.txt"):
+        windows.write_complete(d, {"round": 0, "files": [{"name": name, "bytes": secret.stat().st_size,
+                                                           "checksum": checksum}]})
+        problem = windows.window_problem(d, verify_checksums=True)
+        assert problem is not None and "not a store file name" in problem and repr(name) in problem
+    assert hashed == []
+
+
+def test_a_round_folder_is_told_from_other_folders_by_its_file_names():
+    """--force deletes a round folder of a shared --windows-dir only when it holds a round's files."""
+    round_files = ["train-00000.safetensors", "train-00000.json", ".train-00001.partial-box-7.out", "store.json",
+                   "index.json", "window.json", ".claim.json", ".claim-0123abcd.beat", "..claim-0123abcd.beat.x.tmp",
+                   ".window.json.x.tmp", ".train-00000.json.x.tmp"]
+    assert all(windows.is_round_file(name) for name in round_files)
+    assert not any(windows.is_round_file(name) for name in ("thesis.pdf", "train-00000.safetensors.bak", "projects",
+                                                            "claims.txt", "window-00001"))

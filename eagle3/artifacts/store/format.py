@@ -18,9 +18,12 @@ inside `WorkDir.store()` (`WORK/02_hidden_states/`):
                                header and entry), written with the manifest. An index.json of
                                earlier code holds a copy of the identity instead of its hash; the
                                reader accepts it when the copy equals store.json.
-    .{split}-{nnnnn}.partial    a file being written (never read; removed on resume).
-    .{split}-{nnnnn}.partial.out  fp8 only: the compact file being written from the partial
-                               one (never read; removed on resume).
+    .{split}-{nnnnn}.partial-{writer}  a file being written by process `writer` (host-pid; never
+                               read; removed by the next run that holds the folder's claim).
+    .{split}-{nnnnn}.partial-{writer}.out  fp8 only: the compact file being written from the
+                               partial one (never read; removed likewise).
+    .claim.json, .claim-*.beat  the claim of the stage 02 run writing the folder, and its
+                               heartbeat (eagle3/artifacts/claims.py): one writer at a time.
 
 One file holds, for its S samples and their T tokens in total (safetensors layout,
 each tensor concatenated over the samples, read by memory map):
@@ -66,7 +69,10 @@ beside this one's, and the argmax agreement of the final state.
 The temporary file is always bf16 and created with its final size (header, token ids
 and mask written, hidden states zero) so the backends, including vLLM's worker process
 through the KV connector, write each sample's states at its own offset
-(`write_sample_states`); `finalize_file` then applies the final norm, computes the
+(`write_sample_states`, which then sets the sample's byte of `valid`: in a partial file that
+column records which samples were written, and `finalize_file` refuses a file with a sample
+never written, whose zero states would otherwise pass for data under a valid checksum);
+`finalize_file` then applies the final norm, computes the
 argmax (from the bf16 final state, for every encoding: both stores hold the same
 target argmax), rejects non-finite samples, and either keeps the file (bf16) or writes
 the fp8 file beside it, then checksums and renames.
@@ -77,6 +83,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -90,8 +97,9 @@ from eagle3.artifacts.manifest import sha256_json
 from eagle3.core.errors import PipelineError
 
 __all__ = ['STORE_FORMAT', 'STORE_JSON', 'INDEX_JSON', 'CHECKSUM', 'STORE_DTYPE', 'FINALIZE_CHUNK_ELEMS', 'FP8_DTYPE',
-           'FP8_HEADROOM_BITS', 'SCALE_LOG2_MIN', 'SCALE_LOG2_MAX', 'file_name', 'entry_name', 'partial_name',
-           'out_name', 'Encoding', 'BF16', 'FP8', 'ENCODINGS', 'encoding_named', 'encoding_of', 'identity_fields',
+           'FP8_HEADROOM_BITS', 'SCALE_LOG2_MIN', 'SCALE_LOG2_MAX', 'file_name', 'entry_name', 'FILE_NAME_PATTERN',
+           'is_file_name', 'partial_name', 'out_name', 'Encoding', 'BF16', 'FP8', 'ENCODINGS', 'encoding_named',
+           'encoding_of', 'identity_fields',
            'encoding_fields', 'bytes_per_token', 'identity_hash', 'write_identity', 'read_identity', 'quantize_fp8',
            'dequantize_fp8', 'FileLayout', 'file_bytes', 'file_checksum', 'buffer_checksum', 'label_positions',
            'file_problem']
@@ -118,8 +126,19 @@ def entry_name(split: str, file_no: int) -> str:
     return f"{split}-{file_no:05d}.json"
 
 
-def partial_name(split: str, file_no: int) -> str:
-    return f".{split}-{file_no:05d}.partial"
+# What a store file's name looks like (`file_name`): names read from an index entry or a
+# round's window.json are accepted only when they match, so none can point outside the folder.
+FILE_NAME_PATTERN = r"(?:train|eval)-\d{5,}\.safetensors"
+
+
+def is_file_name(name) -> bool:
+    return isinstance(name, str) and re.fullmatch(FILE_NAME_PATTERN, name) is not None
+
+
+def partial_name(split: str, file_no: int, writer: str = "") -> str:
+    """The file being written; `writer` (`claims.writer_name()`: host and pid) names the process
+    writing it, so no two processes ever write, remove or finalize the same partial file."""
+    return f".{split}-{file_no:05d}.partial" + (f"-{writer}" if writer else "")
 
 
 def out_name(partial: Path) -> Path:
@@ -428,6 +447,9 @@ def label_positions(loss_mask: torch.Tensor, offsets: torch.Tensor) -> torch.Ten
 
 def file_problem(store_dir: Path, entry: dict, *, verify_checksum: bool) -> str | None:
     """None when the file of `entry` is intact, else what is wrong with it."""
+    if not is_file_name(entry.get("name")):
+        return (f"{store_dir} lists a file named {entry.get('name')!r}, not a store file name "
+                f"({FILE_NAME_PATTERN}): refused unread (an index or window.json of another program, or damaged)")
     f = store_dir / entry["name"]
     if not f.is_file():
         return f"{f} is missing"

@@ -67,10 +67,13 @@ def create_partial_file(path: Path, *, split: str, file_no: int, first_sample: i
     return lay
 
 
-def remove_partial(store_dir: Path, split: str, file_no: int) -> None:
+def remove_partial(store_dir: Path, split: str, file_no: int, writer: str | None = None) -> None:
     """Remove what an unfinished file left in `store_dir`: its partial file and the files
-    beside it (fp8's `.out`, vLLM's done log). Never read, always redone."""
-    for leftover in store_dir.glob(partial_name(split, file_no) + "*"):
+    beside it (fp8's `.out`, vLLM's done log). Never read, always redone.
+
+    `writer`: only that process's (`partial_name`); None: every writer's, which only the
+    holder of the folder's claim may do (eagle3/artifacts/claims.py: the others are gone)."""
+    for leftover in store_dir.glob(partial_name(split, file_no, writer or "") + "*"):
         leftover.unlink(missing_ok=True)
 
 
@@ -112,12 +115,13 @@ def _allocate(fd: int, size: int) -> None:
 
 def write_sample_states(path: Path | str, row: int, aux: torch.Tensor, final_prenorm: torch.Tensor,
                         layout: FileLayout | None = None) -> None:
-    """Write one sample's states at token row `row` of a partial file.
+    """Write one sample's states at token row `row` of a partial file, then mark it written.
 
     aux: [T, A, H] or [T, A*H]; final_prenorm: [T, H] (the residual stream after all
     N layers, before the final norm: vLLM id N). Called by the hf backend and, inside
     vLLM's worker process, by the project's KV connector; samples may arrive in any
-    order and from another process.
+    order and from another process. Rows [row, row + T) must be whole samples of the
+    file: their bytes of `valid` are set after the states (`finalize_file` checks them).
     """
     lay = layout or FileLayout.read(path)[0]
     assert not lay.encoding.scaled, f"{path}: partial files are bf16"
@@ -126,16 +130,29 @@ def write_sample_states(path: Path | str, row: int, aux: torch.Tensor, final_pre
     assert aux.shape[1] == lay.num_aux * lay.hidden_size, (aux.shape, lay)
     assert final_prenorm.shape == (T, lay.hidden_size), (final_prenorm.shape, lay)
     assert 0 <= row and row + T <= lay.num_tokens, (row, T, lay.num_tokens)
-    fd = os.open(path, os.O_WRONLY)
+    fd = os.open(path, os.O_RDWR)
     try:
+        first, last = _samples_at(fd, lay, row, T, path)
         _pwrite_all(fd, _as_bytes(aux), lay.offset("aux") + row * lay.num_aux * lay.hidden_size * 2)
         _pwrite_all(fd, _as_bytes(final_prenorm.to(torch.bfloat16)), lay.offset("final") + row * lay.hidden_size * 2)
+        # After the states: a kill in between leaves the samples unmarked, never marked and empty.
+        _pwrite_all(fd, memoryview(b"\x01" * (last - first)), lay.offset("valid") + first)
     except OSError as e:  # only where the file could not be allocated up front (sparse)
         if is_disk_full(e):
             raise disk_full_error(path, needed=lay.total_bytes) from e
         raise
     finally:
         os.close(fd)
+
+
+def _samples_at(fd: int, lay: FileLayout, row: int, T: int, path) -> tuple[int, int]:
+    """The samples [first, last) that token rows [row, row + T) of the file are made of."""
+    raw = os.pread(fd, 8 * (lay.num_samples + 1), lay.offset("sample_offsets"))
+    offsets = np.frombuffer(raw, dtype=np.int64)  # [S+1]
+    first, last = np.searchsorted(offsets, [row, row + T])
+    assert first < last and offsets[first] == row and offsets[last] == row + T, \
+        f"{path}: rows {row}..{row + T} are not whole samples of the file (sample offsets {offsets[:8].tolist()}...)"
+    return int(first), int(last)
 
 
 def bytes_to_write(files: Sequence[tuple[int, int]], hidden_size: int, num_aux: int, store_dtype: str = "bf16",
@@ -196,6 +213,7 @@ def finalize_file(partial: Path, final_path: Path, *, split: str, file_no: int, 
     enc = encoding_named(store_dtype)
     lay, meta = FileLayout.read(partial)
     assert not lay.encoding.scaled, f"{partial}: partial files are bf16"
+    _refuse_unwritten(partial, lay)
     out = out_name(partial) if enc.scaled else partial
     try:
         with open(partial, "r+b") as f:
@@ -233,6 +251,22 @@ def finalize_file(partial: Path, final_path: Path, *, split: str, file_no: int, 
     # The entry is written after the rename: a file without an entry is incomplete.
     write_json(final_path.parent / entry_name(split, file_no), entry)
     return entry
+
+
+def _refuse_unwritten(partial: Path, lay: FileLayout) -> None:
+    """Every sample of a partial file must have been written (`valid` 1, set by
+    `write_sample_states`): a sample never written holds zeros that would be finalized into
+    data with a valid checksum (two writers on one file, a request the engine dropped)."""
+    with open(partial, "rb") as f:
+        f.seek(lay.offset("valid"))
+        written = np.frombuffer(f.read(lay.num_samples), dtype=np.int8)  # [S]
+    missing = np.flatnonzero(written != 1)
+    if len(missing):
+        raise PipelineError(
+            f"{partial}: {len(missing)} of {lay.num_samples} samples were never written (positions "
+            f"{missing[:10].tolist()}{'...' if len(missing) > 10 else ''} in the file): it is not finalized. Was "
+            f"another process writing the same file? Rerun `python {WorkDir.script('extract')}` with your "
+            f"--config: it redoes the file.")
 
 
 def _create_encoded(out: Path, src: dict[str, torch.Tensor], lay: FileLayout, meta: dict[str, str],

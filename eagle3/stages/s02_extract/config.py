@@ -48,10 +48,17 @@ class ExtractConfig(EngineSettings, ShardedStageConfig):
                           "order (a producer of a several-box run), waiting while the budget is full")
     wait_s: float = param(0.0, min=0.0, identity=False, help="with --produce: seconds to wait for budget room "
                           "before giving up (0: give up at once)")
+    take_over_stale_s: float | None = param(None, min=0.0, identity=False, help="take over a folder (the store's "
+                                            "or a round's) claimed by a writer whose heartbeat has not changed for "
+                                            "this many seconds, watched from here (a dead box's shard; at least 90). "
+                                            "Default: never; a writer whose process is gone on this machine is "
+                                            "replaced without it")
     # --- how the work is done (not part of the store's identity) ---
     batch_tokens: int = param(16384, min=1, identity=False, help="tokens per forward batch (vllm: "
                                                           "max_num_batched_tokens, at least max_model_len)")
     verify_checksums: bool = param(True, identity=False, help="on resume, re-read finished files and "
                                                               "redo any whose checksum differs")
-    force: bool = param(False, identity=False, help="delete the existing store (every box's files in this "
-                                                    "folder) and start over")
+    force: bool = param(False, identity=False, help="delete the existing store's files (every box's files in this "
+                                                    "work dir's store folder; with --windows-dir only this shard's "
+                                                    "rounds there) and start over; refused while another run holds "
+                                                    "them")

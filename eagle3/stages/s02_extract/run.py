@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from eagle3.artifacts import store
+from eagle3.artifacts import claims, store, windows
 from eagle3.artifacts.atomic import DiskFullError
 from eagle3.artifacts.dataset import load_split as load_prepared
 from eagle3.artifacts.manifest import (Manifest, already_complete, check_same, manifest_fingerprint, read_manifest,
@@ -167,13 +167,13 @@ def validate(cfg: ExtractConfig) -> Prepared:
     return Prepared(wd, info, aux, params, inputs, identity, store.identity_hash(identity), num_samples, max_tokens)
 
 
-def check_store_identity(p: Prepared, force: bool) -> None:
-    """Refuse to mix files of two different stores in one folder."""
+def check_store_identity(p: Prepared, force: bool, claim: claims.Claim | None = None) -> None:
+    """Refuse to mix files of two different stores in one folder. `force`: delete the store's
+    files first (`delete_store_files`; `claim`: this run's claim on the folder, kept)."""
     d = p.wd.store()
     path = d / store.STORE_JSON
     if force and d.exists():
-        log.warning("--force: deleting the existing store %s", d)
-        shutil.rmtree(d)
+        delete_store_files(d, claim)
     d.mkdir(parents=True, exist_ok=True)
     if path.is_file():
         old = json.loads(path.read_text())
@@ -184,6 +184,27 @@ def check_store_identity(p: Prepared, force: bool) -> None:
                                 f"delete it and start over, or rerun with its settings.")
     else:
         store.write_identity(d, p.identity)
+
+
+def delete_store_files(store_dir: Path, claim: claims.Claim | None) -> None:
+    """--force: delete what the store folder holds, never the folder itself, and nothing while
+    another run holds the folder or a round folder in it (its claim, eagle3/artifacts/claims.py)."""
+    rounds_dir = store_dir / windows.WINDOWS_DIR
+    inside = [store_dir] + ([sub for sub in rounds_dir.iterdir() if sub.is_dir()] if rounds_dir.is_dir() else [])
+    busy = [(folder, holder) for folder, holder in claims.live_claims(inside)
+            if claim is None or holder.token != claim.holder.token]
+    if busy:
+        folder, holder = busy[0]
+        raise PipelineError(f"--force would delete {store_dir}, but {claims.refusal(folder, holder)}")
+    log.warning("--force: deleting the existing store's files in %s", store_dir)
+    ours = {claims.CLAIM_JSON, claims.beat_name(claim.holder.token)} if claim is not None else set()
+    for entry in store_dir.iterdir():
+        if entry.name in ours:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 # --------------------------------------------------------------------------- the work
@@ -220,18 +241,23 @@ def load_engine(cfg: ExtractConfig, p: Prepared, device: str | None = None):
     return make_backend(cfg, p, device), head
 
 
-def _finish_file(written: Callable[[], None], *args, **kwargs) -> dict:
+def _finish_file(written: Callable[[], None], still_ours: Callable[[], None], *args, **kwargs) -> dict:
     written()  # the backend's writes of this file are complete
+    still_ours()  # the folder's claim: nothing is finished in a folder another run took over
     return store.finalize_file(*args, **kwargs)
 
 
 def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Callable[[int], None],
-                store_dir: Path | None = None, splits: dict | None = None) -> None:
+                store_dir: Path | None = None, splits: dict | None = None,
+                still_ours: Callable[[], None] = lambda: None) -> None:
     """Extract `files` into the store with a loaded backend: partial file, fill, finalize.
 
     `store_dir`, `splits`: a window's folder and its samples (eagle3/artifacts/windows.py);
-    by default the store folder and stage 01's splits."""
+    by default the store folder and stage 01's splits. `still_ours()` raises when the
+    folder's claim was lost (eagle3/artifacts/claims.py); called before each finalize.
+    Partial files carry this process's name (`claims.writer_name()`)."""
     d = store_dir or p.wd.store()
+    writer = claims.writer_name()
     splits = splits or {s: load_split(p.wd, s) for s in {f.split for f in files}}
     # Waiting for a file's last writes and finalizing it (norm, argmax, checksum: a full
     # pass over it) run in a thread while the engine works on the next file; at most
@@ -243,7 +269,7 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
             ids = [np.asarray(x, dtype=np.int32) for x in rows_["input_ids"]]
             masks = [np.asarray(x, dtype=np.int8) for x in rows_["loss_mask"]]
             sample_ids = [str(s) for s in rows_["sample_id"]]
-            partial = d / store.partial_name(spec.split, spec.file_no)
+            partial = d / store.partial_name(spec.split, spec.file_no, writer)
             store.create_partial_file(
                 partial, split=spec.split, file_no=spec.file_no, first_sample=spec.first, input_ids=ids,
                 loss_masks=masks, hidden_size=p.info.hidden_size, aux_layers=p.aux_layers,
@@ -261,10 +287,10 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
                 if written is not None:
                     with contextlib.suppress(Exception):
                         written()
-                store.remove_partial(d, spec.split, spec.file_no)
+                store.remove_partial(d, spec.split, spec.file_no, writer)
                 raise
             pending = pool.submit(
-                _finish_file, written, partial, d / spec.name, split=spec.split, file_no=spec.file_no,
+                _finish_file, written, still_ours, partial, d / spec.name, split=spec.split, file_no=spec.file_no,
                 first_sample=spec.first, sample_ids=sample_ids, identity_hash=p.identity_hash,
                 normalize=head.normalize, argmax=head.argmax, store_dtype=p.params["store_dtype"])
         if pending is not None:
@@ -396,11 +422,20 @@ def extract_hidden_states(cfg: ExtractConfig) -> Manifest | None:
                             intact=lambda m: store_intact(d, m, verify_checksums=cfg.verify_checksums))
     if done:
         return done
-    check_store_identity(p, cfg.force)
+    # One writer per store folder (two runs on one folder would write the same files):
+    # claimed before any byte is written or deleted, released when the manifest is written.
+    with claims.Claim.acquire(d, what=f"stage 02, shard {cfg.shard_index} of {cfg.num_shards}",
+                              take_over_stale_s=cfg.take_over_stale_s) as claim:
+        check_store_identity(p, cfg.force, claim)
+        return _extract_whole_store(cfg, p, claim)
 
+
+def _extract_whole_store(cfg: ExtractConfig, p: Prepared, claim: claims.Claim) -> Manifest:
+    """This box's files of the whole store, then the index and the manifest (the folder claimed)."""
+    d = p.wd.store()
     plan = plan_files(p.num_samples, cfg.samples_per_file)
     mine = box_files(plan, cfg.num_shards, cfg.shard_index)
-    for spec in mine:  # leftovers of a killed run: never read, always redone
+    for spec in mine:  # leftovers of a killed run (the claim says no other writer runs): redone
         store.remove_partial(d, spec.split, spec.file_no)
     todo = [s for s in mine if not _file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
     log.info("stage 02: %d files in the store, %d for this box (shard %d/%d), %d to do", len(plan), len(mine),
@@ -416,6 +451,7 @@ def extract_hidden_states(cfg: ExtractConfig) -> Manifest | None:
                 run_data_parallel(_dp_worker, (cfg,), todo, cfg.data_parallel_size,
                                   on_ready=lambda: bar.reset(bar.total), on_progress=bar.update, what="stage 02")
             else:
-                run_files(cfg, p, todo, bar.update, on_ready=lambda: bar.reset(total))
+                run_files(cfg, p, todo, bar.update, on_ready=lambda: bar.reset(total), still_ours=claim.check)
+    claim.check()
     return write_results(cfg, p, plan)
 

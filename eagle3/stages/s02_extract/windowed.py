@@ -17,20 +17,30 @@ and finished by `window.json`, written last with every file's bytes and checksum
 engine is loaded once per run, and only when there is work.
 
 Several boxes: box i of N (`--num-shards N --shard-index i`) extracts rounds i, i + N, ...;
-box 0 also extracts the held-out split. Before each round a producer waits (`--wait-s`)
-while the held-out files and the rounds present in the windows folder, with this one,
-would exceed the budget: stage 04 deletes each round after its checkpoint.
+box 0 also extracts the held-out split. One writer per folder: a run claims a round's folder
+(and box 0 the store folder) before it writes a byte there (eagle3/artifacts/claims.py), and a
+second writer is refused in one line naming the holder. The budget is counted after the
+claim (claim, recount, back off): the held-out files and every round present in the windows
+folder, this one included, must fit, else the claim is released and the producer waits
+(`--wait-s`, logging every few minutes what it waits for) until stage 04 has deleted a
+round after its checkpoint. Two producers that claim at once both count both rounds, so
+neither goes past the budget.
+
+--force removes only what this run owns: the store folder's files on box 0 (never the
+folder), and with --windows-dir this shard's round folders, each only when it holds nothing
+but a round's files and no other run holds its claim; never another shard's rounds, never
+stage 04's progress.json, never the --windows-dir folder itself.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import shutil
+import random
 import time
 
 from tqdm import tqdm
 
-from eagle3.artifacts import store, windows
+from eagle3.artifacts import claims, store, windows
 from eagle3.artifacts.manifest import Manifest, already_complete, read_manifest, sha256_json
 from eagle3.artifacts.workdir import SPLITS
 from eagle3.core.errors import PipelineError
@@ -86,8 +96,10 @@ class _Engine:
             self.loaded[0].close()
 
 
-def _extract(engine: _Engine, cfg: ExtractConfig, p: _run.Prepared, d, splits: dict, lengths: dict, what: str) -> list:
-    """Extract every file of `p`'s splits into folder d not yet complete there; the plan of files."""
+def _extract(engine: _Engine, cfg: ExtractConfig, p: _run.Prepared, d, splits: dict, lengths: dict, what: str,
+             claim: claims.Claim) -> list:
+    """Extract every file of `p`'s splits into folder d not yet complete there; the plan of files.
+    `claim`: this run's claim on d (so every partial file in it is a dead writer's)."""
     plan = _run.plan_files(p.num_samples, cfg.samples_per_file)
     for spec in plan:  # leftovers of a killed run: never read, always redone
         store.remove_partial(d, spec.split, spec.file_no)
@@ -98,7 +110,7 @@ def _extract(engine: _Engine, cfg: ExtractConfig, p: _run.Prepared, d, splits: d
         store.require_free_space(d, sizes, p.info.hidden_size, len(p.aux_layers), cfg.store_dtype)
         backend, head = engine.get()
         with tqdm(total=sum(t for _, t in sizes), unit="tok", unit_scale=True, desc=what, smoothing=0.05) as bar:
-            _run.write_files(p, backend, head, todo, bar.update, store_dir=d, splits=splits)
+            _run.write_files(p, backend, head, todo, bar.update, store_dir=d, splits=splits, still_ours=claim.check)
     return plan
 
 
@@ -108,27 +120,74 @@ def _round_done(d, p: _run.Prepared, verify: bool) -> bool:
             and windows.window_problem(d, verify_checksums=verify) is None)
 
 
-def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -> None:
-    """Wait (up to --wait-s) until round r fits the budget beside the held-out files and the
-    rounds present (complete or being written, by any box)."""
-    deadline = time.monotonic() + cfg.wait_s
+def budget_need(plan: windows.WindowPlan, present, round_no: int) -> int:
+    """Bytes on disk at the peak if round `round_no` is written beside the rounds `present`
+    (folders in the windows folder, complete or being written): the held-out split, each of
+    those rounds and this one, counted once whether its own folder is among them or not."""
+    rounds = set(present) | {round_no}
+    return plan.held_out_bytes + sum(plan.window_of(other)["bytes"] for other in rounds)
+
+
+def _round_states(wdir, rounds, watch: claims.Watch) -> str:
+    return "; ".join(f"round {other}: {windows.round_state(wdir / windows.round_name(other), watch)}"
+                     for other in rounds) or "none"
+
+
+def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -> claims.Claim:
+    """Claim round r's folder and return the claim once the round fits the budget beside the
+    held-out files and the rounds present (complete or being written, by any box).
+
+    Claim, recount, back off: the count is taken after the claim, so of two producers that
+    claim at once each counts the other's round too; one over the budget releases its claim
+    (and the folder, if it made it and it is empty) and tries again after a second or so
+    (jittered, so the two do not collide again), for up to --wait-s. Another writer's claim on
+    round r is refused at once (claims.Claim.acquire). While waiting it logs, at once and every
+    `windows.WAIT_LOG_S` seconds, the round it waits for and the state of each round on disk."""
+    rd = wdir / windows.round_name(r)
+    started = time.monotonic()
+    deadline, next_log, watch = started + cfg.wait_s, started, claims.Watch()
+    what = f"stage 02, round {r} (shard {cfg.shard_index} of {cfg.num_shards})"
     while True:
-        others = [x for x in windows.present_rounds(wdir) if x != r]
-        need = plan.held_out_bytes + sum(plan.window_of(x)["bytes"] for x in others) + plan.window_of(r)["bytes"]
+        made = not rd.exists()
+        claim = claims.Claim.acquire(rd, what=what, take_over_stale_s=cfg.take_over_stale_s)
+        present = windows.present_rounds(wdir)
+        need = budget_need(plan, present, r)
         if need <= plan.disk_budget:
-            return
-        if time.monotonic() >= deadline:
+            return claim
+        claim.release()
+        if made:
+            _remove_if_empty(rd)
+        others = [other for other in present if other != r]
+        now = time.monotonic()
+        if now >= deadline:
             raise PipelineError(
                 f"stage 02: round {r} ({plan.window_of(r)['bytes']:,} bytes) does not fit the --disk-budget "
-                f"{plan.disk_budget:,} beside the held-out split and the untrained round(s) {others} in {wdir}: "
-                f"train them first (`python 04_train_drafter.py` deletes each once its checkpoint covers it), "
-                f"or pass --wait-s SECONDS to wait for that.")
-        time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+                f"{plan.disk_budget:,} beside the held-out split and the untrained round(s) {others} in {wdir} "
+                f"({_round_states(wdir, others, watch)}): train them first (`python 04_train_drafter.py` deletes "
+                f"each once its checkpoint covers it), or pass --wait-s SECONDS to wait for that.")
+        if now >= next_log:
+            log.info("stage 02: round %d (%s) waits for room in the --disk-budget %s (it needs %s with it): on disk "
+                     "beside the held-out split: %s; waited %.0f s of --wait-s %.0f", r, rd,
+                     windows.human(plan.disk_budget), windows.human(need), _round_states(wdir, others, watch),
+                     now - started, cfg.wait_s)
+            next_log = now + windows.WAIT_LOG_S
+        time.sleep(min(random.uniform(0.5, 1.5), max(0.05, deadline - now)))
+
+
+def _remove_if_empty(folder) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # not empty (or gone): another writer's or ours to keep
+
+
+def shard_rounds(rounds: int, num_shards: int, shard_index: int, trained: int) -> list[int]:
+    """The rounds box `shard_index` of `num_shards` writes (i, i + N, ...) not yet trained."""
+    return [round_no for round_no in range(rounds) if round_no % num_shards == shard_index and round_no >= trained]
 
 
 def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: _run.Prepared, wdir) -> list[int]:
     trained = windows.read_progress(wdir)["trained_rounds"]
-    mine = [r for r in range(plan.rounds) if r % cfg.num_shards == cfg.shard_index]
     if cfg.window is not None:
         if cfg.window >= plan.rounds:
             raise PipelineError(f"--window {cfg.window}: the plan in {main.wd.store() / windows.PLAN_JSON} has "
@@ -138,13 +197,39 @@ def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: _run.Prepar
                      wdir / windows.PROGRESS_JSON)
             return []
         return [cfg.window]
-    todo = [r for r in mine if r >= trained]
+    todo = shard_rounds(plan.rounds, cfg.num_shards, cfg.shard_index, trained)
     if cfg.produce:
         return todo
     for r in todo:  # the next round this box writes that is not on disk already
         if not _round_done(wdir / windows.round_name(r), round_prepared(main, plan, r), verify=False):
             return [r]
     return []
+
+
+def _force_own_rounds(cfg: ExtractConfig, wdir) -> None:
+    """--force with --windows-dir: delete this shard's round folders there (with --window, that
+    round's), each only when no other run holds it and it holds nothing but a round's files;
+    never another shard's, never progress.json, never the folder itself (it may be a share)."""
+    mine = [r for r in windows.present_rounds(wdir)
+            if (r == cfg.window if cfg.window is not None else r % cfg.num_shards == cfg.shard_index)]
+    for r in mine:
+        rd = wdir / windows.round_name(r)
+        busy = claims.live_claims([rd])
+        if busy:
+            raise PipelineError(f"--force would delete round {r}, but {claims.refusal(rd, busy[0][1])}")
+        strange = sorted(path.name for path in rd.iterdir() if not windows.is_round_file(path.name))
+        if strange:
+            raise PipelineError(f"--force: {rd} holds {strange[:5]}, which are not a round's files: not deleting it. "
+                                f"Is --windows-dir {wdir} the folder of the rounds? Move those files, or delete the "
+                                f"folder yourself if it is a round.")
+    for r in mine:
+        windows.delete_round(wdir, r)
+    others = [r for r in windows.present_rounds(wdir) if r not in mine]
+    trained = windows.read_progress(wdir)["trained_rounds"]
+    log.warning("--force: deleted this shard's round(s) %s in %s; kept the other shards' round(s) %s and %s "
+                "(%d round(s) trained: rounds below it are not extracted again until stage 04 starts over with "
+                "--force). Run every box with --force to start the whole run over.", mine, wdir, others,
+                windows.PROGRESS_JSON, trained)
 
 
 def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
@@ -156,21 +241,29 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
     main = held_out_prepared(p, plan)
     d = p.wd.store()
     wdir = windows.windows_dir(d, cfg.windows_dir)
-    if cfg.force and cfg.windows_dir and wdir.exists():
-        log.warning("--force: deleting the window folders in %s", wdir)
-        shutil.rmtree(wdir)
-    _run.check_store_identity(main, cfg.force)
-    windows.write_or_check_plan(d, plan)
-    wdir.mkdir(parents=True, exist_ok=True)
-    log.info("stage 02: window plan %s: %s", d / windows.PLAN_JSON, plan.summary())
+    # Box 0 writes the store folder (the held-out split): it holds that folder's claim for
+    # the whole run, so a second box 0 is refused before it writes or deletes anything.
+    store_claim = (claims.Claim.acquire(d, what=f"stage 02 held-out split (shard 0 of {cfg.num_shards})",
+                                        take_over_stale_s=cfg.take_over_stale_s) if cfg.shard_index == 0 else None)
     engine = _Engine(cfg, p)
     try:
-        if cfg.shard_index == 0:  # the held-out split, once, kept for the whole run
+        if cfg.force:
+            if cfg.windows_dir:
+                _force_own_rounds(cfg, wdir)
+            if cfg.shard_index != 0:  # the identity and the plan, written alike by every box; not the held-out files
+                for name in (store.STORE_JSON, windows.PLAN_JSON):
+                    (d / name).unlink(missing_ok=True)
+        _run.check_store_identity(main, cfg.force and cfg.shard_index == 0, store_claim)
+        windows.write_or_check_plan(d, plan)
+        wdir.mkdir(parents=True, exist_ok=True)
+        log.info("stage 02: window plan %s: %s", d / windows.PLAN_JSON, plan.summary())
+        if store_claim is not None:  # the held-out split, once, kept for the whole run
             done = already_complete(p.wd, "extract", main.params, main.inputs, force=False,
                                     intact=lambda m: _run.store_intact(d, m, verify_checksums=cfg.verify_checksums))
             if not done:
                 eval_files = _extract(engine, cfg, main, d, {"eval": _run.load_split(p.wd, "eval")},
-                                      {"eval": _run.split_lengths(p.wd, "eval").tolist()}, "held-out")
+                                      {"eval": _run.split_lengths(p.wd, "eval").tolist()}, "held-out", store_claim)
+                store_claim.check()
                 _run.write_results(cfg, main, eval_files)
         train = None
         for r in rounds_to_do(cfg, plan, main, wdir):
@@ -179,23 +272,38 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
             if _round_done(rd, rp, cfg.verify_checksums):
                 log.info("stage 02: round %d is complete in %s", r, rd)
                 continue
-            _wait_for_room(cfg, plan, wdir, r)
-            rd.mkdir(parents=True, exist_ok=True)
-            if train is None:
-                train, train_lengths = _run.load_split(p.wd, "train"), _run.split_lengths(p.wd, "train").tolist()
-            w = plan.window_of(r)
-            files = _extract(engine, cfg, rp, rd, {"train": train.select(w["samples"])},
-                             {"train": [train_lengths[i] for i in w["samples"]]}, f"round {r}")
-            entries = [store.read_entry(rd, s.split, s.file_no) for s in files]
-            store.write_index(rd, rp.identity, entries, rp.num_samples, cfg.samples_per_file)
-            windows.write_complete(rd, {
-                "round": r, "window": r % plan.num_windows, "pass": r // plan.num_windows,
-                "num_samples": len(w["samples"]), "tokens": w["tokens"], "bytes": sum(e["bytes"] for e in entries),
-                "identity_hash": rp.identity_hash, "plan": plan.fingerprint,
-                "files": [{k: e[k] for k in ("name", "bytes", "checksum")} for e in entries]})
-            log.info("stage 02: round %d (window %d, pass %d): %d samples, %d tokens, %.1f MB -> %s", r,
-                     r % plan.num_windows, r // plan.num_windows, len(w["samples"]), w["tokens"],
-                     sum(e["bytes"] for e in entries) / 1e6, rd)
+            claim = _wait_for_room(cfg, plan, wdir, r)
+            try:
+                if r < windows.read_progress(wdir)["trained_rounds"] or _round_done(rd, rp, verify=False):
+                    log.info("stage 02: round %d was finished (or trained) while this run waited", r)
+                    continue
+                if train is None:
+                    train, train_lengths = _run.load_split(p.wd, "train"), _run.split_lengths(p.wd, "train").tolist()
+                _write_round(engine, cfg, plan, rp, rd, r, train, train_lengths, claim)
+            finally:
+                claim.release()
+                _remove_if_empty(rd)  # a round left unwritten leaves no folder to count against the budget
     finally:
         engine.close()
+        if store_claim is not None:
+            store_claim.release()
     return read_manifest(p.wd, "extract", needed_by="stage 02") if p.wd.manifest("extract").is_file() else None
+
+
+def _write_round(engine: _Engine, cfg: ExtractConfig, plan: windows.WindowPlan, rp: _run.Prepared, rd, r: int, train,
+                 train_lengths: list[int], claim: claims.Claim) -> None:
+    """Round r's files, index and, last, window.json, in its folder (claimed by this run)."""
+    window = plan.window_of(r)
+    files = _extract(engine, cfg, rp, rd, {"train": train.select(window["samples"])},
+                     {"train": [train_lengths[i] for i in window["samples"]]}, f"round {r}", claim)
+    entries = [store.read_entry(rd, s.split, s.file_no) for s in files]
+    claim.check()  # window.json only from the folder's holder
+    store.write_index(rd, rp.identity, entries, rp.num_samples, cfg.samples_per_file)
+    windows.write_complete(rd, {
+        "round": r, "window": r % plan.num_windows, "pass": r // plan.num_windows,
+        "num_samples": len(window["samples"]), "tokens": window["tokens"], "bytes": sum(e["bytes"] for e in entries),
+        "identity_hash": rp.identity_hash, "plan": plan.fingerprint,
+        "files": [{k: e[k] for k in ("name", "bytes", "checksum")} for e in entries]})
+    log.info("stage 02: round %d (window %d, pass %d): %d samples, %d tokens, %.1f MB -> %s", r,
+             r % plan.num_windows, r // plan.num_windows, len(window["samples"]), window["tokens"],
+             sum(e["bytes"] for e in entries) / 1e6, rd)

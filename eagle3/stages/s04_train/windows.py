@@ -251,20 +251,34 @@ class Rounds:
         if missing:
             d = self.dir / windows.round_name(r)
             self.split, self.current = None, None
-            log.warning("stage 04: round %d is not extracted yet (%s has no complete %s on %s): stopping at step %d "
-                        "of %d. Run `python %s --window %d` (same --config and --disk-budget), then rerun "
-                        "this command; `python -m eagle3.tools.window_loop` does both in turn.", r, d,
-                        windows.COMPLETE_JSON, "this rank" if not opened else f"{int(missing)} other rank(s)", step,
-                        self.schedule.total, WorkDir.script("extract"), r)
+            # The advice names the windows folder when it is not the default: without it the
+            # round would be written into the work dir's own windows folder, never read here.
+            shared = "" if self.dir == windows.windows_dir(self.wd.store(), None) else f" --windows-dir {self.dir}"
+            log.warning("stage 04: round %d is not extracted yet (%s has no complete %s on %s; the folder is %s): "
+                        "stopping at step %d of %d. Run `python %s --window %d%s` (same --config and "
+                        "--disk-budget), then rerun this command; `python -m eagle3.tools.window_loop` does both "
+                        "in turn.", r, d, windows.COMPLETE_JSON,
+                        "this rank" if not opened else f"{int(missing)} other rank(s)",
+                        windows.round_state(d, windows.Watch()), step, self.schedule.total,
+                        WorkDir.script("extract"), r, shared)
             return False
         return True
 
     def _wait_open(self, r: int) -> bool:
-        """Open round r on this rank, waiting up to --window-wait-s for it to be complete."""
-        deadline = time.monotonic() + self.wait_s
+        """Open round r on this rank, waiting up to --window-wait-s for it to be complete; rank 0
+        logs, at once and every `windows.WAIT_LOG_S` seconds, the round it waits for and its
+        folder's state (missing, claimed by host:pid and the heartbeat's age, ...)."""
+        started = time.monotonic()
+        deadline, next_log, watch = started + self.wait_s, started, windows.Watch()
         while not self._open(r):
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return False
+            if self.main_rank and now >= next_log:
+                d = self.dir / windows.round_name(r)
+                log.info("stage 04: waiting for round %d (%s): %s; waited %.0f s of --window-wait-s %.0f", r, d,
+                         windows.round_state(d, watch), now - started, self.wait_s)
+                next_log = now + windows.WAIT_LOG_S
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
         return True
 
