@@ -26,6 +26,19 @@ One draft step (`Eagle3Drafter.step`) over a whole sequence computes
     out = h1 + mlp(post_attention_layernorm(h1))            # pre-norm: next step's h
     logits = lm_head(norm(out))                             # `compute_logits`
 
+The EAGLE 3.1 shape (`DrafterConfig.fc_norm`, `.norm_output`; docs/CONVENTIONS.md §6)
+adds two norms where vLLM's and SGLang's `llama_eagle3.py` put them:
+
+    fc_norm.{i}.weight                         [H_t]        one RMSNorm per aux layer
+    h   = fc(cat(fc_norm.0(aux_0), ..., fc_norm.{A-1}(aux_{A-1})))   # step 0's hidden input
+    out = norm(h1 + mlp(...))                               # norm_output: the post-norm
+                                                            # state is the next step's h
+    logits = lm_head(out)                                   # and is not normed again
+
+`norm_output` adds no tensor: the final `norm` moves from the logits alone onto the
+state that feeds the next step, so `step` returns the post-norm state and
+`compute_logits` skips its norm; callers (the TTT loop) stay the same.
+
 Train-time test (TTT) runs K such steps over the same T positions; a `TTTCache`
 carries each step's keys/values so that step k at position t attends to step 0's
 keys at positions <= t plus steps 1..k's keys at position t. That attention, in its
@@ -77,6 +90,11 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
+    # EAGLE 3.1 (eagle3/drafter/shape.py names the shapes): an RMSNorm on each aux layer before
+    # fc, and the post-norm output fed to the next draft step. The config.json keys of the
+    # same names switch them on in vLLM and SGLang.
+    fc_norm: bool = False
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         positive = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -102,6 +120,9 @@ class DrafterConfig:
             raise PipelineError(
                 f"DrafterConfig: draft_vocab_size = {self.draft_vocab_size} exceeds target_vocab_size = "
                 f"{self.target_vocab_size}; the draft vocabulary is a subset of the target's, lower it.")
+        for name in ("fc_norm", "norm_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise PipelineError(f"DrafterConfig.{name} = {getattr(self, name)!r}; it must be true or false.")
         if not self.rms_norm_eps > 0:
             raise PipelineError(f"DrafterConfig.rms_norm_eps = {self.rms_norm_eps}; it must be > 0 (e.g. 1e-6).")
         if not self.rope_theta > 0:
@@ -326,6 +347,10 @@ class Eagle3Drafter(nn.Module):
         self.config = config
         c = config
         self.fc = nn.Linear(c.num_aux_layers * c.target_hidden_size, c.hidden_size, bias=False)
+        # EAGLE 3.1: one norm per aux layer (`fc_norm.{i}.weight`, the engines' names); a plain
+        # EAGLE-3 drafter has no such module, so its state dict stays what it was.
+        self.fc_norm = (nn.ModuleList(RMSNorm(c.target_hidden_size, c.rms_norm_eps) for _ in range(c.num_aux_layers))
+                        if c.fc_norm else None)
         self.midlayer = Eagle3DecoderLayer(c)
         self.set_attention(attention)
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -383,12 +408,19 @@ class Eagle3Drafter(nn.Module):
                 f"aux hidden states have width {aux.shape[-1]}, the drafter expects num_aux_layers * "
                 f"target_hidden_size = {self.fc.in_features}; the extraction (stage 02) and the drafter "
                 f"config disagree on the aux layers or the target.")
-        return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, A*H_t] -> [B, T, H]
+        aux = aux.to(self.fc.weight.dtype)
+        if self.fc_norm is not None:
+            # EAGLE 3.1: each aux layer normed on its own, so the deepest (largest) one no
+            # longer dominates the fused input
+            chunks = aux.split(self.config.target_hidden_size, dim=-1)  # [B, T, A*H_t] -> A x [B, T, H_t]
+            aux = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)  # -> [B, T, A*H_t]
+        return self.fc(aux)  # [B, T, A*H_t] -> [B, T, H]
 
     def step(self, embeds: Tensor, hidden: Tensor, cache: TTTCache, *,
              attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
              segment_ids: Tensor | None = None) -> Tensor:
-        """One draft step over all T positions; returns the pre-norm output [B, T, H].
+        """One draft step over all T positions; returns the next step's hidden input [B, T, H]:
+        the pre-norm output, or with `norm_output` (EAGLE 3.1) the post-norm one.
 
         embeds [B, T, H]: target-embedding vectors of the tokens this step reads;
         hidden [B, T, H]: `project_aux(aux)` for the first step, else the previous
@@ -417,15 +449,17 @@ class Eagle3Drafter(nn.Module):
             layout = AttnLayout(runs=attention_runs(attention_mask, segment_ids, T))
         else:
             layout = AttnLayout(allowed=allowed_mask(B, T, attention_mask, segment_ids, embeds.device))
-        return self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, cache, layout)
+        out = self.midlayer(embeds.to(hidden.dtype), hidden, cos, sin, cache, layout)
+        return self.norm(out) if self.config.norm_output else out
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
-        """Draft-vocab logits from pre-norm outputs: [..., H] -> [..., V_d]."""
-        return self.lm_head(self.norm(hidden))
+        """Draft-vocab logits from `step`'s outputs: [..., H] -> [..., V_d]. With `norm_output`
+        they are normed already (the engines feed the same state to lm_head and the next step)."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     def forward(self, aux: Tensor, embeds: Tensor, *, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Step 0 only (no unroll): returns (logits [B, T, V_d], pre-norm hidden [B, T, H])."""
+        """Step 0 only (no unroll): returns (logits [B, T, V_d], the next step's hidden input [B, T, H])."""
         hidden = self.step(embeds, self.project_aux(aux), TTTCache(), attention_mask=attention_mask,
                            position_ids=position_ids, segment_ids=segment_ids)
         return self.compute_logits(hidden), hidden

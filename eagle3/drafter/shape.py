@@ -2,11 +2,18 @@
 
 Stage 04 builds a fresh drafter with `drafter_config_for_target` (the target's attention
 and MLP sizes unless the config overrides them; MLA targets get a plain attention shape).
+
+The drafter's kind is one of `SHAPES` (stage 04's `--drafter-shape`): "eagle3", or
+"eagle3.1", which adds an RMSNorm per aux layer before `fc` (`fc_norm`) and feeds the
+post-norm output to the next draft step (`norm_output`); eagle3/drafter/model.py says where
+each norm sits. `shape_name` names the kind of any config (a published drafter may set one
+of the two alone).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig
 
 if TYPE_CHECKING:
@@ -15,12 +22,38 @@ if TYPE_CHECKING:
 
 MLA_HEAD_DIM, MLA_KV_HEADS = 128, 8  # default drafter attention shape for DeepSeek-V3/Kimi (MLA) targets
 
+# name -> the DrafterConfig switches it sets (EAGLE 3.1: arXiv 2605.09992; served by vLLM
+# PR #42764 and SGLang, docs/CONVENTIONS.md §6 and §8)
+SHAPES: dict[str, dict[str, bool]] = {
+    "eagle3": {"fc_norm": False, "norm_output": False},
+    "eagle3.1": {"fc_norm": True, "norm_output": True},
+}
+DEFAULT_SHAPE = "eagle3"
+
+
+def shape_switches(name: str) -> dict[str, bool]:
+    """The DrafterConfig fields of a shape name (`SHAPES`)."""
+    if name not in SHAPES:
+        raise PipelineError(f"drafter shape {name!r} is not one of {list(SHAPES)}; pass --drafter-shape "
+                            f"{' or '.join(SHAPES)}.")
+    return dict(SHAPES[name])
+
+
+def shape_name(fc_norm: bool, norm_output: bool) -> str:
+    """The name of a drafter's kind: a `SHAPES` key, or what a config that sets one switch alone has."""
+    switches = {"fc_norm": bool(fc_norm), "norm_output": bool(norm_output)}
+    for name, table in SHAPES.items():
+        if table == switches:
+            return name
+    return "eagle3 + " + " + ".join(k for k, on in switches.items() if on)
+
 
 def drafter_config_for_target(info: TargetInfo, cfg, draft_vocab: int) -> DrafterConfig:
     """The drafter's shape: the target's attention/MLP sizes unless overridden.
 
     `cfg` carries the overrides (stage 04's TrainConfig): num_attention_heads,
     num_key_value_heads, head_dim, intermediate_size; None keeps the target's.
+    `cfg.drafter_shape` picks the kind (`SHAPES`; None: eagle3).
 
     MLA targets (DeepSeek-V3, Kimi) have no plain attention shape to copy; unless the
     user sets one, the drafter gets head_dim 128 and 8 kv heads (see MLA_HEAD_DIM).
@@ -55,4 +88,5 @@ def drafter_config_for_target(info: TargetInfo, cfg, draft_vocab: int) -> Drafte
         rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=float(t.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rope_scaling=rope_scaling,
+        **shape_switches(cfg.drafter_shape or DEFAULT_SHAPE),
     )

@@ -4,12 +4,15 @@ A drafter folder (docs/CONVENTIONS.md §6) is
 
     config.json         LlamaForCausalLMEagle3 config (see `hf_config_from_drafter_config`)
     model.safetensors   unprefixed tensors: fc.weight, midlayer.*, norm.weight, lm_head.weight,
-                        d2t (int64), t2d (bool); embed_tokens.weight only when asked for
+                        d2t (int64), t2d (bool); embed_tokens.weight only when asked for;
+                        fc_norm.{i}.weight for an EAGLE 3.1 drafter (config `fc_norm`,
+                        `norm_output`: eagle3/serving/engine_rules.py's module doc)
 
 `save_drafter_dir` writes one atomically (a temporary folder renamed into place) after
 holding it to both engines' rules (eagle3/serving/engine_rules.py); `load_drafter_dir` reads
 ours and the common published variants (names prefixed with `model.`, `layers.0.`
-instead of `midlayer.`, sharded safetensors with an index), normalising the names
+instead of `midlayer.`, the legacy `aux_norm_{low,mid,high}` for `fc_norm.{0,1,2}` with
+its `use_aux_norm` key, sharded safetensors with an index), normalising the names
 and logging what it changed. Pickled weights (`pytorch_model.bin`) are refused:
 unpickling a downloaded file can run code, and the fix is a one-line conversion.
 
@@ -30,9 +33,9 @@ from eagle3.artifacts.atomic import atomic_path
 from eagle3.core.config import dtype_name, torch_dtype
 from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig
-from eagle3.serving.engine_rules import (ARCHITECTURE, CAPTURE_TOPIC, D2T, EMBED_NAME, KNOWN_NAMES, T2D, Finding,
-                                         TargetFacts, aux_layer_config, check_drafter, errors, intended_layers,
-                                         mla_drafter_reason)
+from eagle3.serving.engine_rules import (ARCHITECTURE, CAPTURE_TOPIC, D2T, EMBED_NAME, LEGACY_FC_NORM_KEY,
+                                         LEGACY_FC_NORM_NAMES, SHAPE_KEYS, T2D, Finding, TargetFacts, aux_layer_config,
+                                         check_drafter, errors, intended_layers, is_known_name, mla_drafter_reason)
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,9 @@ def hf_config_from_drafter_config(drafter_config: Mapping[str, Any] | Any, aux_l
         cfg["rope_scaling"] = rs
     if target_hidden != hidden:
         cfg["target_hidden_size"] = target_hidden
+    # EAGLE 3.1's switches, written only when on: a plain EAGLE-3 config stays byte for byte
+    # what it was (engines read an absent key as false).
+    cfg.update({key: True for key in SHAPE_KEYS if d.get(key)})
     cfg.update(aux_layer_config(layers))
     return cfg
 
@@ -155,6 +161,9 @@ def drafter_config_from_hf_config(hf: Mapping[str, Any], tensors: Mapping[str, t
         "rms_norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "rope_theta": rope_theta,
         "rope_scaling": rope_scaling,
+        # EAGLE 3.1; the legacy spelling of fc_norm is `use_aux_norm` (SGLang reads both)
+        "fc_norm": bool(hf.get("fc_norm") or hf.get(LEGACY_FC_NORM_KEY)),
+        "norm_output": bool(hf.get("norm_output")),
     }
     names = {f.name for f in fields(DrafterConfig)}
     return {k: v for k, v in out.items() if k in names}
@@ -246,7 +255,7 @@ def canonical_name(raw: str) -> str:
         name = "midlayer." + name[len("layers.0."):]
     if name == "draft_id_to_target_id":
         name = D2T
-    return name
+    return LEGACY_FC_NORM_NAMES.get(name, name)
 
 
 def normalise_names(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -286,7 +295,7 @@ def load_drafter_dir(path: Path | str) -> tuple[dict[str, Any], dict[str, torch.
         sample = ", ".join(f"{a} -> {b}" for a, b in list(renamed.items())[:3])
         log.warning("%s: normalised %d tensor name(s) to convention 6 (%s%s)", files.path, len(renamed), sample,
                     ", ..." if len(renamed) > 3 else "")
-    unknown = sorted(n for n in tensors if n not in KNOWN_NAMES)
+    unknown = sorted(n for n in tensors if not is_known_name(n))
     if unknown:
         log.warning("%s: dropping %d tensor(s) this format does not know: %s", files.path, len(unknown), unknown[:8])
         for n in unknown:
@@ -303,7 +312,7 @@ def prepare_tensors(state_dict: Mapping[str, torch.Tensor], config: Mapping[str,
     d2t int64 and t2d bool, contiguous CPU copies; d2t dropped when the draft vocab is
     the whole target vocab (vLLM then has no parameter for it and refuses the file)."""
     dt = resolve_dtype(dtype)
-    unknown = sorted(k for k in state_dict if k not in KNOWN_NAMES)
+    unknown = sorted(k for k in state_dict if not is_known_name(k))
     if unknown:
         raise PipelineError(f"state dict holds tensors no engine format knows: {unknown[:8]} (vLLM refuses unknown "
                             f"names); the drafter's state dict must use convention 6 names (eagle3/drafter/model.py).")

@@ -62,9 +62,22 @@ Tensor names (convention 6) and what each engine does with a name:
             hot_token_id = d2t + arange; "t2d" skipped; a name is used as-is if it is a
             parameter, else with "model." prepended; anything else is ignored silently
             (so `layers.0.*` names load nothing, and `model.lm_head.weight` is dropped).
+
+The EAGLE 3.1 shape (eagle3/drafter/shape.py, docs/CONVENTIONS.md §6) is two config keys both
+engines read from the drafter's top-level config.json, absent meaning false: `fc_norm` (a
+ModuleList of one RMSNorm per aux layer, parameters `model.fc_norm.{i}.weight`, so the file
+holds `fc_norm.{i}.weight`, each [target_hidden_size]) and `norm_output` (no tensor).
+vLLM: models/llama_eagle3.py since PR #42764 (merged 2026-05-19; vLLM's EAGLE 3.1 blog post
+of 2026-05-26 names 0.22.0 as the release that ships it); read here in 0.32.
+SGLang: models/llama_eagle3.py from 0.5.12 on (read in the 0.5.11, 0.5.12, 0.5.13, 0.5.16
+and 0.5.23 wheels; 0.5.11 has neither key), which also reads a legacy spelling, config
+`use_aux_norm` with tensors `aux_norm_{low,mid,high}.weight` renamed to `fc_norm.{0,1,2}`;
+vLLM knows neither. Without `fc_norm` in the config neither engine has the parameters: vLLM
+refuses `fc_norm.*` tensors, SGLang drops them silently.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
@@ -117,10 +130,27 @@ EMBED_NAME = "embed_tokens.weight"
 D2T, T2D = "d2t", "t2d"
 KNOWN_NAMES = frozenset({*WEIGHT_NAMES, EMBED_NAME, D2T, T2D})
 
-# Config keys that switch on layer variants vLLM's llama_eagle3 implements and SGLang's
-# does not (nor this pipeline's model): a drafter using one behaves differently per engine.
-VARIANT_KEYS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias",
-                "mlp_bias", "bias")
+# EAGLE 3.1 (module doc): the config keys of its two norms, the per-aux-layer norm's tensor
+# names, and the legacy spelling of both, which SGLang renames and vLLM does not know.
+SHAPE_KEYS = ("fc_norm", "norm_output")
+FC_NORM_PATTERN = re.compile(r"fc_norm\.(\d+)\.weight")
+LEGACY_FC_NORM_KEY = "use_aux_norm"
+LEGACY_FC_NORM_NAMES = {"aux_norm_low.weight": "fc_norm.0.weight", "aux_norm_mid.weight": "fc_norm.1.weight",
+                        "aux_norm_high.weight": "fc_norm.2.weight"}
+
+# Config keys that switch on layer variants vLLM's llama_eagle3 implements and this pipeline's
+# model does not (nor SGLang's before 0.5.23): a drafter using one is another network.
+VARIANT_KEYS = ("norm_before_residual", "norm_before_fc", "attention_bias", "mlp_bias", "bias")
+
+
+def fc_norm_names(num_aux: int) -> tuple[str, ...]:
+    """The EAGLE 3.1 norm of each aux layer, in `fc`'s input order."""
+    return tuple(f"fc_norm.{i}.weight" for i in range(num_aux))
+
+
+def is_known_name(name: str) -> bool:
+    """A tensor name of this format (convention 6, with EAGLE 3.1's `fc_norm.{i}.weight`)."""
+    return name in KNOWN_NAMES or FC_NORM_PATTERN.fullmatch(name) is not None
 
 # Topic of the findings "engine rule X captures other layers than trained": the only
 # errors an export may knowingly accept (--allow-engine-mismatch).
@@ -162,6 +192,13 @@ VERSION_RULES: tuple[VersionRule, ...] = (
     VersionRule("transformers", ("transformers",), "4.57", "requirements.txt; vLLM 0.32 needs < 5.20",
                 required=True, below="5.20"),
 )
+
+
+# The first release of each engine that serves a drafter shape (eagle3/drafter/shape.py; module
+# doc for the sources). Every minimum above is later: each supported engine serves each shape.
+SHAPE_FIRST_VERSIONS: dict[str, dict[str, str]] = {
+    "eagle3.1": {"vllm": "0.22.0", "sglang": "0.5.12"},
+}
 
 
 def _minimum(package: str) -> str:
@@ -346,6 +383,8 @@ def vllm_name(raw: str) -> tuple[str, str | None]:
     name = name.replace("midlayer.", "layers.0.")
     if name in _VLLM_TO_CANON:
         return "load", _VLLM_TO_CANON[name]
+    if name.startswith("model.") and FC_NORM_PATTERN.fullmatch(name[len("model."):]):
+        return "load", name[len("model."):]  # a parameter only when config.json sets fc_norm
     if name.endswith(".bias") or name.endswith("rotary_emb.inv_freq"):
         return "ignore", None
     return "reject", None
@@ -364,9 +403,13 @@ def sglang_name(raw: str) -> tuple[str, str | None]:
         return "load", D2T
     if "t2d" in raw:
         return "skip", T2D
+    for legacy, new in LEGACY_FC_NORM_NAMES.items():  # SGLang >= 0.5.12 renames them first
+        raw = raw.replace(legacy.removesuffix(".weight"), new.removesuffix(".weight"))
     for name in (raw, "model." + raw):
         if name in _SGLANG_TO_CANON:
             return "load", _SGLANG_TO_CANON[name]
+        if name.startswith("model.") and FC_NORM_PATTERN.fullmatch(name[len("model."):]):
+            return "load", name[len("model."):]  # a parameter only when config.json sets fc_norm
     return "ignore", None
 
 
@@ -408,6 +451,7 @@ def expected_shapes(config: Mapping[str, Any], num_aux: int) -> dict[str, tuple[
         "midlayer.mlp.down_proj.weight": (H, inter),
         "norm.weight": (H,), "lm_head.weight": (Vd, H),
         EMBED_NAME: (V, Ht), D2T: (Vd,), T2D: (V,),
+        **{name: (Ht,) for name in fc_norm_names(num_aux)},
     }
 
 
@@ -455,6 +499,7 @@ def check_drafter(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
         c.tensor_names()
         c.shapes()
         c.aux_count()
+        c.fc_norm()
         c.vocab_mapping()
     c.layer_ids()
     c.against_target()
@@ -553,7 +598,7 @@ class _Check:
                     f"{raw!r} is ignored silently by SGLang" + (" (it only knows `midlayer.*`)" if layer0 else ""))
             elif status == "load" and canon:
                 self.sgl_loaded[canon] = raw
-            if self.strict and raw not in KNOWN_NAMES:
+            if self.strict and not is_known_name(raw):
                 add("warning", "pipeline", "tensors", f"{raw!r} is not a name of this format (convention 6)")
         if vllm_rejected:
             prefixed = any(r.startswith("model.") for r in vllm_rejected)
@@ -609,6 +654,34 @@ class _Check:
         if self.num_aux != 3:
             self.add("error", "sglang", "layers", f"fc fuses {self.num_aux} aux states; SGLang's llama_eagle3 "
                      f"hard-codes 3")
+
+    def fc_norm(self) -> None:
+        """EAGLE 3.1's norms (module doc): the config keys against the `fc_norm.{i}` tensors."""
+        cfg, add = self.cfg, self.add
+        on, legacy = bool(cfg.get("fc_norm")), bool(cfg.get(LEGACY_FC_NORM_KEY))
+        present = sorted({int(m.group(1)) for canon in self.loaded if (m := FC_NORM_PATTERN.fullmatch(canon))})
+        n = self.num_aux or 3
+        if legacy and not on:
+            add("error", "vllm", "config", f"{LEGACY_FC_NORM_KEY} = true (the legacy spelling of fc_norm): "
+                f"SGLang reads it, vLLM reads only `fc_norm` and runs without the aux-layer norms; write "
+                f"\"fc_norm\": true")
+        if (on or legacy) and present != list(range(n)):
+            missing = [name for i, name in enumerate(fc_norm_names(n)) if i not in present]
+            extra = [i for i in present if i >= n]
+            if missing:
+                add("error", "both", "tensors", f"fc_norm is on but {missing} are missing: the engine keeps those "
+                    f"norms at their initial weight (ones), not as trained, without an error")
+            if extra:
+                add("error", "both", "tensors", f"fc_norm.{extra} beyond the {n} aux layers fc fuses: vLLM has no "
+                    f"such parameter and loading raises; SGLang drops them")
+        elif present and not (on or legacy):
+            add("error", "both", "config", f"the file holds {len(present)} fc_norm tensor(s) but config.json does "
+                f"not set \"fc_norm\": true: vLLM then has no such parameter and loading raises, SGLang drops "
+                f"them silently and runs without the trained norms")
+        if on or legacy or cfg.get("norm_output"):
+            first = SHAPE_FIRST_VERSIONS["eagle3.1"]
+            add("info", "both", "shape", f"EAGLE 3.1 (fc_norm {on or legacy}, norm_output "
+                f"{bool(cfg.get('norm_output'))}): served by vLLM >= {first['vllm']} and SGLang >= {first['sglang']}")
 
     def vocab_mapping(self) -> None:
         add, V, Vd = self.add, self.V, self.Vd

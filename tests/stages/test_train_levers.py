@@ -1,4 +1,5 @@
-"""Stage 04's data-efficiency options: --loss-on, --aux-noise, --init-layer, --train-fraction."""
+"""Stage 04's data-efficiency options: --loss-on, --aux-noise, --init-layer, --train-fraction, and
+--drafter-shape (EAGLE 3.1) from training through the checkpoint and manifest to stage 05's export."""
 import json
 from pathlib import Path
 
@@ -8,6 +9,7 @@ from fixtures import copy_stages
 from transformers import AutoModelForCausalLM
 
 from eagle3.artifacts.store import HiddenStateStore
+from eagle3.artifacts.train_outputs import read_checkpoint
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import Eagle3Drafter
@@ -17,6 +19,8 @@ from eagle3.stages.s04_train.data import nested_share, noisy_aux
 from eagle3.stages.s04_train.loss_positions import count_loss_positions
 from eagle3.stages.s04_train.run import drafter_config_for_target, train_drafter
 from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
+from eagle3.stages.s05_export.config import ExportConfig
+from eagle3.stages.s05_export.run import export_drafter
 from eagle3.target.info import read_target_info
 
 SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=2,
@@ -131,3 +135,33 @@ def test_a_run_with_every_lever_trains_and_records_them(tmp_path, stages_123, ti
     lines = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()]
     train = [x for x in lines if x["split"] == "train"]
     assert len(train) == 2 and all(torch.isfinite(torch.tensor(x["loss_0"])) for x in train), train
+
+
+def test_an_eagle31_drafter_trains_and_its_shape_reaches_the_checkpoint_manifest_and_export(tmp_path, stages_123,
+                                                                                           tiny_llama):
+    wd = copy_stages(stages_123, tmp_path / "w")
+    m = train_drafter(TrainConfig(work_dir=wd, target_model=str(tiny_llama), drafter_shape="eagle3.1", **SMALL))
+    assert m.params["drafter_shape"] == "eagle3.1"
+    assert m.extra["drafter_config"]["fc_norm"] is True and m.extra["drafter_config"]["norm_output"] is True
+    ckpt = read_checkpoint(WorkDir(wd).best_checkpoint())
+    assert ckpt.drafter_config["fc_norm"] and sorted(k for k in ckpt.model if k.startswith("fc_norm.")) == [
+        "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]
+    lines = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(x["loss_0"])) for x in lines if x["split"] == "train")
+
+    out = export_drafter(ExportConfig(work_dir=wd, target_model=str(tiny_llama)))
+    hf = json.loads((out / "config.json").read_text())
+    assert hf["fc_norm"] is True and hf["norm_output"] is True
+    report = json.loads(WorkDir(wd).export_report("json").read_text())
+    assert {"fc_norm.0.weight", "fc_norm.2.weight"} <= set(report["tensors"]) and report["findings"] == []
+    assert "- drafter: eagle3.1, hidden" in WorkDir(wd).export_report("md").read_text()
+    assert "EAGLE 3.1" in (out / "README.md").read_text()
+
+    # a fine-tune of it stays an eagle3.1 drafter; asking for the plain shape is refused before any work
+    again = copy_stages(stages_123, tmp_path / "again")
+    m2 = train_drafter(TrainConfig(work_dir=again, target_model=str(tiny_llama), init_from=str(out),
+                                   allow_bad_start=True, **{**SMALL, "max_steps": 1}))  # 2 steps: near uniform
+    assert m2.extra["drafter_config"]["fc_norm"] is True and m2.extra["init_from"]["drafter_shape"] == "eagle3.1"
+    with pytest.raises(PipelineError, match="--drafter-shape eagle3, but"):
+        train_drafter(TrainConfig(work_dir=copy_stages(stages_123, tmp_path / "plain"), target_model=str(tiny_llama),
+                                  init_from=str(out), drafter_shape="eagle3", **SMALL))

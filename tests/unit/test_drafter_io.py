@@ -1,6 +1,7 @@
 """The drafter folder format: config mapping, atomic save, load of published variants."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 
@@ -150,6 +151,86 @@ def test_save_in_fp32(tmp_path):
                      dtype="fp32")
     _, t = load_drafter_dir(tmp_path / "d")
     assert all(torch.equal(t[n], m.state_dict()[n]) for n in WEIGHT_NAMES)
+
+
+# -- EAGLE 3.1 and the plain export's bytes ------------------------------------------------
+
+# A drafter as an old stage 04 checkpoint records it (no fc_norm / norm_output keys), yarn rope.
+GOLDEN_CONFIG = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                     target_hidden_size=32, draft_vocab_size=16, target_vocab_size=40, max_position_embeddings=256,
+                     rms_norm_eps=1e-5, rope_theta=50000.0,
+                     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                   "mscale": 1.0, "mscale_all_dim": 1.0})
+# sha256 of the export of `integer_drafter(GOLDEN_CONFIG)` written by the base commit 6ed9f89
+# (before the EAGLE 3.1 shape): `git archive 6ed9f89 | tar -x -C BASE`, then in BASE the body of
+# `golden_export` below with PYTHONPATH=BASE. Every weight is k/256 for an integer k from
+# torch.randint, exact in bf16 and drawn without float arithmetic, so the bytes are the same
+# on every CPU; only another safetensors/json serialisation would change them.
+GOLDEN_SHA256 = {CONFIG_NAME: "5726355964aac3da4394c004a52977d91a2e59657b84022aafd8176ce87fa0a2",
+                 WEIGHTS_NAME: "30e5dc2e94e4ceba2caf9781090fa954e3ccfb2e99104d8cab57af58348a2e4e"}
+
+
+def integer_drafter(config: DrafterConfig) -> Eagle3Drafter:
+    g = torch.Generator().manual_seed(38)
+    m = Eagle3Drafter(config)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randint(-128, 128, p.shape, generator=g).float() / 256)
+    ids = torch.arange(40)[torch.randint(0, 2, (40,), generator=g).bool()][:16]
+    m.set_vocab_mapping(ids - torch.arange(16), torch.zeros(40, dtype=torch.bool).index_fill_(0, ids, True))
+    return m
+
+
+def golden_export(config: DrafterConfig, out) -> dict[str, str]:
+    m = integer_drafter(config)
+    save_drafter_dir(out, m.state_dict(), hf_config_from_drafter_config(m.config, [2, 4, 5],
+                                                                         max_position_embeddings=4096))
+    return {n: hashlib.sha256((out / n).read_bytes()).hexdigest() for n in (CONFIG_NAME, WEIGHTS_NAME)}
+
+
+def test_a_plain_eagle3_export_is_byte_identical_to_the_base_commits(tmp_path):
+    old_checkpoint = DrafterConfig.from_dict(GOLDEN_CONFIG)  # the keys a checkpoint from before holds
+    assert golden_export(old_checkpoint, tmp_path / "old") == GOLDEN_SHA256
+    new_checkpoint = DrafterConfig.from_dict(old_checkpoint.to_dict())  # with fc_norm / norm_output false
+    assert new_checkpoint.to_dict()["fc_norm"] is False
+    assert golden_export(new_checkpoint, tmp_path / "new") == GOLDEN_SHA256
+
+
+def test_an_eagle31_export_writes_the_engines_keys_and_names(tmp_path):
+    m = make_drafter(fc_norm=True, norm_output=True)
+    with torch.no_grad():
+        for i, norm in enumerate(m.fc_norm):
+            norm.weight.fill_(1.0 + i)
+    hf = hf_config_from_drafter_config(m.config, LAYERS)
+    assert hf["fc_norm"] is True and hf["norm_output"] is True
+    assert "fc_norm" not in hf_config_from_drafter_config(make_drafter(norm_output=True).config, LAYERS)
+    findings = save_drafter_dir(tmp_path / "d", m.state_dict(), hf)
+    assert not [f for f in findings if f.level != "info"]
+    assert any(f.topic == "shape" and "vLLM >= 0.22.0 and SGLang >= 0.5.12" in f.message for f in findings)
+    with safe_open(str(tmp_path / "d" / WEIGHTS_NAME), framework="pt") as st:
+        assert set(st.keys()) == set(WEIGHT_NAMES) | {"d2t", "t2d", "fc_norm.0.weight", "fc_norm.1.weight",
+                                                       "fc_norm.2.weight"}
+        assert st.get_tensor("fc_norm.2.weight").shape == (64,) and float(st.get_tensor("fc_norm.2.weight")[0]) == 3
+    cfg, tensors = load_drafter_dir(tmp_path / "d")
+    dc = DrafterConfig.from_dict(drafter_config_from_hf_config(cfg, tensors))
+    assert dc.fc_norm and dc.norm_output and dc == m.config
+
+
+def test_the_legacy_eagle31_spelling_is_read_as_fc_norm(tmp_path, caplog):
+    """The legacy 3.1 spelling: config `use_aux_norm`, tensors `aux_norm_{low,mid,high}.weight` (the
+    names SGLang >= 0.5.12 renames to fc_norm.{0,1,2}; docs/CONVENTIONS.md §6)."""
+    m = make_drafter(fc_norm=True, norm_output=True)
+    hf = {k: v for k, v in hf_config_from_drafter_config(m.config, LAYERS).items() if k != "fc_norm"}
+    hf["use_aux_norm"] = True
+    legacy = {"fc_norm.0.weight": "aux_norm_low.weight", "fc_norm.1.weight": "aux_norm_mid.weight",
+              "fc_norm.2.weight": "aux_norm_high.weight"}
+    sd = m.state_dict()
+    _write_variant(tmp_path / "ts", hf, {legacy.get(k, k): v for k, v in sd.items()})
+    with caplog.at_level(logging.WARNING, logger="eagle3.serving.drafter_io"):
+        cfg, t = load_drafter_dir(tmp_path / "ts")
+    assert set(t) == set(sd) and all(torch.equal(t[k], sd[k]) for k in sd)
+    assert "aux_norm_low.weight -> fc_norm.0.weight" in caplog.text
+    assert DrafterConfig.from_dict(drafter_config_from_hf_config(cfg, t)).fc_norm is True
 
 
 def _write_variant(folder, config, tensors):

@@ -258,3 +258,79 @@ def test_a_context_shorter_than_the_targets_is_an_sglang_error():
     assert [f.engine for f in bad] == ["sglang"]
     assert bad[0].message.startswith("max_position_embeddings = 4096 < the target's 8192: SGLang refuses")
     assert not er.errors(er.check_drafter(cfg, t, er.TargetFacts(**{**LLAMA_8, "max_position_embeddings": 4096})))
+
+
+# -- EAGLE 3.1 (docs/CONVENTIONS.md §6 and §8) ------------------------------------------------
+
+def _eagle31(**extra):
+    cfg, t = _drafter()
+    cfg.update(fc_norm=True, norm_output=True, **extra)
+    t.update({n: torch.ones(64, dtype=torch.bfloat16) for n in er.fc_norm_names(3)})
+    return cfg, t
+
+
+def test_an_eagle31_drafter_is_clean_for_both_engines_and_says_which_releases_serve_it():
+    cfg, t = _eagle31()
+    findings = er.check_drafter(cfg, t, er.TargetFacts(**LLAMA_8))
+    assert [f for f in findings if f.level != "info"] == []
+    (shape,) = [f for f in findings if f.topic == "shape"]
+    assert shape.message == ("EAGLE 3.1 (fc_norm True, norm_output True): served by vLLM >= 0.22.0 and "
+                             "SGLang >= 0.5.12")
+    # norm_output alone adds no tensor and is read by both engines as well
+    cfg, t = _drafter()
+    cfg["norm_output"] = True
+    assert [f.level for f in er.check_drafter(cfg, t) if f.topic == "shape"] == ["info"]
+    assert not er.errors(er.check_drafter(cfg, t))
+
+
+def test_fc_norm_names_per_engine():
+    # vLLM prepends "model." and loads model.fc_norm.{i}.weight (a parameter when config.json sets fc_norm)
+    assert er.vllm_name("fc_norm.2.weight") == ("load", "fc_norm.2.weight")
+    assert er.vllm_name("model.fc_norm.0.weight")[0] == "reject"  # vLLM prepends model. itself
+    assert er.vllm_name("aux_norm_low.weight")[0] == "reject"  # the legacy names: vLLM knows none
+    # SGLang: unprefixed or model.-prefixed, and the legacy names renamed
+    assert er.sglang_name("fc_norm.1.weight") == ("load", "fc_norm.1.weight")
+    assert er.sglang_name("model.fc_norm.1.weight") == ("load", "fc_norm.1.weight")
+    assert er.sglang_name("aux_norm_high.weight") == ("load", "fc_norm.2.weight")
+    assert er.is_known_name("fc_norm.7.weight") and not er.is_known_name("fc_norm.x.weight")
+
+
+def test_fc_norm_tensors_and_config_must_agree():
+    cfg, t = _eagle31()
+    del t["fc_norm.1.weight"]
+    (msg,) = [f.message for f in er.errors(er.check_drafter(cfg, t))]
+    assert msg.startswith("fc_norm is on but ['fc_norm.1.weight'] are missing: the engine keeps those norms at "
+                          "their initial weight (ones)")
+    cfg, t = _eagle31()
+    del cfg["fc_norm"]  # tensors without the switch: vLLM has no parameter, SGLang drops them
+    bad = er.errors(er.check_drafter(cfg, t))
+    assert [f.engine for f in bad] == ["both"] and 'does not set "fc_norm": true' in bad[0].message
+    cfg, t = _eagle31()
+    t["fc_norm.3.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    assert any("beyond the 3 aux layers" in f.message for f in er.errors(er.check_drafter(cfg, t)))
+    cfg, t = _eagle31()
+    t["fc_norm.0.weight"] = torch.ones(32, dtype=torch.bfloat16)
+    assert any(f.message.startswith("fc_norm.0.weight has shape (32,), config.json implies (64,)")
+               for f in er.errors(er.check_drafter(cfg, t)))
+
+
+def test_the_legacy_spelling_is_an_sglang_only_drafter():
+    cfg, t = _eagle31()
+    del cfg["fc_norm"]
+    cfg["use_aux_norm"] = True
+    legacy = dict(zip(er.fc_norm_names(3), er.LEGACY_FC_NORM_NAMES))
+    t = {legacy.get(n, n): v for n, v in t.items()}
+    bad = er.errors(er.check_drafter(cfg, t))
+    assert sorted(f.engine for f in bad) == ["vllm", "vllm"]  # its names and its key: SGLang reads both
+    assert any("vLLM reads only `fc_norm`" in f.message for f in bad)
+
+
+def test_every_supported_engine_serves_every_drafter_shape():
+    from packaging.version import Version
+
+    from eagle3.drafter.shape import SHAPES
+
+    assert set(er.SHAPE_FIRST_VERSIONS) | {"eagle3"} == set(SHAPES)
+    for shape, first in er.SHAPE_FIRST_VERSIONS.items():
+        for package, version in first.items():
+            assert Version(er._minimum(package)) >= Version(version), (shape, package)

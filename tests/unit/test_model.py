@@ -145,7 +145,8 @@ def ref_unroll(m: Eagle3Drafter, aux, embeds_per_step):
     """TTT with one flat sequence of K*T keys and a full mask: the shape the model avoids.
 
     Query (k, t) may see key (0, s) for s <= t and key (j, t) for 1 <= j <= k.
-    Step k's rope position is t + k. Returns the list of pre-norm outputs.
+    Step k's rope position is t + k. Returns the list of outputs fed to the next step: pre-norm,
+    or post-norm for EAGLE 3.1 (`norm_output`), whose aux layers are also normed one by one.
     """
     c = m.config
     sd = {k: v for k, v in m.state_dict().items()}
@@ -153,6 +154,10 @@ def ref_unroll(m: Eagle3Drafter, aux, embeds_per_step):
     nh, nkv, D, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
     G = nh // nkv
     pos = torch.arange(T).expand(B, T)
+    if c.fc_norm:  # vLLM's combine_hidden_states: chunk, norm each with its own weight, concatenate
+        Ht = c.target_hidden_size
+        aux = torch.cat([ref_rms(aux[..., i * Ht:(i + 1) * Ht], sd[f"fc_norm.{i}.weight"], eps)
+                         for i in range(c.num_aux_layers)], -1)
     h = aux @ sd["fc.weight"].T
     ks, vs, outs = [], [], []
     for k, emb in enumerate(embeds_per_step):
@@ -181,6 +186,8 @@ def ref_unroll(m: Eagle3Drafter, aux, embeds_per_step):
         g = y @ sd["midlayer.mlp.gate_proj.weight"].T
         u = y @ sd["midlayer.mlp.up_proj.weight"].T
         out = h1 + (g * torch.sigmoid(g) * u) @ sd["midlayer.mlp.down_proj.weight"].T
+        if c.norm_output:  # the engines' `aux_output = hidden_states` (post-norm) branch
+            out = ref_rms(out, sd["norm.weight"], eps)
         outs.append(out)
         h = out
     return outs
@@ -209,6 +216,47 @@ def test_step0_forward_matches_reference():
     ref_logits = ref_rms(ref, sd["norm.weight"], cfg.rms_norm_eps) @ sd["lm_head.weight"].T
     torch.testing.assert_close(logits, ref_logits, **TOL)
     assert logits.shape == (B, T, 20)
+
+
+@pytest.mark.parametrize("fc_norm, norm_output", [(True, True), (True, False), (False, True)],
+                         ids=["eagle3.1", "fc_norm-only", "norm_output-only"])
+def test_eagle31_norms_sit_where_the_engines_put_them(fc_norm, norm_output):
+    """fc_norm: one RMSNorm per aux layer before fc; norm_output: the post-norm state feeds the
+    next step and lm_head, normed once (vLLM/SGLang llama_eagle3.py; each switch on its own too)."""
+    cfg = tiny_config(fc_norm=fc_norm, norm_output=norm_output)
+    m = random_drafter(cfg, seed=5)
+    assert (m.fc_norm is not None) == fc_norm
+    torch.manual_seed(6)
+    B, T, K = 2, 6, 3
+    aux = torch.randn(B, T, 96, dtype=torch.double) * torch.tensor([0.1, 1.0, 30.0]).repeat_interleave(32)
+    embs = [torch.randn(B, T, 32, dtype=torch.double) for _ in range(K)]
+    got, want = run_unroll(m, aux, embs), ref_unroll(m, aux, embs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+    sd = m.state_dict()
+    logits = m.compute_logits(got[1])
+    final = want[1] if norm_output else ref_rms(want[1], sd["norm.weight"], cfg.rms_norm_eps)
+    torch.testing.assert_close(logits, final @ sd["lm_head.weight"].T, **TOL)
+    # The plain shape's computation on the same weights is another network: the test can tell.
+    plain = random_drafter(tiny_config(), seed=5)
+    plain.load_state_dict({k: v for k, v in sd.items() if not k.startswith("fc_norm.")})
+    assert (run_unroll(plain, aux, embs)[1] - got[1]).abs().max() > 1e-2
+
+
+def test_eagle31_state_dict_adds_one_norm_per_aux_layer():
+    m = Eagle3Drafter(tiny_config(fc_norm=True, norm_output=True, num_aux_layers=4))
+    sd = m.state_dict()
+    norms = [f"fc_norm.{i}.weight" for i in range(4)]
+    assert sorted(sd) == sorted(EXPECTED_KEYS + norms)
+    assert all(sd[n].shape == (32,) and bool((sd[n] == 1).all()) for n in norms)  # target_hidden_size, ones
+    assert "fc_norm.0.weight" not in Eagle3Drafter(tiny_config(norm_output=True)).state_dict()  # no tensor of its own
+    cfg = tiny_config(fc_norm=True, norm_output=True)
+    assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
+    # a checkpoint written before the shape existed has neither key: a plain drafter
+    old = {k: v for k, v in tiny_config().to_dict().items() if k not in ("fc_norm", "norm_output")}
+    assert DrafterConfig.from_dict(old) == tiny_config()
+    with pytest.raises(PipelineError, match="fc_norm = 'yes'"):
+        tiny_config(fc_norm="yes")
 
 
 @pytest.mark.parametrize("nkv", [4, 2, 1])

@@ -11,7 +11,12 @@ The shapes, scaled to an 8-layer target of hidden 64 (default layers [2, 4, 5]):
   yarn rope (factor 64, original 4096);
 - lightseekorg's K2.5 drafter: the full vocabulary (no d2t, or an identity one) and as many
   KV heads as attention heads (64 of 64 -> 4 of 4 here);
-- an MLA-attention drafter (lightseekorg's "-mla" variant): refused in one line.
+- an MLA-attention drafter (lightseekorg's "-mla" variant): refused in one line;
+- EAGLE 3.1 drafters in the three spellings published trainers write (docs/CONVENTIONS.md §6,
+  "EAGLE 3.1", names the source of each): SpecForge's (top-level `fc_norm`/`norm_output`,
+  unprefixed `fc_norm.{i}.weight`, the target's embedding), NeMo Automodel's (vLLM's module
+  names: `model.fc_norm.{i}.weight`, `model.layers.0.*`) and the legacy one SGLang still reads
+  (`use_aux_norm`, `aux_norm_{low,mid,high}.weight`).
 """
 from __future__ import annotations
 
@@ -92,9 +97,10 @@ def kimi_target(tmp_path):
     return folder
 
 
-def _init(path, m, *, family, mode="keep", our_ids=None):
+def _init(path, m, *, family, mode="keep", our_ids=None, shape=None):
     ids = our_ids if our_ids is not None else (m.d2t + torch.arange(m.config.draft_vocab_size)).numpy()
     kw = {"target_family": family} if family is not None else {}  # None: the default, family unknown
+    kw.update({"shape": shape} if shape is not None else {})
     return load_initial_drafter(path, aux_layers=LAYERS, num_target_layers=8, target_hidden=64, target_vocab=100,
                                 our_ids=ids, mode=mode, target_rows=lambda x: torch.zeros(len(x), 64),
                                 expected_from="test store", **kw)
@@ -230,3 +236,71 @@ def test_init_from_refuses_an_mla_drafter_in_one_line(tmp_path):
     msg = str(e.value)
     assert "\n" not in msg and "MLA-attention drafter" in msg and "kv_lora_rank = 16" in msg
     assert "from scratch" in msg
+
+
+# -- EAGLE 3.1 drafters as published trainers write them ------------------------------------
+
+LEGACY_NORMS = {"fc_norm.0.weight": "aux_norm_low.weight", "fc_norm.1.weight": "aux_norm_mid.weight",
+                "fc_norm.2.weight": "aux_norm_high.weight"}
+
+
+def eagle31_style(tmp_path, spelling: str):
+    """An EAGLE 3.1 drafter written the way `spelling` writes one (module doc)."""
+    m = _drafter(seed=7, fc_norm=True, norm_output=True)
+    hf = hf_config_from_drafter_config(m.config, LAYERS, max_position_embeddings=4096)
+    sd = m.state_dict()
+    if spelling == "specforge":  # SpecForge/configs/qwen3-30B-A3B-eagle3.1.json: no aux ids (the engines' default)
+        for key in ("eagle_aux_hidden_state_layer_ids", "eagle_config"):
+            del hf[key]
+        t = {**sd, "embed_tokens.weight": torch.randn(100, 64)}
+    elif spelling == "nemo":
+        t = {k if k in ("lm_head.weight", "d2t", "t2d") else "model." + k.replace("midlayer.", "layers.0."): v
+             for k, v in sd.items()}
+    else:  # legacy
+        del hf["fc_norm"]
+        hf["use_aux_norm"] = True
+        t = {LEGACY_NORMS.get(k, k): v for k, v in sd.items()}
+    return m, _write(tmp_path / spelling, hf, t)
+
+
+@pytest.mark.parametrize("spelling", ["specforge", "nemo", "legacy"])
+def test_init_from_a_published_eagle31_drafter_trains_it_as_one(tmp_path, spelling):
+    m, pub = eagle31_style(tmp_path, spelling)
+    for wanted in (None, "eagle3.1"):  # no --drafter-shape, or the drafter's own
+        cfg, state, report = _init(pub, m, family="llama", shape=wanted)
+        assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+        assert report.to_json()["drafter_shape"] == "eagle3.1" and report.layers == LAYERS
+        d = Eagle3Drafter(DrafterConfig.from_dict(cfg))
+        d.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()}, strict=True)
+        for i in range(3):  # each aux layer's norm is the published one, in fc's input order
+            assert torch.equal(d.fc_norm[i].weight, m.fc_norm[i].weight)
+    with pytest.raises(PipelineError) as e:
+        _init(pub, m, family="llama", shape="eagle3")
+    assert "--drafter-shape eagle3, but" in str(e.value) and "is an eagle3.1 drafter" in str(e.value)
+
+
+def test_init_from_refuses_a_plain_drafter_as_eagle31_and_a_layer_variant(tmp_path):
+    m, pub = kll_k25_style(tmp_path, yarn=False)
+    with pytest.raises(PipelineError, match="pass --drafter-shape eagle3 .or leave it out."):
+        _init(pub, m, family="deepseek", shape="eagle3.1")
+    assert _init(pub, m, family="deepseek")[2].to_json()["drafter_shape"] == "eagle3"
+    # speculators' first "3.1" recipe: one norm over the concatenated aux states (norm_before_fc)
+    hf = json.loads((pub / CONFIG_NAME).read_text())
+    (pub / CONFIG_NAME).write_text(json.dumps({**hf, "norm_before_fc": True}))
+    with pytest.raises(PipelineError, match=r"sets \['norm_before_fc'\]: a layer variant"):
+        _init(pub, m, family="deepseek")
+
+
+@pytest.mark.parametrize("spelling", ["specforge", "nemo", "legacy"])
+def test_inspect_names_the_shape_of_a_published_eagle31_drafter(tmp_path, capsys, spelling):
+    _, pub = eagle31_style(tmp_path, spelling)
+    diagnose.main(["inspect", str(pub), "--json"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["shape"]["name"] == "eagle3.1"
+    errors = {(f["engine"], f["topic"]) for f in r["findings"] if f["level"] == "error"}
+    if spelling == "legacy":  # SGLang reads it; vLLM neither the key nor the names
+        assert errors == {("vllm", "config"), ("vllm", "tensors")}
+    elif spelling == "nemo":  # vLLM prepends model. itself: the prefixed names are refused there
+        assert ("vllm", "tensors") in errors and ("vllm", "config") not in errors
+    else:
+        assert not any(topic in ("tensors", "config") for _, topic in errors)

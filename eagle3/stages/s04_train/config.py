@@ -6,6 +6,7 @@ from pathlib import Path
 
 from eagle3.core.config import StageConfig, param
 from eagle3.core.errors import PipelineError
+from eagle3.drafter.shape import SHAPES
 from eagle3.stages.s04_train.trackers import CHOICES as TRACKER_CHOICES
 from eagle3.stages.s04_train.trackers import check_report_to
 
@@ -25,6 +26,10 @@ class TrainConfig(StageConfig):
     head_dim: int | None = param(None, help="drafter head dim (default: hidden / heads; 128 for DeepSeek/Kimi "
                                             "targets, a size FlashInfer serves)")
     intermediate_size: int | None = param(None, help="drafter MLP width (default: the target's dense width)")
+    drafter_shape: str | None = param(None, choices=tuple(SHAPES),
+                                      help="eagle3, or eagle3.1 (an RMSNorm per aux layer before fc, the post-norm "
+                                           "state fed to the next step; vLLM >= 0.22, SGLang >= 0.5.12). Default: "
+                                           "eagle3, or with --init-from the drafter's own")
     # train-time test
     ttt_steps: int = param(7, min=1, help="draft steps unrolled per position (EAGLE-3 uses 7)")
     step_decay: float = param(0.8, help="loss weight of step k is step_decay**k")

@@ -16,6 +16,12 @@ K2 drafter against a K2.5 mapping). So a fine-tune either
 Either way the comparison (positions differing, tokens shared, only in each) is
 logged and returned for the manifest. Aux layer ids and sizes are checked first.
 
+The drafter's shape (eagle3/drafter/shape.py) is its config.json's: an EAGLE 3.1 drafter
+(`fc_norm`, `norm_output`; or the legacy spelling SGLang still reads, `use_aux_norm` with
+norms named `aux_norm_{low,mid,high}`) is trained as one, and `--drafter-shape`, when given, must name
+it: the norms change the network, so a drafter cannot be continued as another shape. A
+config switching on a layer variant this model lacks (`norm_before_fc`, ...) is refused.
+
 Published drafters (SpecForge's Kimi-K2/K2.5 and DeepSeek ones) often carry the
 target's token embedding as `embed_tokens.weight` (or `model.embed_tokens.weight`).
 This pipeline's drafter has none: it reads the target's frozen embedding, as both
@@ -35,7 +41,8 @@ import torch
 from eagle3.artifacts.vocab_map import VocabMapping, compare_mappings, d2t_from_ids, target_ids
 from eagle3.core.errors import PipelineError
 from eagle3.serving.drafter_io import drafter_config_from_hf_config, load_drafter_dir
-from eagle3.serving.engine_rules import EMBED_NAME, intended_layers
+from eagle3.drafter.shape import shape_name
+from eagle3.serving.engine_rules import EMBED_NAME, VARIANT_KEYS, intended_layers
 from eagle3.target.info import default_aux_layers
 
 log = logging.getLogger(__name__)
@@ -123,6 +130,22 @@ def check_fits(path: str | Path, hf: dict, cfg: dict, *, aux_layers: list[int], 
     return list(layers), layers_from
 
 
+def check_shape(path: str | Path, hf: dict, cfg: dict, wanted: str | None) -> str:
+    """The drafter's shape name; refused when its network is not this model's, or is not `wanted`."""
+    variants = [k for k in VARIANT_KEYS if hf.get(k)]
+    if variants:
+        raise PipelineError(f"{path}/config.json sets {variants}: a layer variant this pipeline's drafter does not "
+                            f"implement (eagle3/drafter/model.py), so its weights would run in another network; "
+                            f"start from a drafter without it, or from scratch (no --init-from).")
+    shape = shape_name(cfg["fc_norm"], cfg["norm_output"])
+    if wanted is not None and wanted != shape:
+        raise PipelineError(f"--drafter-shape {wanted}, but {path} is an {shape} drafter (config.json: fc_norm "
+                            f"{cfg['fc_norm']}, norm_output {cfg['norm_output']}); its weights were trained in "
+                            f"that network: pass --drafter-shape {shape} (or leave it out), or train a new "
+                            f"{wanted} drafter without --init-from.")
+    return shape
+
+
 def apply_vocab_mode(report: InitReport, tensors: dict[str, torch.Tensor], cfg: dict, their_ids: np.ndarray,
                      our_ids: np.ndarray, target_rows: Callable[[np.ndarray], torch.Tensor]) -> np.ndarray:
     """`keep`: the drafter's own ids; `remap`: its lm_head rows moved into ours (tensors
@@ -143,12 +166,14 @@ def apply_vocab_mode(report: InitReport, tensors: dict[str, torch.Tensor], cfg: 
 def load_initial_drafter(
     path: str | Path, *, aux_layers: list[int], num_target_layers: int, target_hidden: int, target_vocab: int,
     our_ids: np.ndarray, mode: str, target_rows: Callable[[np.ndarray], torch.Tensor],
-    expected_from: str, target_family: str | None = None,
+    expected_from: str, target_family: str | None = None, shape: str | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor], InitReport]:
-    """(DrafterConfig dict, state_dict, report) of the drafter at `path`, ready for our run."""
+    """(DrafterConfig dict, state_dict, report) of the drafter at `path`, ready for our run;
+    `shape`: the --drafter-shape asked for (None: the drafter's own)."""
     hf, tensors = load_drafter_dir(path)  # names normalised: model.embed_tokens.weight -> embed_tokens.weight
     dropped = drop_embedding(path, tensors)
     cfg = drafter_config_from_hf_config(hf, tensors, source=f"{path}/config.json")
+    their_shape = check_shape(path, hf, cfg, shape)
     layers, layers_from = check_fits(path, hf, cfg, aux_layers=aux_layers, num_target_layers=num_target_layers,
                                      target_hidden=target_hidden, target_vocab=target_vocab,
                                      expected_from=expected_from, target_family=target_family)
@@ -172,7 +197,7 @@ def load_initial_drafter(
                  cmp["tokens_shared"], cmp["only_in_a"], cmp["only_in_b"])
     extra = {"tensors_dropped": dropped} if dropped else {}
     extra.update(full_vocabulary=full_vocab, num_key_value_heads=cfg["num_key_value_heads"],
-                 num_attention_heads=cfg["num_attention_heads"])
+                 num_attention_heads=cfg["num_attention_heads"], drafter_shape=their_shape)
     report = InitReport(str(path), mode, layers, layers_from, cmp, extra=extra)
 
     ids = apply_vocab_mode(report, tensors, cfg, their_ids, our_ids, target_rows)

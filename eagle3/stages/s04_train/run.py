@@ -204,7 +204,7 @@ def drafter_from(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, Ini
         cfg.init_from, aux_layers=store.aux_layers, num_target_layers=info.num_layers,
         target_hidden=info.hidden_size, target_vocab=info.vocab_size, our_ids=target_ids(src.d2t).numpy(),
         mode=cfg.vocab_mode, target_rows=lambda ids: load_lm_head(info, rows=torch.from_numpy(ids)),
-        expected_from=str(store.manifest.path),
+        expected_from=str(store.manifest.path), shape=cfg.drafter_shape,
         target_family=target_family(info.architecture, info.text_config.get("model_type", info.model_type)))
     dcfg_dict["max_position_embeddings"] = max(dcfg_dict["max_position_embeddings"], info.max_position_embeddings)
     drafter = Eagle3Drafter(DrafterConfig.from_dict(dcfg_dict), attention=cfg.attention)

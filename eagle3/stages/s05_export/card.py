@@ -16,6 +16,8 @@ from eagle3.artifacts.manifest import Manifest, read_manifest, record_of
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core import readable
 from eagle3.core.errors import PipelineError
+from eagle3.drafter.shape import shape_name
+from eagle3.serving.engine_rules import SHAPE_FIRST_VERSIONS
 from eagle3.serving.model_card import evaluate_section, front_matter, minimum_version, serve_commands
 
 NOT_MEASURED = ("_Not measured yet. `python {script} --config CONFIG` serves the target with this drafter in "
@@ -128,6 +130,7 @@ def card_text(report: dict, wd: WorkDir, *, target: str, base_model: str | None,
             coverage.append(f"{readable.pct(c['coverage'])} of the {name} assistant tokens "
                             f"({readable.count(c['assistant_tokens'])})")
     vllm_min, sglang_min = minimum_version("vllm"), minimum_version("sglang")
+    shape = shape_name(dc.get("fc_norm", False), dc.get("norm_output", False))
     text: list[str] = [
         front_matter(base_model, license),
         f"# EAGLE-3 drafter for {base_model or target}",
@@ -148,7 +151,11 @@ def card_text(report: dict, wd: WorkDir, *, target: str, base_model: str | None,
         f"`eagle_config.eagle_aux_hidden_state_layer_ids` {layers['config_nested']} (SGLang adds one)",
         f"- **Shape**: hidden {dc['hidden_size']}, {dc['num_attention_heads']} heads x {dc['head_dim']} "
         f"({dc['num_key_value_heads']} KV heads), MLP {dc['intermediate_size']}, context "
-        f"{readable.count(report['config']['max_position_embeddings'])}, weights {report['dtype']}",
+        f"{readable.count(report['config']['max_position_embeddings'])}, weights {report['dtype']}"
+        + (f"; [EAGLE 3.1](https://arxiv.org/abs/2605.09992) (`fc_norm`: an RMSNorm on each aux layer before `fc`; "
+           f"`norm_output`: the post-norm state feeds the next draft step), served by vLLM >= "
+           f"{SHAPE_FIRST_VERSIONS[shape]['vllm']} and SGLang >= {SHAPE_FIRST_VERSIONS[shape]['sglang']}"
+           if shape == "eagle3.1" else ""),
         f"- **Draft vocabulary**: {readable.count(dc['draft_vocab_size'])} of the target's "
         f"{readable.count(t['vocab_size'])} tokens (`d2t` maps them back)"
         + (f"; covers {' and '.join(coverage)}" if coverage else ""),

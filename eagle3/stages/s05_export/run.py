@@ -41,6 +41,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest,
                                        read_record, record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.drafter.model import DrafterConfig
+from eagle3.drafter.shape import shape_name
 from eagle3.serving.positions import position_reach, reach_line
 from eagle3.serving.model_card import CARD_NAME, hub_id, target_license
 from eagle3.artifacts.records import ExportRecord, TrainRecord
@@ -160,7 +161,8 @@ def report_markdown(r: dict) -> str:
         f"- target: `{r['target']['source']}` ({r['target']['architecture']}, {r['target']['num_layers']} layers, "
         f"hidden {r['target']['hidden_size']}, vocab {r['target']['vocab_size']}, context "
         f"{r['target']['max_position_embeddings']})",
-        f"- drafter: hidden {dc['hidden_size']}, {dc['num_attention_heads']} heads x {dc['head_dim']} "
+        f"- drafter: {shape_name(dc.get('fc_norm', False), dc.get('norm_output', False))}, hidden "
+        f"{dc['hidden_size']}, {dc['num_attention_heads']} heads x {dc['head_dim']} "
         f"({dc['num_key_value_heads']} kv), draft vocab {dc['draft_vocab_size']}, max_position_embeddings "
         f"{r['config']['max_position_embeddings']}",
         "",

@@ -4,8 +4,9 @@ Reads any drafter folder (ours, or a published one such as an SGLang-format draf
 through eagle3/serving/drafter_io.py `read_drafter_dir` and checks it with
 eagle3/serving/engine_rules.py: tensor names and shapes, d2t sanity, the layers each
 engine (and each of vLLM's two model runners) captures, context length and
-tie_word_embeddings against a target. Exit status 1 when anything would fail or
-silently misbehave in an engine.
+tie_word_embeddings against a target. It names the drafter's shape (eagle3/drafter/shape.py:
+eagle3, or eagle3.1 with its `fc_norm` and `norm_output`) and the first engine releases that
+serve it. Exit status 1 when anything would fail or silently misbehave in an engine.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eagle3.serving.drafter_io import normalise_names, read_drafter_dir
-from eagle3.serving.engine_rules import (RULES, TargetFacts, captured_layers, check_drafter, d2t_summary, errors,
-                                         implied_head_dim, intended_layers, rules_for, sglang_name, vllm_name)
+from eagle3.drafter.shape import shape_name
+from eagle3.serving.drafter_io import drafter_config_from_hf_config, normalise_names, read_drafter_dir
+from eagle3.serving.engine_rules import (RULES, SHAPE_FIRST_VERSIONS, TargetFacts, captured_layers, check_drafter,
+                                         d2t_summary, errors, implied_head_dim, intended_layers, rules_for,
+                                         sglang_name, vllm_name)
 from eagle3.target.info import read_target_info
 
 NAME = "inspect"
@@ -35,6 +38,10 @@ def inspect_drafter(path: Path | str, target_config: str | None = None) -> dict[
     layers, where = intended_layers(cfg, target.family if target else None)
     canon, _ = normalise_names(tensors)
     d2t = canon.get("d2t")
+    # the shape as this pipeline reads it (the legacy `use_aux_norm` counts as fc_norm, as SGLang reads it)
+    switches = drafter_config_from_hf_config(cfg, canon) if "hidden_size" in cfg else {}
+    fc_norm, norm_output = bool(switches.get("fc_norm")), bool(switches.get("norm_output"))
+    shape = shape_name(fc_norm, norm_output)
     return {
         "path": str(files.path),
         "weight_files": [p.name for p in files.weight_files],
@@ -43,6 +50,8 @@ def inspect_drafter(path: Path | str, target_config: str | None = None) -> dict[
             "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "draft_vocab_size",
             "target_hidden_size", "max_position_embeddings", "tie_word_embeddings", "torch_dtype")},
         "head_dim_used": implied_head_dim(cfg),
+        "shape": {"name": shape, "fc_norm": fc_norm, "norm_output": norm_output,
+                  "first_versions": SHAPE_FIRST_VERSIONS.get(shape)},
         "tensors": [{"name": n, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", ""),
                      "vllm": vllm_name(n)[0], "sglang": sglang_name(n)[0]} for n, t in tensors.items()],
         "d2t": d2t_summary(d2t, cfg.get("vocab_size")) if d2t is not None else None,
@@ -70,6 +79,10 @@ def format_inspect(r: dict[str, Any]) -> str:
     out.append(f"        vocab={c['vocab_size']} draft_vocab={c['draft_vocab_size']} "
                f"target_hidden={c['target_hidden_size']} max_position_embeddings={c['max_position_embeddings']} "
                f"tie_word_embeddings={c['tie_word_embeddings']} dtype={c['torch_dtype']}")
+    sh = r["shape"]
+    served = sh["first_versions"]
+    out.append(f"shape:  {sh['name']} (fc_norm={sh['fc_norm']} norm_output={sh['norm_output']})"
+               + (f"; served by vLLM >= {served['vllm']}, SGLang >= {served['sglang']}" if served else ""))
     out += ["", f"{'tensor':44s} {'shape':>16s} {'dtype':9s} {'vLLM':7s} SGLang"]
     for t in r["tensors"]:
         out.append(f"{t['name']:44s} {str(t['shape']):>16s} {t['dtype']:9s} {t['vllm']:7s} {t['sglang']}")
