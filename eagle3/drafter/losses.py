@@ -169,6 +169,7 @@ class _RowStatistics(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: Tensor, table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        ctx.set_materialize_grads(False)  # a loss without a cross-entropy (or overlap) term skips its part
         acc = torch.promote_types(logits.dtype, torch.float32)
         N = logits.shape[0]
         lse = torch.empty(N, dtype=acc, device=logits.device)
@@ -179,32 +180,43 @@ class _RowStatistics(torch.autograd.Function):
         step = block_rows(logits)
         for s in range(0, N, step):
             e = s + step
-            z = logits[s:e].to(acc)  # [c, V]
+            z = logits[s:e].to(acc)  # [c, V]; may be the logits themselves (fp32): never written
             p = table[rows[s:e]]  # [c, V]
-            lse[s:e] = torch.logsumexp(z, dim=-1)
+            top, argmax[s:e] = z.max(dim=-1)  # the upcast is exact: the argmax of the logits as given
+            q = (z - top[:, None]).exp_()  # [c, V], softmax(z) once scaled
+            total = q.sum(dim=-1)
+            lse[s:e] = top + total.log()
+            q.div_(total[:, None])
             mass[s:e] = p.sum(dim=-1)  # 1 up to rounding
             cross[s:e] = mass[s:e] * lse[s:e] - (p * z).sum(dim=-1)
-            argmax[s:e] = z.argmax(dim=-1)  # the upcast is exact: the argmax of the logits as given
-            q = torch.exp(z - lse[s:e, None])  # softmax(z); not in place: z may be the logits themselves (fp32)
-            overlap[s:e] = torch.minimum(p, q).sum(dim=-1)
+            overlap[s:e] = torch.minimum(q, p, out=q).sum(dim=-1)
         ctx.save_for_backward(logits, table, rows, lse, mass)
         ctx.mark_non_differentiable(argmax)
         return cross, overlap, argmax
 
     @staticmethod
-    def backward(ctx, grad_cross: Tensor, grad_overlap: Tensor, _argmax_grad: None):
+    def backward(ctx, grad_cross: Tensor | None, grad_overlap: Tensor | None, _argmax_grad: None):
         logits, table, rows, lse, mass = ctx.saved_tensors
         out = torch.empty_like(logits)
         step = block_rows(logits)
         for s in range(0, logits.shape[0], step):
             e = s + step
-            gc, go = grad_cross[s:e, None], grad_overlap[s:e, None]  # [c, 1]
-            q = torch.exp(logits[s:e].to(lse.dtype) - lse[s:e, None])  # softmax(z), [c, V]
+            q = (logits[s:e].to(lse.dtype) - lse[s:e, None]).exp_()  # softmax(z), [c, V]
             p = table[rows[s:e]]  # [c, V]
-            below = torch.where(q < p, q, 0.0)  # s_j q_j: where min(p, q) is q
-            # d cross / dz = |p| q - p;  d overlap / dz = s q - q (s . q)
-            g = q.mul_(gc * mass[s:e, None] - go * below.sum(dim=-1, keepdim=True))
-            g.addcmul_(below, go).sub_(p * gc)
+            # d cross / dz = |p| q - p;  d overlap / dz = s q - q (s . q), s_j = [q_j < p_j]
+            coef = torch.zeros_like(lse[s:e, None])  # [c, 1]: what multiplies q
+            if grad_overlap is not None:
+                go = grad_overlap[s:e, None]
+                below = torch.where(q < p, q, 0.0)  # s q: where min(p, q) is q
+                coef -= go * below.sum(dim=-1, keepdim=True)
+            if grad_cross is not None:
+                gc = grad_cross[s:e, None]
+                coef += gc * mass[s:e, None]
+            g = q.mul_(coef)
+            if grad_overlap is not None:
+                g.addcmul_(below, go)
+            if grad_cross is not None:
+                g.addcmul_(p, gc, value=-1.0)
             out[s:e] = g
         return out, None, None
 
