@@ -335,3 +335,20 @@ def test_held_out_sums_weight_each_figure_by_its_own_positions():
     plain = MetricSum(2)  # training windows: no sampling figures
     plain.add(a)
     assert "sample_accept_length" not in plain.result() and "sampled" not in fmt("train", 1, 2, plain.result(), 2)
+
+
+def test_checkpointed_steps_give_the_same_loss_and_gradients():
+    """--checkpoint-steps recomputes each step in backward; lk_lambda's weight is recomputed from
+    the same overlap, so the loss and every gradient are those of the kept activations."""
+    draft_ids, input_ids, aux, embed, logits, loss_mask = make_batch(2)
+    probs, argmax = draft_labels(tiny_drafter(3, draft_ids).draft_ids(), logits)
+    grads = []
+    for checkpoint in (False, True):
+        m = tiny_drafter(3, draft_ids)
+        cfg = TTTConfig(num_steps=3, checkpoint_steps=checkpoint, loss=LossSpec.parse("lk_lambda,tv:0.5"))
+        out = ttt_loss(m, aux, input_ids, embed, probs, argmax, loss_mask, cfg)
+        out.loss.backward()
+        grads.append((out.loss.item(), {n: p.grad.clone() for n, p in m.named_parameters()}))
+    assert grads[0][0] == pytest.approx(grads[1][0], rel=1e-12)
+    for name in grads[0][1]:
+        torch.testing.assert_close(grads[0][1][name], grads[1][1][name], rtol=1e-10, atol=1e-12)
