@@ -199,15 +199,19 @@ class _RowStatistics(torch.autograd.Function):
         logits, table, rows, lse, mass = ctx.saved_tensors
         out = torch.empty_like(logits)
         step = block_rows(logits)
+        in_place = out.dtype == lse.dtype  # fp32 logits: the gradient is built in `out` itself, no copy
         for s in range(0, logits.shape[0], step):
             e = s + step
-            q = (logits[s:e].to(lse.dtype) - lse[s:e, None]).exp_()  # softmax(z), [c, V]
+            q = torch.sub(logits[s:e].to(lse.dtype), lse[s:e, None], out=out[s:e] if in_place else None)
+            q.exp_()  # softmax(z), [c, V]
             p = table[rows[s:e]]  # [c, V]
             # d cross / dz = |p| q - p;  d overlap / dz = s q - q (s . q), s_j = [q_j < p_j]
             coef = torch.zeros_like(lse[s:e, None])  # [c, 1]: what multiplies q
             if grad_overlap is not None:
                 go = grad_overlap[s:e, None]
-                below = torch.where(q < p, q, 0.0)  # s q: where min(p, q) is q
+                # s q, s = [q < p]: where min(p, q) is q. sign(relu(p - q)) is that mask as a float, made
+                # by four cheap passes: torch.where on a bool mask is ten times slower on CPU (torch 2.13)
+                below = (p - q).clamp_(min=0).sign_().mul_(q)
                 coef -= go * below.sum(dim=-1, keepdim=True)
             if grad_cross is not None:
                 gc = grad_cross[s:e, None]
@@ -217,7 +221,8 @@ class _RowStatistics(torch.autograd.Function):
                 g.addcmul_(below, go)
             if grad_cross is not None:
                 g.addcmul_(p, gc, value=-1.0)
-            out[s:e] = g
+            if not in_place:
+                out[s:e] = g
         return out, None, None
 
 
