@@ -21,7 +21,8 @@ clip, AdamW; tokens/s counts real (non-padding) tokens. Three parts:
    (lognormal, median 600 tokens, cropped at 4096; kimi-k2.5.yaml's 8192 / 4096).
 
 --loss (eagle3/drafter/losses.py): one drafter and one packed row of --seq tokens (the last
-one given), sdpa, K from --k (3 by default, the demo's). Each round times one training step
+one given), sdpa, K from --k (3 by default, the demo's), fp32 or with --bf16 under bf16
+autocast. Each round times one training step
 (labels, unroll, backward, clip, AdamW) of every loss and of kl, in an order that rotates
 per round, and the figure is the median over rounds of (loss step time / kl step time) of
 that round: shared cores drift over minutes, two neighbouring steps much less. The target
@@ -178,11 +179,12 @@ def part3() -> None:
         print("  " + " ".join(row[:2]) + " " + ", ".join(row[2:]))
 
 
-def losses(names: list[str], k: int, T: int, rounds: int) -> None:
+def losses(names: list[str], k: int, T: int, rounds: int, bf16: bool = False) -> None:
     """Step time of each loss against kl's, round by round on one drafter and batch (module doc)."""
     specs = {name: LossSpec.parse(name) for name in ["kl"] + [n for n in names if n != "kl"]}
-    print(f"\nloss: one packed row of {T} tokens per step, sdpa, K = {k}, {rounds} rounds of one step per loss "
-          f"(after one warm-up step each); step time relative to kl's in the same round")
+    print(f"\nloss: one packed row of {T} tokens per step, sdpa, K = {k}, {'bf16 autocast' if bf16 else 'fp32'}, "
+          f"{rounds} rounds of one step per loss (after one warm-up step each); step time relative to kl's in the "
+          f"same round")
     drafter, draft_ids = make_drafter("sdpa")
     models = {name: TTTModel(drafter, TTTConfig(num_steps=k, loss=spec)) for name, spec in specs.items()}
     g = torch.Generator().manual_seed(1)
@@ -194,8 +196,9 @@ def losses(names: list[str], k: int, T: int, rounds: int) -> None:
     def step(name: str) -> float:
         t0 = time.perf_counter()
         probs = target_draft_distribution(torch.arange(V_D), target_hidden=batch["final"], lm_head_weight=lm_rows)
-        out = models[name](batch["aux"], batch["input_ids"], embed, probs, batch["target_argmax"].long(),
-                           batch["loss_mask"], batch["attention_mask"], batch["position_ids"], batch["segment_ids"])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # as stage 04's precision auto on AMX CPUs
+            out = models[name](batch["aux"], batch["input_ids"], embed, probs, batch["target_argmax"].long(),
+                               batch["loss_mask"], batch["attention_mask"], batch["position_ids"], batch["segment_ids"])
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
@@ -231,12 +234,14 @@ def main():
                                              "kl:0.1,tv:0.9)")
     p.add_argument("--k", type=int, default=3, help="with --loss: the TTT steps")
     p.add_argument("--rounds", type=int, default=9, help="with --loss: rounds of one step of every loss and kl")
+    p.add_argument("--bf16", action="store_true", help="with --loss: under bf16 autocast (stage 04's precision on "
+                                                      "GPUs and AMX CPUs); fp32 otherwise, as parts 1-2")
     a = p.parse_args()
     if a.quick:
         a.steps, a.seq, a.tokens, a.rounds = 1, [256], 3000, 2
     print(f"drafter H={H}, {HEADS} heads, draft vocab {V_D}, target vocab {V_T}, {torch.get_num_threads()} threads")
     if a.loss:
-        losses(a.loss, a.k, a.seq[-1], a.rounds)
+        losses(a.loss, a.k, a.seq[-1], a.rounds, a.bf16)
         return
     part3()
     part1(a.seq, a.steps)
