@@ -45,7 +45,8 @@ def test_held_out_acceptance_under_sampling_is_reported_beside_greedy(tmp_path, 
             assert "ce_0" in x and "sample_accept_length" not in x  # training computes no mass
     record = record_of(m)
     final = m.counts["final_eval"]
-    assert record.best_eval["sample_accept_length"] == pytest.approx(evals[record.best_step // 2]["sample_accept_length"])
+    best = evals[record.best_step // 2]
+    assert record.best_eval["sample_accept_length"] == pytest.approx(best["sample_accept_length"])
     assert final["sample_accept_length"] == pytest.approx(evals[-1]["sample_accept_length"])
     assert f"len {evals[-1]['sample_accept_length']:.3f}" in caplog.text  # the eval log line
     assert "under sampling" in caplog.text  # the end-of-run block

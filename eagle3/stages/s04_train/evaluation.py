@@ -65,15 +65,17 @@ def held_out_batches(lengths: list[int], batching: Batching, eval_batches: int |
 
 @torch.no_grad()
 def evaluate_held_out(model: torch.nn.Module, forward, load, store: HiddenStateStore, batching: Batching,
-                      eval_batches: int | None, d: Dist, ttt_steps: int, mass: HeldOutMass | None = None) -> dict:
+                      eval_batches: int | None, d: Dist, ttt_steps: int,
+                      mass: HeldOutMass | None = None) -> dict:
     """The held-out metrics summed over every rank (`MetricSum.result()`), the same on each.
 
-    `model`: what `forward` runs (its train/eval mode is switched here); `forward(batch,
-    target_mass)` returns a TTTOutput; `load(split, indices)` collates a batch. With `mass`
-    (eagle3/stages/s04_train/target_mass.py) each batch's draft-vocabulary share of the
-    target's mass goes to `forward` too, and the figures under sampling are summed (the same
-    on every rank: the trainer always passes one). A collective: every rank calls it at the
-    same step, whatever its number of batches (module doc).
+    `model`: what `forward` runs (its train/eval mode is switched here); `forward(batch)`
+    returns a TTTOutput; `load(split, indices)` collates a batch. With `mass`
+    (eagle3/stages/s04_train/target_mass.py) each batch also carries its draft-vocabulary
+    share of the target's mass, `batch["target_mass"]` [B, T], and the figures under
+    sampling are summed (the same on every rank: the trainer always passes one). A
+    collective: every rank calls it at the same step, whatever its number of batches
+    (module doc).
     """
     split = held_out_split(store)
     batches = held_out_batches(split.lengths(), batching, eval_batches, d.rank, d.world)
@@ -81,7 +83,9 @@ def evaluate_held_out(model: torch.nn.Module, forward, load, store: HiddenStateS
     acc = MetricSum(ttt_steps, sampling=mass is not None)
     for idx in batches:
         batch = load(split, idx)
-        acc.add(forward(batch, None if mass is None else mass(idx, batch["final"])).metrics)
+        if mass is not None:
+            batch["target_mass"] = mass(idx, batch["final"])
+        acc.add(forward(batch).metrics)
     if mass is not None:
         mass.release()
     acc.all_reduce(d.world)

@@ -375,9 +375,9 @@ class Trainer:
         """Micro-batch i of this step: from the prefetcher, or loaded here from `split`."""
         return self.prefetch.get(self.step, i) if self.prefetch else self.load(split, indices)
 
-    def forward(self, batch: dict, target_mass: torch.Tensor | None = None):
-        """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics); with
-        `target_mass` [B, T] (held-out batches) also the figures under sampling."""
+    def forward(self, batch: dict):
+        """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics); held-out batches
+        carry `target_mass` [B, T] (evaluation.py), which adds the figures under sampling."""
         b = to_device(batch, self.device)  # an encoded fp8 batch is decoded there
         amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
         probs = target_draft_distribution(self.local_ids, target_hidden=b["final"],
@@ -389,8 +389,7 @@ class Trainer:
             amax = torch.where(b["target_argmax"] < 0, drafted, amax)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             return self.model(b["aux"], b["input_ids"], self.embed, probs, amax, b["loss_mask"],
-                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"),
-                              None if target_mass is None else target_mass.to(self.device))
+                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"), b.get("target_mass"))
 
     def training_view(self, batch: dict) -> dict:
         """What a train batch trains on: with --loss-on all every real token carries loss,
@@ -468,7 +467,8 @@ class Trainer:
         self.metrics.write("eval", 0, start)
         V = self.dcfg.draft_vocab_size
         uniform = math.log(V)
-        log.info(fmt("start", 0, self.total, start, self.ttt.num_steps, f" | ce_0 {start['ce_0']:.4f}, uniform ln({V}) = {uniform:.3f}"))
+        log.info(fmt("start", 0, self.total, start, self.ttt.num_steps,
+                     f" | ce_0 {start['ce_0']:.4f}, uniform ln({V}) = {uniform:.3f}"))
         if start["num_valid"] == 0:
             raise PipelineError(
                 f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
