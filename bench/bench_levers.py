@@ -10,8 +10,9 @@ with the config's budget plus the lever's options, stage 05, and stage 06 greedy
 config's held-out prompts (no untrained baseline, no timing: acceptance only). A lever
 whose stage 06 results exist is not rerun, so an interrupted bench resumes. Stage 06 serves
 greedy unless --temperature says otherwise (the `loss-*` levers target the acceptance under
-sampling, where the LK losses paper measured most of its gain); a temperature other than 0
-keeps its lever work dirs apart (W-levers-t<T>), so greedy and sampled results never mix.
+sampling; what vLLM's greedy drafts measure at a temperature: docs/LEVERS.md, "The loss"); a
+temperature other than 0 keeps its lever work dirs apart (W-levers-t<T>), so greedy and
+sampled results never mix.
 
 Prints per lever: served acceptance length with its 95% interval and per position,
 stage 04's held-out expected acceptance (greedy, and under sampling where the run reports
@@ -101,7 +102,7 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
     return json.loads(results.read_text()), train, seconds
 
 
-def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str]:
+def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path, temperature: float = 0.0) -> list[str]:
     out = [f"{'lever':24s}{'served L (95%)':>16s}  {'per position':16s}{'held-out est.':>14s}{'sampled':>8s}"
            f"{'vs baseline (paired 95%)':>29s}{'04 s':>6s}  verdict"]
     base = next((r for n, r, _, _ in rows if n == "baseline"), None)
@@ -115,7 +116,8 @@ def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str
         if base is None or name == "baseline":
             delta, verdict = "", "" if base is None else f"interval [{lo:.3f}, {hi:.3f}]"
         else:
-            d_lo, d_hi = paired_interval(per_prompt(out_dir / name), per_prompt(out_dir / "baseline"))
+            d_lo, d_hi = paired_interval(per_prompt(out_dir / name, temperature),
+                                         per_prompt(out_dir / "baseline", temperature))
             delta = f"{L - base['acceptance_length']:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}]"
             verdict = "ABOVE the baseline's interval" if L > hi else (
                 "below the baseline's interval" if L < lo else "inside the baseline's interval")
@@ -135,7 +137,9 @@ def main() -> None:
                                              "with --temperature T other than 0)")
     ap.add_argument("--num-prompts", type=int, help="serve only the first N held-out prompts")
     ap.add_argument("--stage04", default="", help="extra stage 04 options for every lever (e.g. '--max-steps 300')")
-    ap.add_argument("--temperature", type=float, default=0.0, help="stage 06's sampling temperature (0: greedy)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="stage 06's sampling temperature (0: greedy; "
+                                                                 "vLLM still drafts greedily: docs/LEVERS.md, "
+                                                                 "\"The loss\")")
     a = ap.parse_args()
     names = [n for n in a.levers.split(",") if n]
     unknown = [n for n in names if n not in LEVERS]
@@ -151,11 +155,11 @@ def main() -> None:
         r, m04, secs = run_lever(name, base, out, a.config.resolve(), a.target_model, a.num_prompts, a.stage04.split(),
                                  a.temperature)
         rows.append((name, r, m04, secs))
-        print("\n".join(report(rows, out)) + "\n", flush=True)
+        print("\n".join(report(rows, out, a.temperature)) + "\n", flush=True)
     served = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
     print(f"== levers on {base} ({a.config}), {served}, K = {rows[0][1]['num_speculative_tokens']}, "
           f"{rows[0][1]['prompts']['count']} held-out prompts; work dirs under {out}")
-    print("\n".join(report(rows, out)))
+    print("\n".join(report(rows, out, a.temperature)))
 
 
 if __name__ == "__main__":
