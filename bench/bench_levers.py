@@ -1,17 +1,22 @@
 """Data-efficiency levers, each served: same data, same budget, one setting changed.
 
     python bench/bench_levers.py --work-dir W [--config configs/smollm2-135m.yaml] [--target-model M]
-                                 [--levers baseline,loss-all,...] [--num-prompts N]
+                                 [--levers baseline,loss-all,...] [--num-prompts N] [--temperature T]
 
 W is a work dir where stages 00-03 ran under --config (the SmolLM2 demo's by default).
 For each lever, a sibling work dir W-levers/<lever>/ takes W's stages 00-02 as symlinks
 (and stage 03 too, unless the lever changes the draft vocabulary), then runs stage 04
 with the config's budget plus the lever's options, stage 05, and stage 06 greedy on the
 config's held-out prompts (no untrained baseline, no timing: acceptance only). A lever
-whose stage 06 results exist is not rerun, so an interrupted bench resumes.
+whose stage 06 results exist is not rerun, so an interrupted bench resumes. Stage 06 serves
+greedy unless --temperature says otherwise (the `loss-*` levers target the acceptance under
+sampling; what vLLM's greedy drafts measure at a temperature: docs/LEVERS.md, "The loss"); a
+temperature other than 0 keeps its lever work dirs apart (W-levers-t<T>), so greedy and
+sampled results never mix.
 
 Prints per lever: served acceptance length with its 95% interval and per position,
-stage 04's held-out expected acceptance, the difference to the baseline lever with
+stage 04's held-out expected acceptance (greedy, and under sampling where the run reports
+it: docs/CONVENTIONS.md §5), the difference to the baseline lever with
 its paired 95% interval (the same prompts resampled together for both drafters), and
 whether it lies beyond the baseline's own 95% interval (the rule for adopting a lever
 as a default). Every lever costs one stage 04-06 run (the demo's: ~5 minutes on 2 cores).
@@ -54,6 +59,15 @@ LEVERS: dict[str, tuple[list[str], list[str]]] = {
     # EAGLE 3.1's two norms (fc_norm, norm_output; +7.2% mean acceptance on Qwen3-8B, speculators #610)
     "eagle3.1": ([], ["--drafter-shape", "eagle3.1"]),
     "eagle3.1-seed1": ([], ["--drafter-shape", "eagle3.1", "--seed", "1"]),
+    # losses that target acceptance (docs/LEVERS.md, "The loss"), each on two seeds; kl is the baseline's
+    "loss-tv": ([], ["--loss", "tv"]),
+    "loss-tv-seed1": ([], ["--loss", "tv", "--seed", "1"]),
+    "loss-lk-alpha": ([], ["--loss", "lk_alpha"]),
+    "loss-lk-alpha-seed1": ([], ["--loss", "lk_alpha", "--seed", "1"]),
+    "loss-lk-lambda": ([], ["--loss", "lk_lambda"]),
+    "loss-lk-lambda-seed1": ([], ["--loss", "lk_lambda", "--seed", "1"]),
+    "loss-kl0.1-tv0.9": ([], ["--loss", "kl:0.1,tv:0.9"]),
+    "loss-kl0.1-tv0.9-seed1": ([], ["--loss", "kl:0.1,tv:0.9", "--seed", "1"]),
 }
 SHARED = ("00_generate", "01_dataset", "02_hidden_states")
 
@@ -63,7 +77,7 @@ def script(number: str) -> Path:
 
 
 def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None, num_prompts: int | None,
-              extra04: list[str]) -> tuple[dict, dict, float]:
+              extra04: list[str], temperature: float = 0.0) -> tuple[dict, dict, float]:
     """Stages (03,) 04, 05, 06 of one lever -> (stage 06 results, stage 04 manifest, stage 04 seconds)."""
     opts03, opts04 = LEVERS[name]
     wd = out / name
@@ -78,7 +92,7 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
     tm = ["--target-model", target] if target else []
     if not results.is_file():
         steps = ([("03", opts03)] if opts03 else []) + [("04", opts04 + extra04), ("05", []),
-                 ("06", ["--temperature", "0.0", "--no-baseline-untrained", "--timing-prompts", "0",
+                 ("06", ["--temperature", str(temperature), "--no-baseline-untrained", "--timing-prompts", "0",
                          *(["--num-prompts", str(num_prompts)] if num_prompts else [])])]
         for number, opts in steps:
             t0 = time.perf_counter()
@@ -91,8 +105,8 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
     return json.loads(results.read_text()), train, seconds
 
 
-def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str]:
-    out = [f"{'lever':20s}{'served L (95%)':>16s}  {'per position':16s}{'held-out est.':>14s}"
+def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path, temperature: float = 0.0) -> list[str]:
+    out = [f"{'lever':24s}{'served L (95%)':>16s}  {'per position':16s}{'held-out est.':>14s}{'sampled':>8s}"
            f"{'vs baseline (paired 95%)':>29s}{'04 s':>6s}  verdict"]
     base = next((r for n, r, _, _ in rows if n == "baseline"), None)
     hi = base["acceptance_length"] + base["acceptance_length_ci95"] if base else None
@@ -101,15 +115,18 @@ def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path) -> list[str
         L, ci = r["acceptance_length"], r["acceptance_length_ci95"]
         per = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
         est = m04["record"]["best_expected_accept_length"]
+        sampled = (m04["record"].get("best_eval") or {}).get("sample_accept_length", float("nan"))
         if base is None or name == "baseline":
             delta, verdict = "", "" if base is None else f"interval [{lo:.3f}, {hi:.3f}]"
         else:
-            d_lo, d_hi = paired_interval(per_prompt(out_dir / name), per_prompt(out_dir / "baseline"))
+            d_lo, d_hi = paired_interval(per_prompt(out_dir / name, temperature),
+                                         per_prompt(out_dir / "baseline", temperature))
             delta = f"{L - base['acceptance_length']:+.3f} [{d_lo:+.3f}, {d_hi:+.3f}]"
             verdict = "ABOVE the baseline's interval" if L > hi else (
                 "below the baseline's interval" if L < lo else "inside the baseline's interval")
             verdict += "; paired: " + verdict_of(d_lo, d_hi)
-        out.append(f"{name:20s}{f'{L:.3f} ±{ci:.3f}':>16s}  {per:16s}{est:>14.3f}{delta:>29s}{secs:>6.0f}  {verdict}")
+        out.append(f"{name:24s}{f'{L:.3f} ±{ci:.3f}':>16s}  {per:16s}{est:>14.3f}{sampled:>8.3f}{delta:>29s}"
+                   f"{secs:>6.0f}  {verdict}")
     return out
 
 
@@ -119,9 +136,13 @@ def main() -> None:
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-135m.yaml")
     ap.add_argument("--target-model", help="override the config's target_model (the one stage 02 read)")
     ap.add_argument("--levers", default=",".join(LEVERS), help=f"comma-separated, of: {', '.join(LEVERS)}")
-    ap.add_argument("--out", type=Path, help="where the lever work dirs go (default: W-levers)")
+    ap.add_argument("--out", type=Path, help="where the lever work dirs go (default: W-levers, or W-levers-t<T> "
+                                             "with --temperature T other than 0)")
     ap.add_argument("--num-prompts", type=int, help="serve only the first N held-out prompts")
     ap.add_argument("--stage04", default="", help="extra stage 04 options for every lever (e.g. '--max-steps 300')")
+    ap.add_argument("--temperature", type=float, default=0.0, help="stage 06's sampling temperature (0: greedy; "
+                                                                 "vLLM still drafts greedily: docs/LEVERS.md, "
+                                                                 "\"The loss\")")
     a = ap.parse_args()
     names = [n for n in a.levers.split(",") if n]
     unknown = [n for n in names if n not in LEVERS]
@@ -130,15 +151,18 @@ def main() -> None:
     base = a.work_dir.resolve()
     if not (base / "03_vocab" / "manifest.json").is_file():
         raise SystemExit(f"{base}/03_vocab/manifest.json is missing: run stages 00-03 of {a.config} in {base} first.")
-    out = (a.out or base.with_name(base.name + "-levers")).resolve()
+    suffix = "-levers" if a.temperature == 0 else f"-levers-t{a.temperature:g}"
+    out = (a.out or base.with_name(base.name + suffix)).resolve()
     rows = []
     for name in names:
-        r, m04, secs = run_lever(name, base, out, a.config.resolve(), a.target_model, a.num_prompts, a.stage04.split())
+        r, m04, secs = run_lever(name, base, out, a.config.resolve(), a.target_model, a.num_prompts, a.stage04.split(),
+                                 a.temperature)
         rows.append((name, r, m04, secs))
-        print("\n".join(report(rows, out)) + "\n", flush=True)
-    print(f"== levers on {base} ({a.config}), greedy, K = {rows[0][1]['num_speculative_tokens']}, "
+        print("\n".join(report(rows, out, a.temperature)) + "\n", flush=True)
+    served = "greedy" if a.temperature == 0 else f"temperature {a.temperature:g}"
+    print(f"== levers on {base} ({a.config}), {served}, K = {rows[0][1]['num_speculative_tokens']}, "
           f"{rows[0][1]['prompts']['count']} held-out prompts; work dirs under {out}")
-    print("\n".join(report(rows, out)))
+    print("\n".join(report(rows, out, a.temperature)))
 
 
 if __name__ == "__main__":

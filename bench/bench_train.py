@@ -1,7 +1,9 @@
 """Benchmark stage 04's step on CPU: training tokens/s of the two TTT attentions, padded vs
-packed batches, K = 1 and 7; and the padding share of both layouts.
+packed batches, K = 1 and 7; and the padding share of both layouts. With --loss, only the
+step time of each named loss against forward KL (the default) in the same process.
 
     python bench/bench_train.py [--steps 2] [--seq 1024 2048] [--tokens 6000] [--quick]
+    python bench/bench_train.py --loss tv lk_alpha lk_lambda kl:0.1,tv:0.9 [--k 3] [--seq 2048] [--rounds 5]
 
 Fixed mid-size drafter: H=512, 8 heads of 64, MLP 2048, draft vocab 8192, target
 vocab 32768. Each step is what the trainer does: soft targets from the target's
@@ -18,11 +20,20 @@ clip, AdamW; tokens/s counts real (non-padding) tokens. Three parts:
    batch_tokens 4096, max_seq_len 512) and on a long-tail length distribution
    (lognormal, median 600 tokens, cropped at 4096; kimi-k2.5.yaml's 8192 / 4096).
 
+--loss (eagle3/drafter/losses.py): one drafter and one packed row of --seq tokens (the last
+one given), sdpa, K from --k (3 by default, the demo's), fp32 or with --bf16 under bf16
+autocast. Each round times one training step
+(labels, unroll, backward, clip, AdamW) of every loss and of kl, in an order that rotates
+per round, and the figure is the median over rounds of (loss step time / kl step time) of
+that round: shared cores drift over minutes, two neighbouring steps much less. The target
+is a step no slower than 1.05x kl's.
+
 Peak memory is the process's maximum resident set size (it only grows).
 """
 import argparse
 import math
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle3.core.batching import padding_share  # noqa: E402
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter  # noqa: E402
 from eagle3.stages.s04_train.data import Batching, epoch_batches  # noqa: E402
+from eagle3.drafter.losses import LossSpec  # noqa: E402
 from eagle3.drafter.ttt import TTTConfig, TTTModel, target_draft_distribution  # noqa: E402
 
 H, HEADS, V_D, V_T = 512, 8, 8192, 32768
@@ -81,10 +93,11 @@ def make_batch(lengths: list[int], packed: bool, draft_ids: torch.Tensor, g: tor
     return b
 
 
-def run(attention: str, k: int, batches: list[list[int]], packed: bool, warmup: bool = True) -> float:
+def run(attention: str, k: int, batches: list[list[int]], packed: bool, warmup: bool = True,
+        loss: LossSpec | None = None) -> float:
     """Training tokens/s over `batches` (lists of sample lengths); the first batch warms up."""
     drafter, draft_ids = make_drafter(attention)
-    model = TTTModel(drafter, TTTConfig(num_steps=k))
+    model = TTTModel(drafter, TTTConfig(num_steps=k, loss=loss or LossSpec()))
     g = torch.Generator().manual_seed(1)
     embed = torch.randn(V_T, H, generator=g) * 0.02
     lm_rows = torch.randn(V_D, H, generator=g) * 0.05
@@ -166,16 +179,70 @@ def part3() -> None:
         print("  " + " ".join(row[:2]) + " " + ", ".join(row[2:]))
 
 
+def losses(names: list[str], k: int, T: int, rounds: int, bf16: bool = False) -> None:
+    """Step time of each loss against kl's, round by round on one drafter and batch (module doc)."""
+    specs = {name: LossSpec.parse(name) for name in ["kl"] + [n for n in names if n != "kl"]}
+    print(f"\nloss: one packed row of {T} tokens per step, sdpa, K = {k}, {'bf16 autocast' if bf16 else 'fp32'}, "
+          f"{rounds} rounds of one step per loss (after one warm-up step each); step time relative to kl's in the "
+          f"same round")
+    drafter, draft_ids = make_drafter("sdpa")
+    models = {name: TTTModel(drafter, TTTConfig(num_steps=k, loss=spec)) for name, spec in specs.items()}
+    g = torch.Generator().manual_seed(1)
+    embed = torch.randn(V_T, H, generator=g) * 0.02
+    lm_rows = torch.randn(V_D, H, generator=g) * 0.05
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    batch = make_batch([T], True, draft_ids, g)
+
+    def step(name: str) -> float:
+        t0 = time.perf_counter()
+        probs = target_draft_distribution(torch.arange(V_D), target_hidden=batch["final"], lm_head_weight=lm_rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # as stage 04's precision auto on AMX CPUs
+            out = models[name](batch["aux"], batch["input_ids"], embed, probs, batch["target_argmax"].long(),
+                               batch["loss_mask"], batch["attention_mask"], batch["position_ids"], batch["segment_ids"])
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        opt.step()
+        return time.perf_counter() - t0
+
+    order = list(specs)
+    for name in order:
+        step(name)  # warm-up
+    seconds: dict[str, list[float]] = {name: [] for name in order}
+    ratios: dict[str, list[float]] = {name: [] for name in order[1:]}
+    for r in range(rounds):
+        took = {name: step(name) for name in order[r % len(order):] + order[:r % len(order)]}  # rotated order
+        for name in order:
+            seconds[name].append(took[name])
+        for name in ratios:
+            ratios[name].append(took[name] / took["kl"])
+    print(f"{'loss':>16} {'step s (median)':>16} {'vs kl (median)':>15}  range over rounds")
+    print(f"{'kl':>16} {statistics.median(seconds['kl']):16.3f} {1.0:15.3f}")
+    for name, rs in ratios.items():
+        ratio = statistics.median(rs)
+        print(f"{name:>16} {statistics.median(seconds[name]):16.3f} {ratio:15.3f}  [{min(rs):.3f}, {max(rs):.3f}]  "
+              f"{'within' if ratio <= 1.05 else 'OVER'} 1.05x", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=2, help="timed steps per run in part 1")
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 2048])
     p.add_argument("--tokens", type=int, default=6000, help="sample tokens per run in part 2")
     p.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    p.add_argument("--loss", nargs="+", help="time only these --loss values against kl (e.g. tv lk_lambda "
+                                             "kl:0.1,tv:0.9)")
+    p.add_argument("--k", type=int, default=3, help="with --loss: the TTT steps")
+    p.add_argument("--rounds", type=int, default=9, help="with --loss: rounds of one step of every loss and kl")
+    p.add_argument("--bf16", action="store_true", help="with --loss: under bf16 autocast (stage 04's precision on "
+                                                      "GPUs and AMX CPUs); fp32 otherwise, as parts 1-2")
     a = p.parse_args()
     if a.quick:
-        a.steps, a.seq, a.tokens = 1, [256], 3000
+        a.steps, a.seq, a.tokens, a.rounds = 1, [256], 3000, 2
     print(f"drafter H={H}, {HEADS} heads, draft vocab {V_D}, target vocab {V_T}, {torch.get_num_threads()} threads")
+    if a.loss:
+        losses(a.loss, a.k, a.seq[-1], a.rounds, a.bf16)
+        return
     part3()
     part1(a.seq, a.steps)
     part2(a.tokens)

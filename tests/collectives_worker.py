@@ -55,6 +55,7 @@ def rank_metrics(rank: int) -> list[dict]:
         m = {"num_valid": 10 + 7 * rank + b}
         for k in range(K):
             m[f"loss_{k}"] = 1.0 + 0.5 * rank + 0.1 * b + 0.01 * k
+            m[f"ce_{k}"] = 2.0 + 0.5 * rank + 0.1 * b + 0.01 * k
             m[f"full_acc_{k}"] = 0.5 / (k + 1) + 0.1 * rank - 0.05 * b
         out.append(m)
     return out

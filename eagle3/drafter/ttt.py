@@ -4,7 +4,8 @@ Reads nothing from disk. The training loop (eagle3 train stage) builds one batch
 of target outputs, turns them into labels with `target_draft_distribution`, and
 calls `ttt_loss`, which runs the drafter K times over the batch in one visible
 loop and returns the differentiable loss plus per-step metrics
-(docs/CONVENTIONS.md §4 and §5).
+(docs/CONVENTIONS.md §4 and §5). Each step's loss (forward KL unless `TTTConfig.loss`
+names another) is computed by eagle3/drafter/losses.py.
 
 Index arithmetic (b = row, t = drafter position, k = step, p = t + 1 + k):
 
@@ -33,7 +34,7 @@ forward of compute.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,17 +42,19 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from eagle3.core.errors import PipelineError
+from eagle3.drafter.losses import LossSpec, sampling_acceptance, step_loss
 from eagle3.drafter.model import Eagle3Drafter
 from eagle3.drafter.ttt_attention import TTTCache
 
 
 @dataclass
 class TTTConfig:
-    """How far to unroll and how to weight the steps."""
+    """How far to unroll, how to weight the steps, and each step's loss."""
 
     num_steps: int = 7  # K: EAGLE-3 trains 7 draft steps
     step_decay: float = 0.8  # loss weight of step k is step_decay ** k
     checkpoint_steps: bool = False  # recompute each step's activations in backward instead of keeping them
+    loss: LossSpec = field(default_factory=LossSpec)  # forward KL unless stage 04's --loss says otherwise
 
     def __post_init__(self) -> None:
         if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1:
@@ -70,10 +73,12 @@ class TTTConfig:
 class TTTOutput:
     """`loss` is differentiable; `metrics` are plain floats, fetched with one device sync.
 
-    metrics keys: loss_k, full_acc_k, cond_acc_k for k in 0..K-1,
-    expected_accept_length (= 1 + sum_k full_acc_k), and num_valid (the step-0
-    valid position count, full_acc's denominator; weight by it when averaging
-    batches or ranks).
+    metrics keys: loss_k (the chosen loss), ce_k (its cross-entropy, whatever the loss),
+    full_acc_k, cond_acc_k for k in 0..K-1, expected_accept_length (= 1 + sum_k
+    full_acc_k), and num_valid (the step-0 valid position count, full_acc's denominator;
+    weight by it when averaging batches or ranks). With `target_mass` (held-out batches)
+    also the figures under sampling: accept_prob_k (mean acceptance of step k's draft over
+    its num_valid_k positions), sample_full_acc_k and sample_accept_length (`ttt_loss`).
     """
 
     loss: Tensor
@@ -83,71 +88,6 @@ class TTTOutput:
 def _at_least_fp32(x: Tensor) -> Tensor:
     """Upcast bf16/fp16 for softmax and loss; leave fp32/fp64 alone (tests run in fp64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-CE_CHUNK_ROWS = 128  # CPU: rows of the [rows, V] fp32 blocks, which then stay in cache (1-2 MB for V of 2K-4K)
-CE_GPU_BLOCK_ELEMENTS = 1 << 26  # GPU: blocks of up to 256 MB in fp32 (fewer, larger kernels)
-
-
-def _ce_block_rows(logits: Tensor) -> int:
-    if logits.device.type == "cpu":
-        return CE_CHUNK_ROWS
-    return max(CE_CHUNK_ROWS, CE_GPU_BLOCK_ELEMENTS // max(1, logits.shape[-1]))
-
-
-class _SoftCrossEntropy(torch.autograd.Function):
-    """sum_i CE(p_i, softmax(z_i)) over rows i, as a scalar: the loss of every draft step.
-
-    logits z [N, V] (bf16 under autocast) and the target rows p_i = table[rows[i]] of
-    `table` [M, V]. Equal to `-(p * log_softmax(z.float())).sum()`, written as
-    sum_i (|p_i| lse(z_i) - p_i . z_i) with |p_i| = sum_j p_ij, whose gradient is
-    |p_i| softmax(z_i) - p_i. Computed in blocks of rows (`_ce_block_rows`), each upcast
-    to at least fp32 in cache: stage 04 on CPU is bound by memory traffic, and the
-    composed form makes and rereads about ten [N, V] fp32 tensors per step (upcast
-    logits, gathered targets, log-softmax, product and their gradients). This reads
-    logits and target rows once each way and writes one gradient in the logits' dtype
-    (what the upcast's backward would have cast it to).
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-        acc = torch.promote_types(logits.dtype, torch.float32)
-        N = logits.shape[0]
-        lse = torch.empty(N, dtype=acc, device=logits.device)
-        mass = torch.empty(N, dtype=acc, device=logits.device)
-        argmax = torch.empty(N, dtype=torch.long, device=logits.device)
-        total = logits.new_zeros((), dtype=acc)
-        step = _ce_block_rows(logits)
-        for s in range(0, N, step):
-            e = s + step
-            z = logits[s:e].to(acc)  # [c, V]
-            p = table[rows[s:e]]  # [c, V]
-            lse[s:e] = torch.logsumexp(z, dim=-1)
-            mass[s:e] = p.sum(dim=-1)  # 1 up to rounding
-            argmax[s:e] = z.argmax(dim=-1)  # the upcast is exact: the argmax of the logits as given
-            total = total + (mass[s:e] * lse[s:e]).sum() - (p * z).sum()
-        ctx.save_for_backward(logits, table, rows, lse, mass)
-        ctx.mark_non_differentiable(argmax)
-        return total, argmax
-
-    @staticmethod
-    def backward(ctx, grad: Tensor, _argmax_grad: None):
-        logits, table, rows, lse, mass = ctx.saved_tensors
-        out = torch.empty_like(logits)
-        step = _ce_block_rows(logits)
-        for s in range(0, logits.shape[0], step):
-            e = s + step
-            g = torch.exp(logits[s:e].to(lse.dtype) - lse[s:e, None])  # softmax(z), [c, V]
-            g.mul_(mass[s:e, None]).sub_(table[rows[s:e]]).mul_(grad)
-            out[s:e] = g
-        return out, None, None
-
-
-def soft_cross_entropy(logits: Tensor, table: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Summed cross-entropy of the target distributions `table[rows]` [N, V] under `logits`
-    [N, V], in at least fp32 (no gradient to the targets), and the logits' argmax [N]
-    (the metrics' draft tokens, taken while each block is in cache)."""
-    return _SoftCrossEntropy.apply(logits, table, rows)
 
 
 def _shift_left(x: Tensor, n: int) -> Tensor:
@@ -191,6 +131,8 @@ class StepInputs:
     drafter: Eagle3Drafter
     embeds: Tensor  # [B, T, H]: the frozen target embedding of each input token
     target_probs: Tensor  # [B, T, V_d]: row p is the target's distribution for token p + 1
+    loss: LossSpec
+    target_mass: Tensor | None  # [B, T]: the draft rows' share of row p's full-vocab mass (held-out only)
     attention_mask: Tensor | None
     position_ids: Tensor | None
     segment_ids: Tensor | None
@@ -222,9 +164,11 @@ def valid_positions(k: int, in_draft: Tensor, learn: Tensor, real: Tensor, segme
 
 
 def draft_step(x: StepInputs, k: int, b_idx: Tensor, t_idx: Tensor, hidden: Tensor, *kv: Tensor):
-    """Draft step k and its summed cross-entropy over the N valid positions (b_idx, t_idx).
+    """Draft step k and its loss over the N valid positions (b_idx, t_idx).
 
-    Returns (pre-norm output [B, T, H], this step's key and value, summed CE, draft argmax [N]).
+    Returns (pre-norm output [B, T, H], this step's key and value, the loss (mean over the
+    N positions, eagle3/drafter/losses.py), the mean cross-entropy (detached), draft argmax
+    [N], acceptance under sampling [N] (empty without `x.target_mass`)).
     Functional in the cache (a fresh TTTCache over the given tensors), so that a
     checkpointed step recomputed in backward appends nothing to the real one; the
     logits live inside it too, so checkpointing also drops their [N, V_d] blocks.
@@ -237,24 +181,48 @@ def draft_step(x: StepInputs, k: int, b_idx: Tensor, t_idx: Tensor, hidden: Tens
     logits = x.drafter.compute_logits(out[b_idx, t_idx])  # [N, H] -> [N, V_d], bf16 under autocast
     B, T, V = x.target_probs.shape
     label_rows = b_idx * T + t_idx + 1 + k  # row p = t+1+k of sample b in the flattened [B*T, V_d] targets
-    ce, pred = soft_cross_entropy(logits, x.target_probs.view(B * T, V), label_rows)  # summed over the N positions
-    return out, cache.keys[-1], cache.values[-1], ce, pred
+    table = x.target_probs.view(B * T, V)
+    loss, ce, pred = step_loss(x.loss, logits, table, label_rows)  # means over the N positions
+    accept = logits.new_zeros(0)
+    if x.target_mass is not None:
+        accept = sampling_acceptance(logits.detach(), table, label_rows, x.target_mass.view(B * T)[label_rows])  # [N]
+    return out, cache.keys[-1], cache.values[-1], loss, ce, pred, accept
 
 
-def step_metrics(step_losses: list[Tensor], chain_counts: list[Tensor], n_valid0: Tensor) -> dict[str, float]:
-    """The metrics dict of `TTTOutput` from per-step losses and chain counts (see `ttt_loss`)."""
+@dataclass
+class SamplingSums:
+    """Per step, on the device: sum of the acceptance over the step's valid positions, their
+    count, and the sum over step-0 positions of the chained product (see `ttt_loss`)."""
+
+    accept: list[Tensor] = field(default_factory=list)
+    valid: list[Tensor] = field(default_factory=list)
+    chained: list[Tensor] = field(default_factory=list)
+
+
+def step_metrics(step_losses: list[Tensor], step_ce: list[Tensor], chain_counts: list[Tensor], n_valid0: Tensor,
+                 sampling: SamplingSums | None = None) -> dict[str, float]:
+    """The metrics dict of `TTTOutput` from per-step sums (see `ttt_loss`)."""
     K = len(step_losses)
+    extra = (sampling.accept + sampling.valid + sampling.chained) if sampling else []
     # One device-to-host transfer for all of them (the nonzero in the loop already syncs once per step).
-    vals = torch.stack([v.double() for v in step_losses + chain_counts + [n_valid0]]).tolist()
-    losses, chains, n0 = vals[:K], vals[K:2 * K], vals[2 * K]
+    vals = torch.stack([v.double() for v in step_losses + step_ce + chain_counts + [n_valid0] + extra]).tolist()
+    losses, ces, chains, n0 = vals[:K], vals[K:2 * K], vals[2 * K:3 * K], vals[3 * K]
     metrics: dict[str, float] = {}
     for k in range(K):
         metrics[f"loss_{k}"] = losses[k]
+        metrics[f"ce_{k}"] = ces[k]
         metrics[f"full_acc_{k}"] = chains[k] / n0 if n0 > 0 else 0.0
         prev = n0 if k == 0 else chains[k - 1]
         metrics[f"cond_acc_{k}"] = chains[k] / prev if prev > 0 else 0.0
     metrics["expected_accept_length"] = 1.0 + sum(metrics[f"full_acc_{k}"] for k in range(K))
     metrics["num_valid"] = n0
+    if sampling:
+        accept, valid, chained = vals[3 * K + 1:4 * K + 1], vals[4 * K + 1:5 * K + 1], vals[5 * K + 1:]
+        for k in range(K):
+            metrics[f"accept_prob_{k}"] = accept[k] / valid[k] if valid[k] > 0 else 0.0
+            metrics[f"num_valid_{k}"] = valid[k]
+            metrics[f"sample_full_acc_{k}"] = chained[k] / n0 if n0 > 0 else 0.0
+        metrics["sample_accept_length"] = 1.0 + sum(metrics[f"sample_full_acc_{k}"] for k in range(K))
     return metrics
 
 
@@ -271,8 +239,10 @@ def ttt_loss(
     attention_mask: Tensor | None = None,
     position_ids: Tensor | None = None,
     segment_ids: Tensor | None = None,
+    target_mass: Tensor | None = None,
 ) -> TTTOutput:
-    """Unroll the drafter K steps over one batch; loss = sum_k decay^k * loss_k.
+    """Unroll the drafter K steps over one batch; loss = sum_k decay^k * loss_k, loss_k the
+    mean over step k's valid positions of `config.loss` (eagle3/drafter/losses.py).
 
     aux [B, T, A*H_t]: fused aux hidden states of the target at each position.
     input_ids [B, T]: target token ids. embed_weight [V_t, H]: the frozen target
@@ -292,6 +262,15 @@ def ttt_loss(
     counts as a miss. That is conservative, makes full_acc non-increasing in k,
     and gives full_acc_k = full_acc_{k-1} * cond_acc_k with cond_acc_k =
     #chain_k / #chain_{k-1} (cond_acc_0 = full_acc_0; 0 when nothing is left).
+
+    Under sampling (`target_mass` [B, T] given: the draft rows' share of the target's
+    full-vocabulary probability at each row, held-out batches): alpha_k(t) =
+    sum_i min(m p_i, q_i) is the probability that speculative sampling accepts step k's
+    draft at t (eagle3/drafter/losses.py `sampling_acceptance`), 0 where step k has no
+    label. accept_prob_k = mean of alpha_k over step k's valid positions;
+    sample_full_acc_k = sum_t prod_{j<=k} alpha_j(t) / #valid_0, the chance that drafts
+    0..k are all accepted (teacher-forced, as full_acc), and sample_accept_length =
+    1 + sum_k sample_full_acc_k, the expected tokens per verification step.
     """
     check_batch(drafter, aux, input_ids, embed_weight, target_probs, target_argmax, loss_mask)
     weights = config.step_weights()
@@ -300,26 +279,28 @@ def ttt_loss(
     learn = loss_mask.bool() & real  # [B, T]: token j may be trained as a prediction
     in_draft = drafter.t2d[target_argmax]  # [B, T] -> [B, T]: the draft vocab can say row p's argmax
     x = StepInputs(drafter, F.embedding(input_ids, embed_weight), target_probs,  # [B, T] -> [B, T, H]
-                   attention_mask, position_ids, segment_ids)
+                   config.loss, target_mass, attention_mask, position_ids, segment_ids)
     hidden = drafter.project_aux(aux)  # [B, T, A*H_t] -> [B, T, H]
     cache = TTTCache()
 
     total = _at_least_fp32(hidden.new_zeros(()))
     step_losses: list[Tensor] = []
+    step_ce: list[Tensor] = []
     chain_counts: list[Tensor] = []
+    sampling = SamplingSums() if target_mass is not None else None
     for k in range(config.num_steps):
         valid = valid_positions(k, in_draft, learn, real, segment_ids)  # [B, T]
         b_idx, t_idx = valid.nonzero(as_tuple=True)  # N valid positions
         args = (x, k, b_idx, t_idx, hidden, *cache.keys, *cache.values)
         if config.checkpoint_steps and torch.is_grad_enabled():
-            out, key, value, ce_sum, pred = checkpoint(draft_step, *args, use_reentrant=False)
+            out, key, value, loss_k, ce_k, pred, accept = checkpoint(draft_step, *args, use_reentrant=False)
         else:
-            out, key, value, ce_sum, pred = draft_step(*args)
+            out, key, value, loss_k, ce_k, pred, accept = draft_step(*args)
         cache.keys.append(key)
         cache.values.append(value)
-        loss_k = ce_sum / max(b_idx.numel(), 1)
         total = total + weights[k] * loss_k
         step_losses.append(loss_k.detach())
+        step_ce.append(ce_k)
 
         with torch.no_grad():
             hit = draft_ids[pred] == target_argmax[b_idx, t_idx + 1 + k]  # [N] target ids compared
@@ -329,8 +310,15 @@ def ttt_loss(
             chain_counts.append(chain.sum())
             if k == 0:
                 n_valid0 = valid.sum()  # full_acc's denominator for every k
+            if sampling is not None:
+                alpha = torch.zeros(valid.shape, dtype=accept.dtype, device=accept.device)
+                alpha[b_idx, t_idx] = accept  # [B, T]; 0 wherever step k has no label
+                chained = alpha if k == 0 else chained * alpha  # drafts 0..k all accepted
+                sampling.accept.append(accept.sum())
+                sampling.valid.append(valid.sum())
+                sampling.chained.append(chained.sum())
         hidden = out  # the pre-norm output is the next step's hidden input (gradient flows through)
-    return TTTOutput(loss=total, metrics=step_metrics(step_losses, chain_counts, n_valid0))
+    return TTTOutput(loss=total, metrics=step_metrics(step_losses, step_ce, chain_counts, n_valid0, sampling))
 
 
 class TTTModel(nn.Module):
@@ -349,7 +337,8 @@ class TTTModel(nn.Module):
 
     def forward(self, aux: Tensor, input_ids: Tensor, embed_weight: Tensor, target_probs: Tensor,
                 target_argmax: Tensor, loss_mask: Tensor, attention_mask: Tensor | None = None,
-                position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> TTTOutput:
+                position_ids: Tensor | None = None, segment_ids: Tensor | None = None,
+                target_mass: Tensor | None = None) -> TTTOutput:
         return ttt_loss(self.drafter, aux, input_ids, embed_weight, target_probs, target_argmax, loss_mask,
                         self.config, attention_mask=attention_mask, position_ids=position_ids,
-                        segment_ids=segment_ids)
+                        segment_ids=segment_ids, target_mass=target_mass)

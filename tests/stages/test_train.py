@@ -204,8 +204,9 @@ def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stag
     assert report["expected_accept_length"]["value"] == pytest.approx(start["expected_accept_length"])
 
 
+@pytest.mark.parametrize("loss", ["kl", "tv"])  # the gate reads the cross-entropy whatever --loss trains
 def test_weights_with_another_drafters_mapping_are_stopped_by_the_starting_loss_gate(
-        tmp_path, stages_123, sharp_llama, trained_export):
+        tmp_path, stages_123, sharp_llama, trained_export, loss):
     _, export_dir, _ = trained_export
     # The failure this product exists for: the drafter's weights with a d2t from elsewhere.
     bad = tmp_path / "scrambled"
@@ -225,7 +226,7 @@ def test_weights_with_another_drafters_mapping_are_stopped_by_the_starting_loss_
     wd = fresh(stages_123, tmp_path / "w4")
     with pytest.raises(PipelineError, match=r"worse than uniform .* mapping .* aux layer ids"):
         train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
-                                  **SMALL))
+                                  loss=loss, **SMALL))
     assert not WorkDir(wd).checkpoints().exists()
 
 

@@ -6,11 +6,12 @@ import pytest
 import torch
 from fixtures import draft_labels
 
-import eagle3.drafter.ttt as ttt_module
+import eagle3.drafter.losses as losses_module
 from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.drafter.ttt_attention import TTTCache
-from eagle3.drafter.ttt import TTTConfig, TTTModel, soft_cross_entropy, target_draft_distribution, ttt_loss
+from eagle3.drafter.losses import soft_cross_entropy
+from eagle3.drafter.ttt import TTTConfig, TTTModel, target_draft_distribution, ttt_loss
 
 V_T, V_D, H = 50, 20, 32
 
@@ -73,7 +74,7 @@ def test_soft_cross_entropy_is_the_composed_form_and_its_gradient(dtype, monkeyp
     """The blocked loss equals -(p * log_softmax(z)).sum() over the gathered target rows and
     has its gradient, also for rows whose mass is not exactly 1 (rounded softmax rows), an
     all-zero row, and row counts that are not a multiple of the block."""
-    monkeypatch.setattr(ttt_module, "CE_CHUNK_ROWS", 3)
+    monkeypatch.setattr(losses_module, "BLOCK_ROWS", 3)
     g = torch.Generator().manual_seed(0)
     z = (3 * torch.randn(7, 11, generator=g, dtype=torch.float64)).to(dtype).requires_grad_()
     table = torch.softmax(torch.randn(9, 11, generator=g, dtype=torch.float64), dim=-1)

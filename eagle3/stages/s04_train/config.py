@@ -7,6 +7,7 @@ from pathlib import Path
 from eagle3.core.config import StageConfig, param
 from eagle3.core.errors import PipelineError
 from eagle3.drafter.shape import SHAPES
+from eagle3.drafter.losses import LossSpec
 from eagle3.stages.s04_train.trackers import CHOICES as TRACKER_CHOICES
 from eagle3.stages.s04_train.trackers import check_report_to
 
@@ -33,6 +34,11 @@ class TrainConfig(StageConfig):
     # train-time test
     ttt_steps: int = param(7, min=1, help="draft steps unrolled per position (EAGLE-3 uses 7)")
     step_decay: float = param(0.8, help="loss weight of step k is step_decay**k")
+    loss: str = param("kl", help="each step's loss: kl (forward KL, the default), tv (total variation: 1 - the "
+                                 "acceptance rate under sampling), lk_alpha or lk_lambda (the LK losses, arXiv "
+                                 "2602.23881), or a weighted mix such as kl:0.1,tv:0.9 (docs/LEVERS.md, \"The loss\")")
+    lk_eta: float = param(3.0, min=0.0, help="lk_lambda's eta: KL's weight is exp(-eta * the step's mean "
+                                             "acceptance), the rest goes to tv")
     # what the drafter learns from (docs/LEVERS.md measures each)
     loss_on: str = param("assistant", choices=LOSS_ON,
                          help="positions that carry loss in training: assistant tokens only, or every token (the "
@@ -111,6 +117,7 @@ class TrainConfig(StageConfig):
     def __post_init__(self):
         super().__post_init__()  # the choices and ranges declared with the fields
         check_report_to(self.report_to)
+        self.loss = str(self.loss_spec())  # one spelling per loss in the manifest: `kl:1` is `kl`
         if self.vocab_mode == "remap" and not self.init_from:
             raise PipelineError("vocab_mode = 'remap' only applies with --init-from DRAFTER_DIR.")
         if (self.init_layer is not None or self.init_head) and self.init_from:
@@ -119,3 +126,7 @@ class TrainConfig(StageConfig):
         if self.batch_tokens < self.max_seq_len:
             raise PipelineError(f"batch_tokens = {self.batch_tokens} is below max_seq_len = {self.max_seq_len}; "
                                 f"a batch must hold one full sample: raise --batch-tokens or lower --max-seq-len.")
+
+    def loss_spec(self) -> LossSpec:
+        """--loss and --lk-eta as the TTT loop takes them (a clear error for a bad --loss)."""
+        return LossSpec.parse(self.loss, self.lk_eta, source=f"{type(self).__name__}.loss (--loss)")

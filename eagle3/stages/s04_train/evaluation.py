@@ -38,6 +38,7 @@ from eagle3.artifacts.store import HiddenStateStore, SplitView
 from eagle3.stages.s04_train.data import Batching, epoch_batches
 from eagle3.stages.s04_train.distributed import Dist
 from eagle3.stages.s04_train.metrics import MetricSum
+from eagle3.stages.s04_train.target_mass import HeldOutMass
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +65,29 @@ def held_out_batches(lengths: list[int], batching: Batching, eval_batches: int |
 
 @torch.no_grad()
 def evaluate_held_out(model: torch.nn.Module, forward, load, store: HiddenStateStore, batching: Batching,
-                      eval_batches: int | None, d: Dist, ttt_steps: int) -> dict:
+                      eval_batches: int | None, d: Dist, ttt_steps: int,
+                      mass: HeldOutMass | None = None) -> dict:
     """The held-out metrics summed over every rank (`MetricSum.result()`), the same on each.
 
     `model`: what `forward` runs (its train/eval mode is switched here); `forward(batch)`
-    returns a TTTOutput; `load(split, indices)` collates a batch. A collective: every rank
-    calls it at the same step, whatever its number of batches (module doc).
+    returns a TTTOutput; `load(split, indices)` collates a batch. With `mass`
+    (eagle3/stages/s04_train/target_mass.py) each batch also carries its draft-vocabulary
+    share of the target's mass, `batch["target_mass"]` [B, T], and the figures under
+    sampling are summed (the same on every rank: the trainer always passes one). A
+    collective: every rank calls it at the same step, whatever its number of batches
+    (module doc).
     """
     split = held_out_split(store)
     batches = held_out_batches(split.lengths(), batching, eval_batches, d.rank, d.world)
     model.eval()
-    acc = MetricSum(ttt_steps)
+    acc = MetricSum(ttt_steps, sampling=mass is not None)
     for idx in batches:
-        acc.add(forward(load(split, idx)).metrics)
+        batch = load(split, idx)
+        if mass is not None:
+            batch["target_mass"] = mass(idx, batch["final"])
+        acc.add(forward(batch).metrics)
+    if mass is not None:
+        mass.release()
     acc.all_reduce(d.world)
     model.train()
     return acc.result()

@@ -27,7 +27,7 @@ Activations per token and per TTT step, from the tensors autograd saves (checked
 against a measurement by tests/unit/test_memory.py and bench/bench_memory.py):
 
     sdpa       28 H + 8 I + 4 (nh + n_kv + 1) D + 4 nh + 2 V_d + 28
-               (2 V_d: the bf16 logits the blocked loss keeps, `ttt.soft_cross_entropy`)
+               (2 V_d: the bf16 logits the blocked loss keeps, `losses.soft_cross_entropy`)
     reference  the same + (6 nh + 1) T: the fp32 scores, their bf16 copy and the
                mask of a [T, T] block per step, T the row length (quadratic per row)
     checkpointed steps keep only each step's inputs: 2 H + 8, and 4 n_kv D for the

@@ -24,20 +24,31 @@ log = logging.getLogger(__name__)
 
 
 class MetricSum:
-    """Sums of per-batch metrics weighted by each batch's valid-position count.
+    """Sums of per-batch metrics, each weighted by the count of positions it is a mean over.
 
-    full_acc_k are exact over the summed positions; cond_acc_k is then derived
-    from them (full_k / full_{k-1}); loss_k is the valid-weighted mean.
+    full_acc_k (and with `sampling` sample_full_acc_k) are means over the step-0 positions
+    (num_valid), accept_prob_k over step k's own (num_valid_k): exact over the summed
+    positions. cond_acc_k is derived from full_acc (full_k / full_{k-1}). loss_k and ce_k,
+    means over step k's positions, are weighted by num_valid (step 0's count). `sampling`:
+    the held-out figures under sampling (TTTOutput's docstring) are summed too; every rank
+    must pass the same value, so every rank's vector has the same layout.
     """
 
-    def __init__(self, K: int):
+    def __init__(self, K: int, sampling: bool = False):
         self.K = K
-        self.v = torch.zeros(2 * K + 1, dtype=torch.float64)  # loss_k*n, full_k*n, n
+        self.sampling = sampling
+        names = ("loss", "ce", "full_acc") + (("sample_full_acc",) if sampling else ())
+        # (metric, the count it is a mean over), then the counts themselves
+        self.means = [(f"{name}_{k}", "num_valid") for name in names for k in range(K)]
+        self.counts = ["num_valid"]
+        if sampling:
+            self.means += [(f"accept_prob_{k}", f"num_valid_{k}") for k in range(K)]
+            self.counts += [f"num_valid_{k}" for k in range(K)]
+        self.v = torch.zeros(len(self.means) + len(self.counts), dtype=torch.float64)
 
     def add(self, m: dict) -> None:
-        n = m["num_valid"]
-        self.v += torch.tensor([m[f"loss_{k}"] * n for k in range(self.K)]
-                               + [m[f"full_acc_{k}"] * n for k in range(self.K)] + [n], dtype=torch.float64)
+        self.v += torch.tensor([m[key] * m[count] for key, count in self.means] + [m[c] for c in self.counts],
+                               dtype=torch.float64)
 
     def all_reduce(self, world: int) -> None:
         """Sum over the `world` ranks. The sums live on the host (float64); an NCCL-only
@@ -47,15 +58,29 @@ class MetricSum:
             self.v = all_reduce_sum(self.v)
 
     def result(self) -> dict:
-        K, n = self.K, float(self.v[-1])
+        K = self.K
+        counts = {c: float(x) for c, x in zip(self.counts, self.v[len(self.means):])}
+        sums = {key: float(x) for (key, _), x in zip(self.means, self.v)}
+
+        def mean(key: str, count: str, empty: float) -> float:
+            return sums[key] / counts[count] if counts[count] else empty
+
+        n = counts["num_valid"]
         out: dict = {"num_valid": n}
-        full = [float(self.v[K + k]) / n if n else 0.0 for k in range(K)]
+        full = [mean(f"full_acc_{k}", "num_valid", 0.0) for k in range(K)]
         for k in range(K):
-            out[f"loss_{k}"] = float(self.v[k]) / n if n else float("nan")
+            out[f"loss_{k}"] = mean(f"loss_{k}", "num_valid", float("nan"))
+            out[f"ce_{k}"] = mean(f"ce_{k}", "num_valid", float("nan"))
             out[f"full_acc_{k}"] = full[k]
             prev = 1.0 if k == 0 else full[k - 1]
             out[f"cond_acc_{k}"] = full[k] / prev if prev > 0 else 0.0
         out["expected_accept_length"] = 1.0 + sum(full)
+        if self.sampling:
+            for k in range(K):
+                out[f"accept_prob_{k}"] = mean(f"accept_prob_{k}", f"num_valid_{k}", 0.0)
+                out[f"num_valid_{k}"] = counts[f"num_valid_{k}"]
+                out[f"sample_full_acc_{k}"] = mean(f"sample_full_acc_{k}", "num_valid", 0.0)
+            out["sample_accept_length"] = 1.0 + sum(out[f"sample_full_acc_{k}"] for k in range(K))
         return out
 
 
@@ -123,7 +148,12 @@ class MetricsLog:
 
 
 def fmt(split: str, step: int, total: int, m: dict, K: int, extra: str = "") -> str:
-    """One fixed-format log line; `K`: the TTT steps, whose full_acc_k it shows."""
+    """One fixed-format log line; `K`: the TTT steps, whose full_acc_k it shows, and on
+    held-out lines the acceptance under sampling per step and its expected length."""
     accs = " ".join(f"{m[f'full_acc_{k}']:.3f}" for k in range(K))
+    sampled = ""
+    if "sample_accept_length" in m:
+        probs = " ".join(f"{m[f'accept_prob_{k}']:.3f}" for k in range(K))
+        sampled = f" | sampled: accept {probs}, len {m['sample_accept_length']:.3f}"
     return (f"{split:5s} step {step:6d}/{total} | loss_0 {m['loss_0']:.4f} | full_acc {accs} | "
-            f"accept_len {m['expected_accept_length']:.3f}{extra}")
+            f"accept_len {m['expected_accept_length']:.3f}{sampled}{extra}")

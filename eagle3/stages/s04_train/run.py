@@ -64,6 +64,7 @@ from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_l
 from eagle3.stages.s04_train.memory import GIB, predict_peak
 from eagle3.stages.s04_train.metrics import MetricsLog, MetricSum, fmt
 from eagle3.stages.s04_train.summary import all_settings, end_of_run_lines, run_config
+from eagle3.stages.s04_train.target_mass import HeldOutMass
 from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
 from eagle3.stages.s04_train.windows import Rounds, RoundSchedule, trainable_samples
 from eagle3.target.head import load_embedding, load_lm_head
@@ -252,7 +253,9 @@ class Trainer:
         self.local_ids = torch.arange(self.lm_rows.shape[0], device=device)  # lm_rows is already the draft vocab
         self.draft_ids = self.drafter.draft_ids().to(device)  # [V_d] target id of each draft row
         self.ttt = TTTConfig(num_steps=cfg.ttt_steps, step_decay=cfg.step_decay,
-                             checkpoint_steps=cfg.checkpoint_steps)
+                             checkpoint_steps=cfg.checkpoint_steps, loss=cfg.loss_spec())
+        # held-out acceptance under sampling: the target's whole lm_head, read at the first evaluation
+        self.held_out_mass = HeldOutMass(lambda: load_lm_head(src.info), self.draft_ids, device)
         self.model = TTTModel(self.drafter, self.ttt)  # one forward = the whole K-step unroll (what DDP wraps)
         if d.world > 1:
             self.model = wrap_ddp(self.model, device)  # no buffer broadcast: a forward is never a collective
@@ -374,7 +377,8 @@ class Trainer:
         return self.prefetch.get(self.step, i) if self.prefetch else self.load(split, indices)
 
     def forward(self, batch: dict):
-        """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics)."""
+        """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics); held-out batches
+        carry `target_mass` [B, T] (evaluation.py), which adds the figures under sampling."""
         b = to_device(batch, self.device)  # an encoded fp8 batch is decoded there
         amax = b["target_argmax"].clamp_min(0)  # -1: padding or never a label; the masks exclude both
         probs = target_draft_distribution(self.local_ids, target_hidden=b["final"],
@@ -386,7 +390,7 @@ class Trainer:
             amax = torch.where(b["target_argmax"] < 0, drafted, amax)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             return self.model(b["aux"], b["input_ids"], self.embed, probs, amax, b["loss_mask"],
-                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"))
+                              b["attention_mask"], b.get("position_ids"), b.get("segment_ids"), b.get("target_mass"))
 
     def training_view(self, batch: dict) -> dict:
         """What a train batch trains on: with --loss-on all every real token carries loss,
@@ -441,7 +445,7 @@ class Trainer:
         """Held-out metrics over every held-out batch, summed over the ranks: the same figures
         whatever the number of processes (eagle3/stages/s04_train/evaluation.py)."""
         return evaluate_held_out(self.model, self.forward, self.load, self.store, self.batching,
-                                 self.cfg.eval_batches, self.d, self.ttt.num_steps)
+                                 self.cfg.eval_batches, self.d, self.ttt.num_steps, self.held_out_mass)
 
     def evaluate_and_track(self) -> bool:
         """Evaluate, log, and keep the best; True when this step is the best so far."""
@@ -464,15 +468,17 @@ class Trainer:
         self.metrics.write("eval", 0, start)
         V = self.dcfg.draft_vocab_size
         uniform = math.log(V)
-        log.info(fmt("start", 0, self.total, start, self.ttt.num_steps, f" | uniform loss ln({V}) = {uniform:.3f}"))
+        log.info(fmt("start", 0, self.total, start, self.ttt.num_steps,
+                     f" | ce_0 {start['ce_0']:.4f}, uniform ln({V}) = {uniform:.3f}"))
         if start["num_valid"] == 0:
             raise PipelineError(
                 f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
                 f"of {V} tokens, or the loss mask is empty. Check the mapping "
                 f"({self.cfg.init_from or self.wd.d2t()}) against this target, and stage 01's loss mask.")
-        if self.cfg.init_from and not start["loss_0"] <= uniform:
-            msg = (f"the starting held-out loss_0 {start['loss_0']:.3f} of {self.cfg.init_from} is worse than "
-                   f"uniform over the draft vocab (ln {V} = {uniform:.3f}): its weights do not fit this data. "
+        # ce_0, the cross-entropy, whatever --loss trains: tv's or lk's loss_0 never exceeds ln V
+        if self.cfg.init_from and not start["ce_0"] <= uniform:
+            msg = (f"the starting held-out cross-entropy ce_0 {start['ce_0']:.3f} of {self.cfg.init_from} is worse "
+                   f"than uniform over the draft vocab (ln {V} = {uniform:.3f}): its weights do not fit this data. "
                    f"Usual causes: an lm_head read under another token mapping (try --vocab-mode keep or remap; "
                    f"see the d2t comparison above) or other aux layer ids than the drafter was trained on. "
                    f"Pass --allow-bad-start to train anyway.")

@@ -32,9 +32,14 @@ def _figures(m: dict | None, K: int) -> str:
     if not m:
         return "no held-out figures"
     acc = [m.get(f"full_acc_{k}") for k in range(K)]
+    sampled = ""
+    if m.get("sample_accept_length") is not None:
+        probs = " ".join(readable.fixed(m.get(f"accept_prob_{k}"), 3) for k in range(K))
+        sampled = (f"; under sampling {readable.num(m['sample_accept_length'])} (acceptance per step {probs}, the "
+                   f"target's mass outside the draft vocabulary counted as rejected)")
     return (f"expected accept length {readable.num(m.get('expected_accept_length'))} "
-            f"(1 + full_acc {' + '.join(readable.fixed(a, 3) for a in acc)}), loss_0 {readable.num(m.get('loss_0'))}, "
-            f"{readable.count(m.get('num_valid'))} held-out positions")
+            f"(1 + full_acc {' + '.join(readable.fixed(a, 3) for a in acc)}){sampled}, "
+            f"loss_0 {readable.num(m.get('loss_0'))}, {readable.count(m.get('num_valid'))} held-out positions")
 
 
 def end_of_run_lines(wd: WorkDir, steps: int, K: int, best: dict, last_eval: dict | None,
