@@ -1,13 +1,13 @@
 """Target-side parity: SGLang's own target class captures the aux states stage 02 stored.
 
-    capture_parity(WORK, samples=4) -> {variant: report}     (tests/stages/test_sglang_capture.py)
+    capture_parity([CaptureCase(NAME, WORK), ...], samples=4) -> {NAME: report}   (tests/stages/test_sglang_capture.py)
 
 Reads stage 02's store of a work dir (eagle3/artifacts/store/reader.py `HiddenStateStore`,
 its aux layer ids and the target folder in its record) and runs SGLang's target class for
 that architecture on the target's weights in the SGLang worker (eagle3/tools/parity/
 sglang_side.py `capture`), with the layers SGLang captures for the drafter config stage 05
-writes: the nested ids of eagle3/serving/engine_rules.py `aux_layer_config` (or `nested_ids`,
-to try another config) handed to the target's own `set_eagle3_layers_to_capture`. Each
+writes: the nested ids of eagle3/serving/engine_rules.py `aux_layer_config` (or a case's
+`nested_ids`, to try another config) handed to the target's own `set_eagle3_layers_to_capture`. Each
 captured layer is compared with the store's, token by token, with eagle3/tools/check_stores.py's
 tolerance (median and 90th percentile of the per-token relative error; the store is bf16 or
 fp8, SGLang's run float32), and so is the final normed state. Writes nothing.
@@ -15,6 +15,7 @@ fp8, SGLang's run float32), and so is the final normed state. Writes nothing.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,31 +30,44 @@ from eagle3.tools.parity import protocol
 from eagle3.tools.parity.check import run_worker
 
 
-def capture_parity(work_dir: Path | str, *, samples: int = 4, split: str = "train", target: str | None = None,
-                   variants: dict[str, Sequence[int] | None] | None = None, sglang: str | None = None
-                   ) -> dict[str, dict[str, Any]]:
-    """SGLang's capture of the first `samples` samples against the store, per variant of the
-    drafter config's nested ids (None: what stage 05 writes); one SGLang worker for all."""
+@dataclass
+class CaptureCase:
+    """A work dir whose stage 02 store SGLang's target must reproduce, with one drafter config's
+    nested ids (None: what stage 05 writes for the store's layers)."""
+
+    name: str
+    work_dir: Path | str
+    nested_ids: Sequence[int] | None = None
+    target: str | None = None  # default: the target folder stage 02's record names
+
+
+def capture_parity(cases: Sequence[CaptureCase], *, samples: int = 4, split: str = "train",
+                   sglang: str | None = None) -> dict[str, dict[str, Any]]:
+    """SGLang's capture of each case's first `samples` samples against its store, in one SGLang
+    worker for all cases: {case name: report}."""
     from safetensors.torch import save_file
 
-    wd = WorkDir(work_dir)
-    store = HiddenStateStore.open(wd, needed_by="the SGLang capture parity")
-    record = read_record(wd, "extract", needed_by="the SGLang capture parity")
-    layers = [int(k) for k in store.aux_layers]
-    exported = aux_layer_config(layers)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    variants = variants or {"exported": None}
-    view = store.split(split)
-    rows = [view[i] for i in range(min(samples, len(view)))]
-    target_dir = str(Path(target or record.target_model).resolve())
     with tempfile.TemporaryDirectory(prefix="eagle3-capture-") as tmp:
         work = Path(tmp)
-        save_file({f"ids.{i}": r.input_ids.long().contiguous() for i, r in enumerate(rows)}, str(work / "ids.safetensors"))
-        jobs = {name: {"name": name, "target": target_dir, "out": str(work / f"capture-{i}"),
-                       "nested_ids": list(ids) if ids is not None else exported, "samples": str(work / "ids.safetensors")}
-                for i, (name, ids) in enumerate(variants.items())}
+        jobs, stored = {}, {}
+        for i, case in enumerate(cases):
+            wd = WorkDir(case.work_dir)
+            store = HiddenStateStore.open(wd, needed_by="the SGLang capture parity")
+            record = read_record(wd, "extract", needed_by="the SGLang capture parity")
+            layers = [int(k) for k in store.aux_layers]
+            view = store.split(split)
+            rows = [view[j] for j in range(min(samples, len(view)))]
+            save_file({f"ids.{j}": r.input_ids.long().contiguous() for j, r in enumerate(rows)},
+                      str(work / f"ids-{i}.safetensors"))
+            nested = list(case.nested_ids) if case.nested_ids is not None else \
+                aux_layer_config(layers)["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            jobs[case.name] = {"name": case.name, "target": str(Path(case.target or record.target_model).resolve()),
+                               "nested_ids": nested, "samples": str(work / f"ids-{i}.safetensors"),
+                               "out": str(work / f"capture-{i}")}
+            stored[case.name] = (rows, layers, str(wd.root))
         run_worker("sglang", {"engine": "sglang", "captures": list(jobs.values())}, work, sglang)
         results = {name: protocol.read_result(job["out"]) for name, job in jobs.items()}
-    return {name: _judge(rows, layers, jobs[name], *results[name], record_dir=str(wd.root)) for name in jobs}
+    return {name: _judge(*stored[name][:2], jobs[name], *results[name], record_dir=stored[name][2]) for name in jobs}
 
 
 def _judge(rows, layers: list[int], job: dict[str, Any], tensors: dict[str, torch.Tensor], facts: dict[str, Any],

@@ -7,7 +7,13 @@ it up (sglang/test/layer_ut_utils.py `init_single_process_dist`, the attention t
 mock runner): `SGLANG_USE_CPU_ENGINE=1`, the import stubs of eagle3/tools/parity/sglang_stubs.py,
 a one-rank gloo process group with SGLang's model-parallel groups (`publish_build_topology`,
 `initialize_model_parallel`), and `get_context().override_server_args(tp_size=1,
-attention_backend="torch_native", device="cpu")`. Then, per case:
+attention_backend="torch_native", device="cpu", enable_deterministic_inference=True)`. The last
+one matters to DeepSeek targets only: their prefill otherwise takes the per-head MHA path
+(models/deepseek_common/attention_backend_handler.py `handle_attention_triton`, the handler
+torch_native falls back to), whose keys the torch-native backend reads back from the MLA pool
+as 576-wide latents and stops ("Expected size for first two dimensions of batch2 tensor to
+be: [4, 128] but got: [4, 576]", torch_native_backend.py `_run_sdpa_forward_extend`);
+deterministic inference selects the absorbed MLA path, which that pool serves. Then, per case:
 
 - the drafter's config through SGLang's own reader (srt/utils/hf_transformers/config.py
   `get_config`), `LlamaForCausalLMEagle3(config)` (models/llama_eagle3.py) and its own
@@ -25,8 +31,13 @@ attention_backend="torch_native", device="cpu")`. Then, per case:
   handed to each target class's own `set_eagle3_layers_to_capture` (models/llama.py for
   Llama-family targets; models/deepseek_v2.py for DeepSeek/Kimi ones).
 
-`capture` runs SGLang's Llama target (models/llama.py `LlamaForCausalLM`) with aux-state
-capture on a target folder's weights, for the target-side parity (eagle3/tools/parity/capture.py).
+`capture` runs SGLang's target class for a target folder (its registry's pick: models/llama.py
+`LlamaForCausalLM`, models/deepseek_v2.py `DeepseekV3ForCausalLM` with an `MLATokenToKVPool`)
+with aux-state capture, for the target-side parity (eagle3/tools/parity/capture.py). SGLang's
+DeepSeek class on the CPU needs of the target's config what every released DeepSeek-V3/Kimi-K2
+config has: a yarn `rope_scaling` (rotary_embedding/factory.py `get_rope_cpu` asserts one,
+line 478), `moe_layer_freq` (deepseek_v2.py `_is_layer_sparse`), `scoring_func` and
+`topk_method` (deepseek_v2.py `DeepseekV2MoE.__init__`).
 """
 from __future__ import annotations
 
@@ -58,7 +69,7 @@ def setup() -> dict[str, Any]:
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     publish_build_topology(tp_size=1, ep_size=1, pp_size=1)
     initialize_model_parallel(backend="gloo")
-    override = get_context().override_server_args(tp_size=1, attention_backend="torch_native", device="cpu")
+    override = get_context().override_server_args(tp_size=1, attention_backend="torch_native", device="cpu", enable_deterministic_inference=True)
     override.install()
     _state.update(version=sglang.__version__, stubbed=list(stubbed), override=override)
     return _state
@@ -67,17 +78,24 @@ def setup() -> dict[str, Any]:
 class _Pools:
     """SGLang's request-to-token and KV pools for a batch of requests, and its torch-native backend."""
 
-    def __init__(self, requests: int, max_len: int, kv_heads: int, head_dim: int, layers: int = 1) -> None:
+    def __init__(self, requests: int, max_len: int, kv_heads: int, head_dim: int, layers: int = 1,
+                 mla: tuple[int, int] | None = None) -> None:
         from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
 
         self.max_len = max_len
         self.req_to_token = ReqToTokenPool(size=requests, max_context_len=max_len, device="cpu",
                                            enable_memory_saver=False)
         # slot 0 is SGLang's padding slot: real tokens start at 1
-        self.kv = MHATokenToKVPool(size=1 + requests * max_len, page_size=1, dtype=torch.float32, head_num=kv_heads,
-                                   head_dim=head_dim, layer_num=layers, device="cpu", enable_memory_saver=False,
-                                   enable_alt_stream=False)
+        size = 1 + requests * max_len
+        if mla is not None:  # DeepSeek's latent KV: (kv_lora_rank, qk_rope_head_dim) per token and layer
+            self.kv = MLATokenToKVPool(size=size, page_size=1, dtype=torch.float32, kv_lora_rank=mla[0],
+                                       qk_rope_head_dim=mla[1], layer_num=layers, device="cpu",
+                                       enable_memory_saver=False)
+        else:
+            self.kv = MHATokenToKVPool(size=size, page_size=1, dtype=torch.float32, head_num=kv_heads,
+                                       head_dim=head_dim, layer_num=layers, device="cpu", enable_memory_saver=False,
+                                       enable_alt_stream=False)
         runner = SimpleNamespace(device="cpu", req_to_token_pool=self.req_to_token, token_to_kv_pool=self.kv)
         self.backend = TorchNativeAttnBackend(runner)
 
@@ -261,8 +279,9 @@ def capture(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any
         text = getattr(config, "text_config", config)
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        mla = (int(text.kv_lora_rank), int(text.qk_rope_head_dim)) if getattr(text, "kv_lora_rank", None) else None
         pools = _Pools(len(ids), max(lengths), getattr(text, "num_key_value_heads", heads), head_dim,
-                       layers=text.num_hidden_layers)
+                       layers=text.num_hidden_layers, mla=mla)
         positions = torch.cat([torch.arange(n) for n in lengths])
         fb = pools.batch("extend", lengths, lengths, positions)
         final, aux = _forward(model, fb, positions, input_ids=torch.cat(ids))
@@ -274,6 +293,10 @@ def capture(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any
         facts["error"] = {"where": "capture", "message": f"{type(e).__name__}: {e}",
                           "at": f"{where.filename}:{where.lineno} ({where.name})"}
         return {}, facts
-    out = {f"captured.{j}": a.float() for j, a in enumerate(aux)}
+    hidden = final.shape[-1]
+    # the Llama class returns a list, one [T, H] per layer; DeepSeek's packs them [T, A*H]
+    # (layers/aux_hidden_states.py `AuxHiddenStatePacker`)
+    parts = [p for a in (aux if isinstance(aux, (list, tuple)) else [aux]) for p in a.split(hidden, dim=-1)]
+    out = {f"captured.{j}": a.float() for j, a in enumerate(parts)}
     out["final"] = final.float()
     return out, facts
