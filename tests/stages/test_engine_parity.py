@@ -20,13 +20,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures import TINY_TRAIN
 from safetensors.torch import load_file, save_file
 
+from eagle3.artifacts.manifest import read_record
+from eagle3.artifacts.workdir import WorkDir
+from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.serving.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
 from eagle3.serving.engine_rules import served_yarn_attention_factor
+from eagle3.tools import diagnose
 from eagle3.tools.parity.check import (FAR_POSITION, LOGIT_TOLERANCE, ParityCase, check_parity, format_report,
-                                       reference_from_drafter)
+                                       reference_from_checkpoint, reference_from_drafter)
 
 LAYERS = [2, 4, 5]
 K25_YARN = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
@@ -121,8 +126,17 @@ PLANTS = {
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory):
-    """Every grid row and every planted defect through both engines: one worker per engine."""
+def pipeline(stage_runs, tiny_llama) -> WorkDir:
+    """Stages 01-05 on the tiny Llama: the run tests/stages/test_stale.py and test_model_card_export.py
+    share (the same arguments, so built once per session); read-only."""
+    return WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2),
+                              extract=dict(dtype="bfloat16"), vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, pipeline):
+    """Every grid row, every planted defect and stage 05's own export (against stage 04's best
+    checkpoint) through both engines: one worker per engine."""
     root = tmp_path_factory.mktemp("parity")
     drafters = {row.name: trained_drafter(row.shape) for row in GRID}
     cases = []
@@ -135,6 +149,9 @@ def parity(tmp_path_factory):
         shutil.copytree(root / PLANT_BASE, folder)
         edit(folder)
         cases.append(ParityCase(plant, folder, reference_from_drafter(drafters[PLANT_BASE], LAYERS)))
+    best = pipeline.stage_dir("train") / read_record(pipeline, "train", needed_by="test").best_checkpoint
+    cases.append(ParityCase("stage-05-export", pipeline.export_dir(), reference_from_checkpoint(best),
+                            chains=[(24, 0), (10, 1000)], target_layers=8, family="llama"))
     report = check_parity(cases, work=root / "work")
     print(format_report(report))  # the figures, in the test log
     return {c["name"]: c for c in report["cases"]}
@@ -184,3 +201,33 @@ def test_the_installed_engines_read_k25_yarn_as_the_versions_table_says(parity):
             version = r["versions"][engine]
             want = served_yarn_attention_factor(engine, version, folder_cfg["rope_scaling"])
             assert abs(r["rope_scale"] - want) < 1e-4, (engine, version, name, r["rope_scale"], want)
+
+
+def test_stage_05s_export_is_served_as_stage_04_trained_it(parity):
+    """The tiny Llama's real export (head_dim 64, GQA, draft vocab 64) against its best checkpoint."""
+    for engine, r in parity["stage-05-export"]["engines"].items():
+        assert r["ok"], (engine, r["findings"])
+        assert all(s["ids_agree"] == 1.0 for s in r["steps"]), (engine, r["steps"])
+
+
+def test_diagnose_parity_fails_loudly_naming_the_field(pipeline, tmp_path, capsys):
+    """`python -m eagle3.tools.diagnose parity DIR --work-dir W` on an export whose layer ids were
+    shifted after the fact: exit 1, and the JSON report names the key each engine read."""
+    folder = tmp_path / "export"
+    shutil.copytree(pipeline.export_dir(), folder)
+    shift_layer_ids(folder)
+    rc = diagnose.main(["parity", str(folder), "--work-dir", str(pipeline.root), "--positions", "0,1000", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and not report["ok"]
+    for engine in ("vllm", "sglang"):
+        r = report["cases"][0]["engines"][engine]
+        assert r["steps"] and all(s["relative"] <= LOGIT_TOLERANCE for s in r["steps"])  # the forward is as trained
+        assert any(f["field"] and "eagle_aux_hidden_state_layer_ids" in f["field"] for f in r["findings"]), r
+
+
+def test_a_missing_sglang_environment_is_an_error_before_any_work(pipeline, capsys):
+    rc = diagnose.main(["parity", str(pipeline.export_dir()), "--sglang-python", "/nonexistent/python"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "scripts/setup_cpu.sh" in err and "/nonexistent/python" in err
+    with pytest.raises(PipelineError, match="setup_cpu.sh"):
+        check_parity([], sglang="/nonexistent/python")

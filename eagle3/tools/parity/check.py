@@ -462,6 +462,8 @@ def check_parity(cases: Sequence[ParityCase], engines: Sequence[str] = ("vllm", 
                  tolerance: float = LOGIT_TOLERANCE, sglang: str | None = None,
                  work: Path | None = None) -> dict[str, Any]:
     """Every case through every engine, judged; {"cases": [...], "ok": all fine}."""
+    if "sglang" in engines:
+        sglang_python(sglang)  # refuses before any work when SGLang's environment is missing
     refs, inputs = {}, {}
     for case in cases:
         inputs[case.name], refs[case.name] = run_reference(case)
