@@ -12,10 +12,9 @@ import os
 from pathlib import Path
 
 from eagle3.core.errors import PipelineError
+from eagle3.serving.installed import SGLANG_VENV as VENV
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-VENV = REPO_ROOT / ".venv-sglang"
-PINS = REPO_ROOT / "requirements-sglang.txt"
+PINS = VENV.parent / "requirements-sglang.txt"
 ENV_VAR = "EAGLE3_SGLANG_PYTHON"
 
 
