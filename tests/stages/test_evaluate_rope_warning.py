@@ -21,7 +21,7 @@ class EngineStarted(Exception):
     pass
 
 
-@pytest.mark.parametrize("sglang, warned", [("0.5.15.post1", True), ("0.5.16", False), (None, False)])
+@pytest.mark.parametrize("sglang, warned", [("0.5.15.post1", True), ("0.5.16", False)])
 def test_stage_06_warns_of_an_sglang_that_reads_the_yarn_rope_otherwise(sglang, warned, stage_runs, tiny_llama,
                                                                          tmp_path, monkeypatch, caplog):
     from eagle3.stages.s06_evaluate import run as evaluate_run

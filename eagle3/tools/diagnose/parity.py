@@ -1,4 +1,4 @@
-"""`diagnose parity DIR [--checkpoint CKPT | --work-dir W]`: a drafter folder as vLLM's and SGLang's own classes serve it.
+"""`diagnose parity DIR [--checkpoint CKPT | --work-dir W]`: a drafter as vLLM's and SGLang's own classes serve it.
 
 The check itself is eagle3/tools/parity/check.py: each engine's EAGLE-3 class is built from the
 folder on the CPU (vLLM with this python, SGLang with `.venv-sglang`'s, which

@@ -120,13 +120,15 @@ def reference_from_folder(folder: Path | str) -> Reference:
         if name in state and name not in (D2T, T2D):
             if t.shape != state[name].shape:
                 raise PipelineError(f"{folder}/{WEIGHTS_NAME}: {name} has shape {list(t.shape)}, its config implies "
-                                    f"{list(state[name].shape)}; pass --checkpoint to compare it with what was trained.")
+                                    f"{list(state[name].shape)}; pass --checkpoint to compare it with what was "
+                                    f"trained.")
             state[name] = t.float()
     if D2T in tensors:
         ids = target_ids(tensors[D2T].long())
         t2d = tensors.get(T2D)
         if t2d is None:
-            t2d = torch.zeros(dc.target_vocab_size, dtype=torch.bool).index_fill_(0, ids.clamp(0, dc.target_vocab_size - 1), True)
+            t2d = torch.zeros(dc.target_vocab_size, dtype=torch.bool)
+            t2d[ids.clamp(0, dc.target_vocab_size - 1)] = True  # what d2t implies: set_vocab_mapping checks the rest
         drafter.load_state_dict(state, strict=False)
         drafter.set_vocab_mapping(tensors[D2T].long(), t2d.bool())  # refuses a d2t that is not convention 2's
     else:
@@ -211,7 +213,8 @@ def run_workers(cases: Sequence[ParityCase], engines: Sequence[str], inputs: dic
 
     work.mkdir(parents=True, exist_ok=True)
     for case in cases:
-        save_file({k: v.contiguous() for k, v in inputs[case.name].items()}, str(work / f"{case.name}.inputs.safetensors"))
+        save_file({k: v.contiguous() for k, v in inputs[case.name].items()},
+                  str(work / f"{case.name}.inputs.safetensors"))
     results: dict[str, dict[str, tuple[dict, dict]]] = {}
     for engine in engines:
         request = {"engine": engine, "cases": [{
@@ -280,7 +283,8 @@ def weight_findings(reference: Reference, held: dict[str, torch.Tensor], folder_
             continue
         if got.shape == want.shape and torch.equal(got, want):
             continue
-        other = next((n for n, t in trained.items() if n != name and t.shape == got.shape and torch.equal(t, got)), None)
+        other = next((n for n, t in trained.items()
+                      if n != name and t.shape == got.shape and torch.equal(t, got)), None)
         if other is not None:
             out.append(_finding("error", "weights", f"{name} as the engine holds it is the trained {other}: the folder "
                                 f"has the two swapped (write each tensor under its own name)", name))
@@ -349,7 +353,8 @@ def _rope_key_differences(reference: Reference, folder_config: dict[str, Any]) -
     extra = sorted(k for k in got if k not in want)
     changed = sorted(k for k in want if k in got and got[k] != want[k])
     if missing:
-        parts.append(f"rope_scaling lacks {', '.join(missing)} (trained {', '.join(f'{k}={want[k]}' for k in missing)})")
+        trained_values = ", ".join(f"{k}={want[k]}" for k in missing)
+        parts.append(f"rope_scaling lacks {', '.join(missing)} (trained {trained_values})")
     if extra:
         parts.append(f"rope_scaling has {', '.join(extra)}, which training did not")
     if changed:

@@ -69,7 +69,8 @@ def setup() -> dict[str, Any]:
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     publish_build_topology(tp_size=1, ep_size=1, pp_size=1)
     initialize_model_parallel(backend="gloo")
-    override = get_context().override_server_args(tp_size=1, attention_backend="torch_native", device="cpu", enable_deterministic_inference=True)
+    override = get_context().override_server_args(tp_size=1, attention_backend="torch_native", device="cpu",
+                                                  enable_deterministic_inference=True)
     override.install()
     _state.update(version=sglang.__version__, stubbed=list(stubbed), override=override)
     return _state
@@ -244,7 +245,7 @@ if __name__ == "__main__":  # `python -m eagle3.tools.parity.sglang_side --check
 
     if sys.argv[1:] != ["--check"]:
         sys.exit("usage: python -m eagle3.tools.parity.sglang_side --check")
-    print(check_import())
+    sys.stdout.write(check_import() + "\n")
 
 
 def capture(job: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
