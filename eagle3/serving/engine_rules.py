@@ -49,6 +49,12 @@ nested 0, which the DeepSeek rule does not shift (it would capture the embedding
 `check_drafter` says so for the target at hand: the one answer to "will every engine
 capture these layers", which the drafter folder's writer asks before it writes.
 
+Yarn rope as served: `served_yarn_attention_factor(engine, version, rope_scaling)` is the factor
+each engine's rope multiplies a Llama-EAGLE-3 drafter's cos/sin by (SGLang reads `mscale` /
+`mscale_all_dim` from 0.5.16 on, `SGLANG_YARN_MSCALE_READ_FROM`); `yarn_reading_warnings` says
+where an installed engine differs from training (stage 06, `diagnose versions`). The parity
+check (eagle3/tools/parity) measures the installed engines' own rope modules against it.
+
 Tensor names (convention 6) and what each engine does with a name:
 
     vllm    (models/llama_eagle3.py `Eagle3LlamaForCausalLM.load_weights`): names

@@ -64,8 +64,8 @@ def setup() -> dict[str, Any]:
     from sglang.srt.runtime_context import get_context
     from sglang.test.test_utils import publish_build_topology
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", os.environ.get("EAGLE3_PARITY_PORT", "29741"))
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = os.environ.get("EAGLE3_PARITY_PORT", "29741")  # the worker picks a free one
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     publish_build_topology(tp_size=1, ep_size=1, pp_size=1)
     initialize_model_parallel(backend="gloo")

@@ -42,7 +42,7 @@ def _init_distributed() -> None:
         return
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
 
-    port = os.environ.get("EAGLE3_PARITY_PORT", "29731")
+    port = os.environ.get("EAGLE3_PARITY_PORT", "29731")  # the worker picks a free one
     init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                  distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo")
     ensure_model_parallel_initialized(1, 1)

@@ -10,6 +10,8 @@ be imported or set up, with the reason on stderr.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 import tempfile
 import traceback
@@ -18,11 +20,19 @@ from pathlib import Path
 from eagle3.tools.parity import protocol, sglang_side, vllm_side  # neither imports its engine at import
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     request = protocol.read_json(argv[0])
     engine = request["engine"]
     logging.basicConfig(level=logging.WARNING)
+    # the one-rank process group listens on a port: a free one, so parallel runs never collide
+    os.environ.setdefault("EAGLE3_PARITY_PORT", str(_free_port()))
     try:
         if engine == "vllm":
             side = vllm_side
