@@ -25,6 +25,7 @@ print(f"setup ok (already installed): torch {torch.__version__}, transformers {t
       f"vllm {vllm.__version__}")
 PY
 then
+    bash scripts/setup_sglang.sh
     exit 0
 fi
 
@@ -42,3 +43,4 @@ $PY - <<'PY'
 import torch, transformers, vllm  # noqa: F401  -- fail here, not in the middle of a test
 print(f"setup ok: torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}")
 PY
+bash scripts/setup_sglang.sh

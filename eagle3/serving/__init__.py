@@ -5,6 +5,7 @@
     drafter_io.py    the drafter folder's one writer and reader (config.json, safetensors)
     model_card.py    the folder's model card, shared by stages 05 and 06
     positions.py     how far into the served context a drafter was trained
+    installed.py     which engines are installed here, at which version (package metadata)
 
 Not eagle3.engines: that runs vLLM; this package describes the files the engines load.
 Imports: eagle3.core, eagle3.artifacts, eagle3.target and eagle3.drafter; never an engine or a

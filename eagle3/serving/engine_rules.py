@@ -49,6 +49,12 @@ nested 0, which the DeepSeek rule does not shift (it would capture the embedding
 `check_drafter` says so for the target at hand: the one answer to "will every engine
 capture these layers", which the drafter folder's writer asks before it writes.
 
+Yarn rope as served: `served_yarn_attention_factor(engine, version, rope_scaling)` is the factor
+each engine's rope multiplies a Llama-EAGLE-3 drafter's cos/sin by (SGLang reads `mscale` /
+`mscale_all_dim` from 0.5.16 on, `SGLANG_YARN_MSCALE_READ_FROM`); `yarn_reading_warnings` says
+where an installed engine differs from training (stage 06, `diagnose versions`). The parity
+check (eagle3/tools/parity) measures the installed engines' own rope modules against it.
+
 Tensor names (convention 6) and what each engine does with a name:
 
     vllm    (models/llama_eagle3.py `Eagle3LlamaForCausalLM.load_weights`): names
@@ -77,6 +83,7 @@ refuses `fc_norm.*` tensors, SGLang drops them silently.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
@@ -185,7 +192,9 @@ VERSION_RULES: tuple[VersionRule, ...] = (
     VersionRule("sglang", ("sglang",), "0.5.16",
                 "draft step k at position t + k (PR #25015, May 2026) and, for DeepSeek/Kimi targets with tensor "
                 "parallel and all-reduce fusion, aux states captured after the all-reduce (PR #28343, June 2026); "
-                "0.5.13 (2026-06-13) predates #28343, 0.5.16 (2026-07-26) is the first release dated after both",
+                "0.5.13 (2026-06-13) predates #28343, 0.5.16 (2026-07-26) is the first release dated after both; "
+                "and a yarn drafter's mscale / mscale_all_dim read (up to 0.5.15.post1 ignored: Kimi-K2.5's rope "
+                "scaled by 1.4159 instead of 1.0, every attention score 2.0047x sharper than trained)",
                 unsure_from="0.5.14"),
     VersionRule("torch", ("torch",), "2.13.0", "what vLLM 0.32 is built against and the tests run on",
                 required=True),
@@ -199,6 +208,70 @@ VERSION_RULES: tuple[VersionRule, ...] = (
 SHAPE_FIRST_VERSIONS: dict[str, dict[str, str]] = {
     "eagle3.1": {"vllm": "0.22.0", "sglang": "0.5.12"},
 }
+
+
+# --------------------------------------------------------------------------- yarn rope as served
+
+# The first SGLang release whose YaRN rope reads a Llama-EAGLE-3 drafter's `mscale` and
+# `mscale_all_dim` (layers/rotary_embedding/yarn.py `YaRNScalingRotaryEmbedding`); up to
+# 0.5.15.post1 it ignores them and scales cos/sin by 0.1 ln(factor) + 1 (1.4159 for Kimi-K2.5's
+# factor 64, where training used 1.0: every attention score 2.0047x sharper than trained).
+SGLANG_YARN_MSCALE_READ_FROM = "0.5.16"
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def served_yarn_attention_factor(engine: str, version: str | None, rope_scaling: Mapping[str, Any] | None) -> float:
+    """The factor `engine` at `version` multiplies a drafter's yarn cos/sin by (1.0 for other ropes).
+
+    vllm (0.32, rotary_embedding/yarn_scaling_rope.py): `attention_factor` when set; else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) when both are non-zero; else
+    mscale(factor). sglang from 0.5.16 (0.5.23 read): the ratio when both keys are present
+    (not None), else mscale(factor), times `attn_factor` (it does not read `attention_factor`);
+    before 0.5.16: mscale(factor), the keys ignored. mscale(f, m) = 0.1 m ln f + 1 (1 when f <= 1).
+    The parity check measures the installed engines' rope modules against this
+    (tests/stages/test_engine_parity.py).
+    """
+    rs = rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) != "yarn":
+        return 1.0
+    factor = float(rs.get("factor", 1.0))
+    if engine == VLLM or engine == VLLM_V2:
+        if rs.get("attention_factor") is not None:
+            return float(rs["attention_factor"])
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            return _yarn_mscale(factor, float(rs["mscale"])) / _yarn_mscale(factor, float(rs["mscale_all_dim"]))
+        return _yarn_mscale(factor)
+    assert engine in (SGLANG, SGLANG_DEEPSEEK), f"unknown engine {engine!r}"
+    from packaging.version import Version  # noqa: PLC0415 (only here)
+
+    if version is not None and Version(version).release < Version(SGLANG_YARN_MSCALE_READ_FROM).release:
+        return _yarn_mscale(factor)
+    scale = _yarn_mscale(factor)
+    if rs.get("mscale") is not None and rs.get("mscale_all_dim") is not None:
+        scale = _yarn_mscale(factor, float(rs["mscale"])) / _yarn_mscale(factor, float(rs["mscale_all_dim"]))
+    return scale * float(rs.get("attn_factor", 1.0))
+
+
+def yarn_reading_warnings(config: Mapping[str, Any], versions: Mapping[str, str | None]) -> list[str]:
+    """A line per installed engine (`versions`: package -> version or None) whose yarn rope
+    scales this drafter config's cos/sin otherwise than training did (vLLM's reading, which
+    eagle3/drafter/model.py `rope_attention_factor` follows)."""
+    rs = config.get("rope_scaling")
+    trained = served_yarn_attention_factor(VLLM, None, rs)
+    out = []
+    for package, version in versions.items():
+        if version is None or package not in (VLLM, SGLANG):
+            continue
+        served = served_yarn_attention_factor(package, version, rs)
+        if abs(served - trained) > 1e-6:
+            out.append(f"{package} {version} scales this drafter's yarn rope by {served:.4f}, training used "
+                       f"{trained:.4f}: every attention score {(served / trained) ** 2:.4f}x as sharp as trained "
+                       f"(SGLang reads mscale / mscale_all_dim from {SGLANG_YARN_MSCALE_READ_FROM}); serve it with "
+                       f"{package} >= {SGLANG_YARN_MSCALE_READ_FROM if package == SGLANG else _minimum(package)}")
+    return out
 
 
 def _minimum(package: str) -> str:

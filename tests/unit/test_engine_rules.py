@@ -1,6 +1,9 @@
 """The aux-layer translation per engine rule, and the engines' tensor-name rules."""
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 
 from eagle3.serving import engine_rules as er
@@ -334,3 +337,38 @@ def test_every_supported_engine_serves_every_drafter_shape():
     for shape, first in er.SHAPE_FIRST_VERSIONS.items():
         for package, version in first.items():
             assert Version(er._minimum(package)) >= Version(version), (shape, package)
+
+
+# -- yarn rope as served (docs/KIMI_K25.md, "Rope and length as served") ---------------------
+
+K25_YARN = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def test_sglang_reads_yarn_mscale_from_0_5_16_and_vllm_always():
+    ignored = 0.1 * math.log(64.0) + 1  # mscale(factor): what an engine that ignores the keys uses
+    assert er.served_yarn_attention_factor("sglang", "0.5.15.post1", K25_YARN) == pytest.approx(ignored)
+    assert er.served_yarn_attention_factor("sglang", "0.5.10", K25_YARN) == pytest.approx(ignored)
+    assert er.served_yarn_attention_factor("sglang", er.SGLANG_YARN_MSCALE_READ_FROM, K25_YARN) == 1.0
+    assert er.served_yarn_attention_factor("sglang", "0.5.23", K25_YARN) == 1.0
+    assert er.served_yarn_attention_factor("vllm", "0.32.0", K25_YARN) == 1.0
+    dropped = {k: v for k, v in K25_YARN.items() if k not in ("mscale", "mscale_all_dim")}
+    assert er.served_yarn_attention_factor("vllm", "0.32.0", dropped) == pytest.approx(ignored)
+    assert er.served_yarn_attention_factor("sglang", "0.5.23", dropped) == pytest.approx(ignored)
+    # the keys each engine reads and the other does not
+    assert er.served_yarn_attention_factor("vllm", "0.32.0", {**dropped, "attention_factor": 0.5}) == 0.5
+    assert er.served_yarn_attention_factor("sglang", "0.5.23", {**dropped, "attention_factor": 0.5}) == \
+        pytest.approx(ignored)
+    assert er.served_yarn_attention_factor("sglang", "0.5.23", {**K25_YARN, "attn_factor": 2.0}) == 2.0
+    assert er.served_yarn_attention_factor("sglang", "0.5.10", {"rope_type": "linear", "factor": 4.0}) == 1.0
+
+
+def test_yarn_reading_warnings_name_the_engine_the_factor_and_the_fix():
+    config = {"rope_scaling": K25_YARN}
+    lines = er.yarn_reading_warnings(config, {"vllm": "0.32.0", "sglang": "0.5.15.post1"})
+    assert len(lines) == 1 and lines[0].startswith("sglang 0.5.15.post1 scales")
+    sharper = (0.1 * math.log(64.0) + 1) ** 2
+    assert f"{sharper:.4f}x" in lines[0] and f">= {er.SGLANG_YARN_MSCALE_READ_FROM}" in lines[0]
+    assert er.yarn_reading_warnings(config, {"vllm": "0.32.0", "sglang": "0.5.16"}) == []
+    assert er.yarn_reading_warnings(config, {"vllm": None, "sglang": None}) == []
+    assert er.yarn_reading_warnings({"rope_scaling": None}, {"sglang": "0.5.10"}) == []

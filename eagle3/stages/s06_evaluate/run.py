@@ -71,7 +71,8 @@ from eagle3.artifacts.atomic import write_json
 from eagle3.core.config import identity_params
 from eagle3.serving.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, load_drafter_dir, save_drafter_dir
 from eagle3.serving.engine_rules import (D2T, RULES, T2D, VLLM, VLLM_V2, captured_layers, intended_layers, rules_for,
-                                         target_family)
+                                         target_family, yarn_reading_warnings)
+from eagle3.serving.installed import installed_engine_versions
 from eagle3.core.errors import PipelineError
 from eagle3.target.loss_mask import assistant_suffix
 from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
@@ -429,6 +430,8 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     expectation = _expectation(wd, cfg, drafter, train)
     capture = layer_capture(drafter.config, info)
     _log_capture(capture, drafter.dir)
+    for line in yarn_reading_warnings(drafter.config, installed_engine_versions()):  # an SGLang beside vLLM
+        log.warning("%s: %s", drafter.dir, line)
     reach = _trained_reach(wd, drafter, info) if train is not None else None
     if reach is not None:
         log.info("stage 06: %s", reach_line(reach))

@@ -3,6 +3,8 @@
     python -m eagle3.tools.diagnose inspect DIR [--target-config PATH_OR_DIR] [--json]
     python -m eagle3.tools.diagnose compare-vocab A B [--dataset WORK_DIR] [--json]
     python -m eagle3.tools.diagnose probe-hidden WORK_A WORK_B [--split eval] [--max-samples N] [--json]
+    python -m eagle3.tools.diagnose parity DIR [--checkpoint CKPT | --work-dir W] [--target-config T]
+                                       [--engines vllm,sglang] [--steps 3] [--positions 0,100000] [--json]
     python -m eagle3.tools.diagnose versions [--json]
     python -m eagle3.tools.diagnose store-size --config CFG [--work-dir W] [--store-dtype fp8] [--json]
     python -m eagle3.tools.diagnose forecast --work-dir W --target-al 2.46 [--config CFG] [--fractions 0.125,0.25,0.5,1]
@@ -13,6 +15,13 @@ drafter) and says what vLLM and SGLang will do with it: tensor names and shapes,
 sanity, the layers each engine (and each of vLLM's two model runners) captures,
 context length and tie_word_embeddings against a target. It exits 1 when anything would fail or silently misbehave in an
 engine, 0 otherwise, and 2 when the folder cannot be read.
+
+`parity` builds vLLM's and SGLang's own EAGLE-3 drafter classes from the folder on the CPU
+and runs them on the same aux states, tokens and positions as the drafter as trained (a stage
+04 checkpoint, or the folder itself), over K chained steps: the largest logit difference per
+engine and step, the agreement of the proposed target ids, and the field behind any
+difference (a tensor, d2t, rope_scaling, the aux layer ids each engine captures). It exits 1
+when an engine serves the drafter otherwise than trained (eagle3/tools/parity/check.py).
 
 `compare-vocab` compares two draft vocabularies (a drafter folder, a stage 03 folder
 or work dir, or a d2t/t2d file): positions differing, tokens shared or only in one,
@@ -54,9 +63,9 @@ import sys
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
-from eagle3.tools.diagnose import compare_vocab, forecast, inspect, probe_hidden, store_size, versions
+from eagle3.tools.diagnose import compare_vocab, forecast, inspect, parity, probe_hidden, store_size, versions
 
-SUBCOMMANDS = (inspect, compare_vocab, probe_hidden, versions, store_size, forecast)  # the order --help lists
+SUBCOMMANDS = (inspect, parity, compare_vocab, probe_hidden, versions, store_size, forecast)  # the order --help lists
 
 
 def main(argv: list[str] | None = None) -> int:

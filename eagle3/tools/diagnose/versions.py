@@ -2,14 +2,19 @@
 
 The minimums are eagle3/serving/engine_rules.py `VERSION_RULES` (what the drafters and the
 engine rules here are right for); versions are read from package metadata, so nothing is
-imported. Exit status 1 when one is too old (or may be).
+imported (SGLang also in `.venv-sglang`, eagle3/serving/installed.py). Each installed engine is
+also asked how it reads a yarn drafter's rope (`yarn_reading_warnings`): Kimi-K2.5's, or with
+`--drafter-dir` that drafter's; an engine that scales it otherwise than training is a problem.
+Exit status 1 when one is too old (or may be), or reads the rope otherwise.
 """
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from eagle3.serving.engine_rules import VERSION_RULES, VersionRule
+from eagle3.serving.drafter_io import read_drafter_dir
+from eagle3.serving.engine_rules import VERSION_RULES, VersionRule, yarn_reading_warnings
+from eagle3.serving.installed import installed_version
 
 NAME = "versions"
 
@@ -28,7 +33,24 @@ def installed_versions(rules: tuple[VersionRule, ...] = VERSION_RULES) -> dict[s
                 break
             except metadata.PackageNotFoundError:
                 continue
+        if out[r.package] is None and r.package == "sglang":
+            found = installed_version("sglang")  # its own environment, .venv-sglang
+            out[r.package] = (found[0], found[1]) if found else None
     return out
+
+
+# Kimi-K2.5's text_config.rope_scaling: the reference case's yarn, read by each installed engine
+# when no drafter is named.
+KIMI_K25_ROPE = {"rope_type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                 "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
+def rope_warnings(installed: dict[str, tuple[str, str] | None], drafter_dir: str | None = None) -> list[str]:
+    """How each installed engine would scale a yarn drafter's rope, where it differs from training."""
+    config = read_drafter_dir(drafter_dir).config if drafter_dir else {"rope_scaling": KIMI_K25_ROPE}
+    versions = {p: (v[0] if v else None) for p, v in installed.items()}
+    what = f"the drafter in {drafter_dir}" if drafter_dir else "a Kimi-K2.5 drafter (yarn, factor 64, mscale 1)"
+    return [f"{line} [{what}]" for line in yarn_reading_warnings(config, versions)]
 
 
 def check_versions(installed: dict[str, tuple[str, str] | None],
@@ -62,7 +84,7 @@ def check_versions(installed: dict[str, tuple[str, str] | None],
                 row["status"] = "ok"
         rows.append(row)
     bad = [x for x in rows if x["status"] in ("too-old", "too-new", "unsure", "missing")]
-    return {"packages": rows, "ok": not bad, "problems": [x["package"] for x in bad]}
+    return {"packages": rows, "ok": not bad, "problems": [x["package"] for x in bad], "rope": []}
 
 
 def format_versions(r: dict[str, Any]) -> str:
@@ -80,6 +102,8 @@ def format_versions(r: dict[str, Any]) -> str:
     for x in r["packages"]:
         if x["status"] != "ok":
             out.append(f"{x['package']} >= {x['minimum']}: {x['why']}")
+    for line in r.get("rope", []):
+        out.append(f"ROPE: {line}")
     if r["ok"]:
         out.append("OK: every installed engine meets the minimums for serving and training these drafters")
     else:
@@ -89,9 +113,17 @@ def format_versions(r: dict[str, Any]) -> str:
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    return sub.add_parser(NAME, help="installed vllm, sglang, torch, transformers against the minimums")
+    p = sub.add_parser(NAME, help="installed vllm, sglang, torch, transformers against the minimums")
+    p.add_argument("--drafter-dir", help="a drafter folder whose rope each installed engine is asked about "
+                                         "(default: Kimi-K2.5's yarn)")
+    return p
 
 
 def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    r = check_versions(installed_versions())
+    installed = installed_versions()
+    r = check_versions(installed)
+    r["rope"] = rope_warnings(installed, getattr(a, "drafter_dir", None))
+    if r["rope"]:
+        r["ok"] = False
+        r["problems"] = sorted(set(r["problems"]) | {line.split(" ")[0] for line in r["rope"]})
     return r, format_versions(r), (0 if r["ok"] else 1)
