@@ -422,6 +422,7 @@ def peer_lines(peer: str, meta: dict, plan: dict, summary: dict) -> dict:
 def report(cfg: TrainConfig, plan: dict, ours: dict, peer: dict, served: dict, meta: dict,
            paired: dict[float, tuple[float, float]]) -> list[str]:
     K, key, name = cfg.ttt_steps, meta["peer"], PEER_NAMES[meta["peer"]]
+    owner = name + ("'" if name.endswith("s") else "'s")  # speculators', SpecForge's
     said = peer_lines(key, meta, plan, peer)
     extra = f"; stage 04 flags {' '.join(meta['our_train_args'])}" if meta["our_train_args"] else ""
     out = [f"== bench_quality: our stage 04 vs {name} {meta['peer_version']} on {meta['work_dir']} "
@@ -459,10 +460,10 @@ def report(cfg: TrainConfig, plan: dict, ours: dict, peer: dict, served: dict, m
     o, s = served["ours"][0], served["peer"][0]
     if s["ci95"] is not None:
         hi = s["L"] + s["ci95"]
-        where = (f"above {name}'s 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]" if o["L"] > hi else
-                 f"not above {name}'s 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]")
+        where = (f"above {owner} 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]" if o["L"] > hi else
+                 f"not above {owner} 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]")
     else:
-        where = f"{name}'s run has no interval"
+        where = f"{owner} run has no interval"
     t = o["temperature"]
     out.append(f"ours - {name}: {o['L'] - s['L']:+.3f} served acceptance length "
                f"({'greedy' if t == 0 else f'T = {t:g}'}, K = {K}); ours is {where}")

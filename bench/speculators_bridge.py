@@ -431,6 +431,7 @@ def settings_text(settings: dict) -> str:
     opt_text = (f"Muon (momentum {settings['muon_momentum']:g}, weight decay {settings['muon_weight_decay']:g}, "
                 f"{settings['muon_adjust_lr_fn']}) on 2-D weights + AdamW (weight decay {settings['weight_decay']:g})"
                 if opt == "muon" else f"AdamW (betas (0.9, 0.999), weight decay {settings['weight_decay']:g})")
-    return (f"loss {settings['loss']}, step weights {settings['step_decay']:g}^k, {opt_text}, {settings['scheduler']} "
-            f"schedule to 0, clip 1.0")
+    decay = settings["step_decay"]
+    weights = "every TTT step weighted 1" if decay == 1 else f"TTT step k weighted {decay:g}^k"
+    return f"loss {settings['loss']}, {weights}, {opt_text}, {settings['scheduler']} schedule to 0, clip 1.0"
 
