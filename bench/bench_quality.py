@@ -9,12 +9,13 @@ The peers: SpecForge 0.2.0's training step (`--peer specforge`, the default) and
 speculators 0.9.0's trainer with its LK loss (`--peer speculators`; `--peer-loss` takes any
 loss it ships: kl_div, rkl, jsd, ce, tv, nla, lk_hybrid, or a JSON dict of weights).
 The speculators comparison at the demo's size, two seeds (the lead's measurement; each
-seed its own --out, as stage 04 refuses to rerun a finished folder with other settings):
+seed its own --out, so that both seeds' runs, logs and reports are kept side by side):
 
     for seed in 0 1; do python bench/bench_quality.py --peer speculators --sampled --seed $seed \
         --out work/smollm2-135m/bench_quality-speculators-seed$seed [--loss lk]; done
 
-(250 steps, the config's; `--loss lk` once stage 04 has the flag; the tiny shake-out:
+(250 steps, the config's; speculators' side takes ~18 s a step on 2 cores, ~80 minutes a
+seed, docs/LEVERS.md; `--loss lk` once stage 04 has the flag; the tiny shake-out:
 `python bench/bench_quality.py --config configs/tiny-llama.yaml --peer speculators --steps 5 --warmup-steps 2`).
 
 On one stage-02 store and stage-03 vocabulary (the base work dir W, stages 00-03 done),
