@@ -175,8 +175,7 @@ class SpeculatorsSettings:
 
     def resolved(self) -> dict:
         """Every setting, with its CLI defaults filled in."""
-        d = {**cli_defaults(), **{k: v for k, v in self.__dict__.items() if v is not None}}
-        return d
+        return {**cli_defaults(), **{k: v for k, v in self.__dict__.items() if v is not None}}
 
 
 def _store_dataset(split, max_seq_len: int, dtype: torch.dtype):
@@ -251,13 +250,19 @@ class SpeculatorsTrainer:
         # Its set_seed, then its own initialisation (transformers' normal, std 0.02).
         torch.manual_seed(s.seed)
         layer_cfg = draft_layer_config(dcfg)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*safetensors.index.json.*")
+        # Its loader logs (loguru) every file it opens; the teacher check in bench_quality.py
+        # says whether it read the rows ours reads.
+        from loguru import logger as loguru_logger
+
+        loguru_logger.disable("speculators.utils.loading")
+        try:
             model = Eagle3DraftModel.from_training_args(
                 verifier_config=layer_cfg, t2d=t2d.clone(), d2t=d2t.clone(), verifier_name_or_path=s.target_model,
                 target_layer_ids=list(s.aux_layers), draft_attn_impl=ATTN_IMPLEMENTATION,
                 draft_vocab_size=dcfg.draft_vocab_size, ttt_steps=s.ttt_steps, norm_before_residual=False,
                 norm_before_fc=False, fc_norm=False, norm_output=False, embed_requires_grad=False)
+        finally:
+            loguru_logger.enable("speculators.utils.loading")
         # Our store's final state is already normed (its capture is not): an identity, not the target's norm again.
         model.verifier_norm = torch.nn.Identity()
         self.model = model
