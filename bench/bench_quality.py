@@ -1,8 +1,22 @@
-"""Our stage 04 side by side with SpecForge 0.2.0's training step: same data, same budget, served.
+"""Our stage 04 side by side with a peer's trainer: same data, same budget, served.
 
     python bench/bench_quality.py                        # the demo: configs/smollm2-135m.yaml's work dir and target
     python bench/bench_quality.py --work-dir W --target-model M [--out DIR] [--sampled]
     python bench/bench_quality.py ... --steps 5 --warmup-steps 2          # a short shake-out of the whole path
+    python bench/bench_quality.py --peer speculators [--peer-loss lk_hybrid] [--loss NAME] [--train-arg=--FLAG=V]
+
+The peers: SpecForge 0.2.0's training step (`--peer specforge`, the default) and
+speculators 0.9.0's trainer with its LK loss (`--peer speculators`; `--peer-loss` takes any
+loss it ships: kl_div, rkl, jsd, ce, tv, nla, lk_hybrid, or a JSON dict of weights).
+The speculators comparison at the demo's size, two seeds (the lead's measurement; each
+seed its own --out, so that both seeds' runs, logs and reports are kept side by side):
+
+    for seed in 0 1; do python bench/bench_quality.py --peer speculators --sampled --seed $seed \
+        --out work/smollm2-135m/bench_quality-speculators-seed$seed [--loss lk]; done
+
+(250 steps, the config's; speculators' side takes ~18 s a step on 2 cores, ~80 minutes a
+seed, docs/LEVERS.md; `--loss lk` once stage 04 has the flag; the tiny shake-out:
+`python bench/bench_quality.py --config configs/tiny-llama.yaml --peer speculators --steps 5 --warmup-steps 2`).
 
 On one stage-02 store and stage-03 vocabulary (the base work dir W, stages 00-03 done),
 with one budget (optimizer steps, the same samples in each step, tokens per step,
@@ -10,26 +24,29 @@ K = ttt_steps, peak learning rate and warmup; defaults: the config's train secti
 on CPU:
 
 1. ours: stage 04, 05 and 06 in OUT/ours, whose 00-03 folders are symlinks to W's;
-2. SpecForge: its own drafter class, TTT forward, loss, optimizer and schedule
-   (bench/specforge_bridge.py says which of its files and what had to change for a CPU),
-   installed into --specforge-env by this script when missing. Step s trains on the samples
-   step s of our stage 04 trains on: both read eagle3/stages/s04_train/run.py `Trainer`'s plan
-   (EpochPlan over the samples that carry loss); SpecForge gets them as its collator's
-   padded batch, ours packs them into rows. Its weights are converted to our export
-   format, checked logit for logit against our `Eagle3Drafter` (fails above
-   specforge_bridge.CHECK_TOLERANCE), written as a stage-04 checkpoint and exported by
-   stage 05 in OUT/specforge, then served by stage 06 there;
+   `--loss NAME` and `--train-arg ARG` (repeatable) pass flags to our stage 04 only;
+2. the peer: its own drafter class, TTT forward, loss, optimizer and schedule
+   (bench/specforge_bridge.py and bench/speculators_bridge.py say which of its files and
+   what had to change for a CPU), installed into --specforge-env / --speculators-env by this
+   script when missing. Step s trains on the samples step s of our stage 04 trains on: both
+   read eagle3/stages/s04_train/run.py `Trainer`'s plan (EpochPlan over the samples that
+   carry loss); SpecForge gets them as its collator's padded batch, speculators as its
+   collator's one packed row, ours packs them into rows. Its weights are converted to our
+   export format, checked logit for logit against our `Eagle3Drafter` (fails above the
+   bridge's CHECK_TOLERANCE), written as a stage-04 checkpoint and exported by stage 05 in
+   OUT/<peer>, then served by stage 06 there;
 3. both drafters served by stage 06 on the config's held-out prompts, greedy (and
    T = 0.7 with --sampled), no untrained baseline, no timing.
 
 Prints, per trainer: served acceptance length with its 95% interval and per position,
-the held-out expected accept length (docs/CONVENTIONS.md §5; for SpecForge our stage 04's
+the held-out expected accept length (docs/CONVENTIONS.md §5; for the peer our stage 04's
 own evaluation of its weights at the same steps), seconds per optimizer step (median;
 SpecForge's share spent on its teacher beside it), the precision each trained in; then
-one line: ours minus SpecForge's served acceptance length and whether ours lies above
-SpecForge's 95% interval. OUT defaults to W/bench_quality (W's own stage folders are
+ours minus the peer's served acceptance length, whether ours lies above the peer's 95%
+interval, and the paired 95% interval of the difference over the same prompts
+(bench/served_pairs.py). OUT defaults to W/bench_quality (W's own stage folders are
 never written); every figure is also in OUT/bench_quality.json, the stages' logs in
-OUT/logs/. Rerunning reuses finished stages and a finished SpecForge run of the same
+OUT/logs/. Rerunning reuses finished stages and a finished peer run of the same
 settings (--force redoes them).
 """
 from __future__ import annotations
@@ -51,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import specforge_bridge as bridge  # noqa: E402
+import speculators_bridge as spec_bridge  # noqa: E402
 from served_pairs import paired_interval, per_prompt, verdict  # noqa: E402
 
 from eagle3.core.config import build_config, load_yaml  # noqa: E402
@@ -157,10 +175,11 @@ def our_precision(cfg: TrainConfig) -> str:
     return "bf16 autocast, fp32 weights (stage 04 precision auto)" if bf16 else "fp32 (stage 04 precision auto)"
 
 
-# --------------------------------------------------------------------------- SpecForge
+# --------------------------------------------------------------------------- the peers
 
 
-def specforge_precision(choice: str) -> str:
+def peer_precision(choice: str) -> str:
+    """The peer's precision: `auto` is our stage 04's choice on this machine."""
     if choice != "auto":
         return choice
     from eagle3.stages.s04_train.run import bf16_autocast_pays
@@ -168,7 +187,25 @@ def specforge_precision(choice: str) -> str:
     return "autocast" if bf16_autocast_pays(torch.device("cpu")) else "fp32"
 
 
-def train_specforge(cfg: TrainConfig, precision: str, wd: WorkDir, force: bool) -> dict:
+def save_peer_checkpoint(trainer, model_state: dict, final_eval: dict, path: Path) -> None:
+    """A peer's converted weights as a stage-04 checkpoint stage 05 reads (TrainCheckpoint):
+    our run's identity, shape, layers and data position at its last step, the peer's weights;
+    no optimizer, schedule or RNG state (stage 05 reads none, and nothing resumes from it)."""
+    from eagle3.artifacts.train_outputs import TrainCheckpoint
+
+    step = trainer.total
+    ckpt = TrainCheckpoint(
+        model=model_state, drafter_config=trainer.dcfg.to_dict(), aux_layers=list(trainer.store.aux_layers),
+        optimizer={}, scheduler={}, step=step, **trainer.data_position(step), rng=[],
+        train_config=json.loads(json.dumps(trainer.src.params, default=str)), identity=trainer.src.identity,
+        best={"expected_accept_length": final_eval["expected_accept_length"], "step": step}, eval=final_eval)
+    torch.save(ckpt.to_file(), path)
+
+
+# --------------------------------------------------------------------------- SpecForge
+
+
+def train_specforge(cfg: TrainConfig, a: argparse.Namespace, precision: str, wd: WorkDir, force: bool) -> dict:
     """SpecForge's training on our plan; writes its weights, a stage-04 checkpoint of the
     converted weights (for stage 05) and a summary; returns the summary."""
     from eagle3.target.head import load_embedding, load_lm_head
@@ -194,9 +231,6 @@ def train_specforge(cfg: TrainConfig, precision: str, wd: WorkDir, force: bool) 
     else:
         summary = fit_specforge(sf, trainer, cfg, settings)
         torch.save(sf.saved_state(), state_path)
-        final = summary["evals"][str(trainer.total)]
-        torch.save({"model": bridge.to_export_state(sf.saved_state()), "drafter_config": trainer.dcfg.to_dict(),
-                    "aux_layers": trainer.store.aux_layers, "step": trainer.total, "eval": final}, ckpt_path)
     # The conversion, checked logit for logit before anything is exported from it.
     drafter = Eagle3Drafter(trainer.dcfg)
     drafter.load_state_dict(bridge.to_export_state(sf.saved_state()))  # strict: the names are ours exactly
@@ -214,6 +248,9 @@ def train_specforge(cfg: TrainConfig, precision: str, wd: WorkDir, force: bool) 
                          f"{check['max_abs_diff']:.3e} > {check['tolerance']:.0e}): the conversion in "
                          f"bench/specforge_bridge.py (to_export_state) no longer matches SpecForge's drafter; "
                          f"nothing was exported or served.")
+    # Only a checked conversion becomes the checkpoint stage 05 exports.
+    save_peer_checkpoint(trainer, bridge.to_export_state(sf.saved_state()), summary["evals"][str(trainer.total)],
+                         ckpt_path)
     return summary
 
 
@@ -261,6 +298,95 @@ def fit_specforge(sf, trainer, cfg: TrainConfig, settings: dict) -> dict:
             "s_per_step": statistics.median(step_s), "teacher_s_per_step": statistics.median(teacher_s)}
 
 
+# --------------------------------------------------------------------------- speculators
+
+
+def train_speculators(cfg: TrainConfig, a: argparse.Namespace, precision: str, wd: WorkDir, force: bool) -> dict:
+    """speculators' training on our plan; writes its weights, a stage-04 checkpoint of the
+    converted weights (for stage 05) and a summary; returns the summary."""
+    from eagle3.drafter.model import Eagle3Drafter
+    from eagle3.target.head import load_embedding, load_lm_head
+
+    summary_path, state_path, ckpt_path = (wd.root / "speculators_train.json", wd.root / "speculators_state.pt",
+                                           wd.root / "speculators_checkpoint.pt")
+    trainer = make_trainer(cfg)
+    s = spec_bridge.SpeculatorsSettings(
+        target_model=cfg.target_model, aux_layers=list(trainer.store.aux_layers), ttt_steps=cfg.ttt_steps,
+        learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=trainer.total,
+        max_seq_len=cfg.max_seq_len, precision=precision, seed=cfg.seed, loss=a.peer_loss,
+        optimizer=a.peer_optimizer, scheduler=a.peer_scheduler, step_decay=a.peer_step_decay)
+    steps = [[i for mb in trainer.micro_batches(step) for i in mb] for step in range(trainer.total)]
+    settings = {**s.resolved(), "batch_tokens": cfg.batch_tokens, "grad_accum": cfg.grad_accum,
+                "store": str(trainer.store.dir.resolve())}
+    peer = spec_bridge.SpeculatorsTrainer(s, trainer.dcfg, trainer.drafter.d2t, trainer.drafter.t2d,
+                                          trainer.train_split, steps, wd.root / "speculators_run")
+    # Its teacher head is the target's lm_head rows its own loader picked by t2d: the rows ours reads.
+    our_rows = load_lm_head(trainer.src.info, trainer.drafter.draft_ids())  # [V_d, H]
+    if not torch.equal(peer.teacher_rows().float(), our_rows.float()):
+        raise SystemExit(f"speculators' teacher head (verifier_lm_head, read by its load_verifier_weights from "
+                         f"{cfg.target_model}) differs from the target's lm_head rows of our draft vocabulary: its "
+                         f"loader and ours read the target's checkpoint differently; nothing was trained.")
+    old = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    if old and old.get("settings") == settings and state_path.is_file() and not force:
+        say(f"  speculators reusing {summary_path} (same settings; --force retrains)")
+        peer.load_saved_state(torch.load(state_path, weights_only=True))
+        summary = old
+    else:
+        summary = fit_speculators(peer, trainer, cfg, settings)
+        torch.save(peer.saved_state(), state_path)
+    # The conversion, checked logit for logit before anything is exported from it.
+    drafter = Eagle3Drafter(trainer.dcfg)
+    drafter.load_state_dict(spec_bridge.to_export_state(peer.saved_state()))  # strict: every name of ours, no other
+    split = trainer.store.split("eval")
+    check = spec_bridge.check_conversion(peer, drafter, load_embedding(trainer.src.info).float(), split,
+                                         list(range(min(CHECK_SAMPLES, len(split)))), cfg.max_seq_len)
+    summary["conversion_check"] = check
+    summary_path.write_text(json.dumps(summary, indent=1))
+    say(f"  speculators logit check: max |speculators - ours| {check['max_abs_diff']:.2e} over "
+        f"{check['rows_compared']:,} positions x {check['steps']} steps of {check['samples']} held-out samples "
+        f"(|logits| up to {check['max_abs_logit']:.1f}; tolerance {check['tolerance']:.0e})")
+    if not check["ok"]:
+        raise SystemExit(f"the converted speculators weights do not give speculators' logits (max abs difference "
+                         f"{check['max_abs_diff']:.3e} > {check['tolerance']:.0e}): the conversion in "
+                         f"bench/speculators_bridge.py (to_export_state) no longer matches its drafter; "
+                         f"nothing was exported or served.")
+    # Only a checked conversion becomes the checkpoint stage 05 exports.
+    save_peer_checkpoint(trainer, spec_bridge.to_export_state(peer.saved_state()), summary["evals"][str(trainer.total)],
+                         ckpt_path)
+    return summary
+
+
+def fit_speculators(peer, trainer, cfg: TrainConfig, settings: dict) -> dict:
+    """speculators' train loop over our plan; our stage 04's held-out evaluation of its weights
+    at our eval steps (outside the step times)."""
+    total = trainer.total
+    eval_steps = {s for s in range(1, total + 1) if s % cfg.eval_every == 0 or s == total}
+    step_s, evals, log = [], {}, []
+    clock = [time.perf_counter()]
+    records: list[dict] = []
+
+    def after_step(done: int) -> None:
+        step_s.append(time.perf_counter() - clock[0])
+        if done % cfg.log_every == 0 or done == total:
+            m = records[-1]["train"] if records else {}
+            line = {"step": done, "s_per_step": statistics.median(step_s[-cfg.log_every:]),
+                    **{k: m[k] for k in sorted(m) if k.startswith(("loss", "full_acc_"))},
+                    "lr": peer.learning_rates()[0]}
+            log.append(line)
+            say(f"  speculators step {done:4d}/{total}  " + "  ".join(
+                f"{k} {v:.3g}" for k, v in line.items() if k != "step"))
+        if done in eval_steps:
+            trainer.drafter.load_state_dict(spec_bridge.to_export_state(peer.saved_state()))
+            evals[str(done)] = trainer.evaluate()
+            say(f"  speculators step {done:4d}  held-out expected accept length "
+                f"{evals[str(done)]['expected_accept_length']:.3f} (our stage 04's evaluation of its weights)")
+        clock[0] = time.perf_counter()
+
+    peer.fit(after_step, records)  # each step's record is in `records` before after_step runs
+    return {"settings": settings, "evals": evals, "log": log, "step_s": step_s,
+            "s_per_step": statistics.median(step_s)}
+
+
 # --------------------------------------------------------------------------- the report
 
 
@@ -276,56 +402,74 @@ def estimate_text(evals: dict) -> str:
                       sorted(evals.items(), key=lambda kv: int(kv[0])))
 
 
-def report(cfg: TrainConfig, plan: dict, ours: dict, sf: dict, served: dict, meta: dict,
+PEER_NAMES = {"specforge": "SpecForge", "speculators": "speculators"}
+
+
+def peer_lines(peer: str, meta: dict, plan: dict, summary: dict) -> dict:
+    """What the report says of the peer: its batch, recipe and the share of its step worth naming."""
+    if peer == "specforge":
+        return {"batch": f"SpecForge's collator pads them to {plan['padded_tokens_per_step']:,.0f}",
+                "recipe": f"{meta['peer_precision']}; its BF16Optimizer (AdamW betas (0.9, 0.999) on fp32 masters, "
+                          f"cosine to 0, clip 0.5); padded batch; exported its last step; {bridge.LOSS_SUBSTITUTION}",
+                "step_note": f"of which its teacher, full-vocab logsumexp and argmax: "
+                             f"{summary['teacher_s_per_step']:.2f}"}
+    packed = plan["tokens_per_step"] - plan["samples_per_step"]  # its shift_batch drops one token per sample
+    return {"batch": f"speculators' collator packs them into one row of {packed:,.0f}",
+            "recipe": f"{meta['peer_precision']}; {spec_bridge.settings_text(summary['settings'])}; one packed row "
+                      f"per step; exported its last step; on CPU: {spec_bridge.CPU_CHANGES}",
+            "step_note": "dense sdpa over the packed row: its GPU flex attention skips the blocks across samples"}
+
+
+def report(cfg: TrainConfig, plan: dict, ours: dict, peer: dict, served: dict, meta: dict,
            paired: dict[float, tuple[float, float]]) -> list[str]:
-    K = cfg.ttt_steps
-    out = [f"== bench_quality: our stage 04 vs SpecForge {meta['specforge_version']} on {meta['work_dir']} "
+    K, key, name = cfg.ttt_steps, meta["peer"], PEER_NAMES[meta["peer"]]
+    owner = name + ("'" if name.endswith("s") else "'s")  # speculators', SpecForge's
+    said = peer_lines(key, meta, plan, peer)
+    extra = f"; stage 04 flags {' '.join(meta['our_train_args'])}" if meta["our_train_args"] else ""
+    out = [f"== bench_quality: our stage 04 vs {name} {meta['peer_version']} on {meta['work_dir']} "
            f"(target {cfg.target_model})",
            f"budget: {plan['steps']} optimizer steps, the same samples in each step ({plan['samples_per_step']:.1f} "
-           f"samples, {plan['tokens_per_step']:,.0f} tokens per step on average; SpecForge's collator pads them to "
-           f"{plan['padded_tokens_per_step']:,.0f}), {plan['train_samples']} train samples that carry loss, "
-           f"K = {K}, peak lr {cfg.learning_rate:g}, warmup {cfg.warmup_steps} steps, seed "
-           f"{cfg.seed}, CPU",
+           f"samples, {plan['tokens_per_step']:,.0f} tokens per step on average; {said['batch']}), "
+           f"{plan['train_samples']} train samples that carry loss, K = {K}, peak lr {cfg.learning_rate:g}, warmup "
+           f"{cfg.warmup_steps} steps, seed {cfg.seed}, CPU",
            f"ours:      {meta['our_precision']}; AdamW betas (0.9, 0.95), cosine to {cfg.min_lr_ratio:g} x peak, "
            f"clip {cfg.grad_clip:g}; packed rows; exported its best held-out checkpoint (step "
-           f"{ours['exported_step']})",
-           f"SpecForge: {meta['specforge_precision']}; its BF16Optimizer (AdamW betas (0.9, 0.999) on fp32 masters, "
-           f"cosine to 0, clip 0.5); padded batch; exported its last step; {bridge.LOSS_SUBSTITUTION}",
-           f"conversion check: max |logit difference| {sf['conversion_check']['max_abs_diff']:.2e} "
-           f"(tolerance {sf['conversion_check']['tolerance']:.0e})",
+           f"{ours['exported_step']}){extra}",
+           f"{name + ':':10s} {said['recipe']}",
+           f"conversion check: max |logit difference| {peer['conversion_check']['max_abs_diff']:.2e} "
+           f"(tolerance {peer['conversion_check']['tolerance']:.0e})",
            ""]
     prompts = served["ours"][0]["prompts"]
     for i, row in enumerate(served["ours"]):
         t = row["temperature"]
         out.append(f"served acceptance length, K = {K}, {prompts} held-out prompts, "
                    f"{'greedy' if t == 0 else f'T = {t:g}'} (stage 06):")
-        for name in ("ours", "specforge"):
-            r = served[name][i]
+        for label, side in (("ours", "ours"), (key, "peer")):
+            r = served[side][i]
             per = " / ".join(f"{p:.2f}" for p in r["per_position"])
             ci = f" ±{r['ci95']:.3f}" if r["ci95"] is not None else ""
-            out.append(f"  {name:10s} {r['L']:.3f}{ci}   per position {per}")
+            out.append(f"  {label:11s} {r['L']:.3f}{ci}   per position {per}")
     out += ["",
             "training-time held-out expected accept length (1 + sum_k full_acc_k, our stage 04's evaluation):",
-            f"  {'ours':10s} {estimate_text(ours['evals'])}",
-            f"  {'specforge':10s} {estimate_text(sf['evals'])}",
+            f"  {'ours':11s} {estimate_text(ours['evals'])}",
+            f"  {key:11s} {estimate_text(peer['evals'])}",
             "seconds per optimizer step (median):",
-            f"  {'ours':10s} {ours['s_per_step']:.2f}   (stage 04's log windows without an evaluation: "
+            f"  {'ours':11s} {ours['s_per_step']:.2f}   (stage 04's log windows without an evaluation: "
             f"{ours['timed_windows']})",
-            f"  {'specforge':10s} {sf['s_per_step']:.2f}   (of which its teacher, full-vocab logsumexp and argmax: "
-            f"{sf['teacher_s_per_step']:.2f})",
+            f"  {key:11s} {peer['s_per_step']:.2f}   ({said['step_note']})",
             ""]
-    o, s = served["ours"][0], served["specforge"][0]
+    o, s = served["ours"][0], served["peer"][0]
     if s["ci95"] is not None:
         hi = s["L"] + s["ci95"]
-        where = (f"above SpecForge's 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]" if o["L"] > hi else
-                 f"not above SpecForge's 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]")
+        where = (f"above {owner} 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]" if o["L"] > hi else
+                 f"not above {owner} 95% interval [{s['L'] - s['ci95']:.3f}, {hi:.3f}]")
     else:
-        where = "SpecForge's run has no interval"
+        where = f"{owner} run has no interval"
     t = o["temperature"]
-    out.append(f"ours - SpecForge: {o['L'] - s['L']:+.3f} served acceptance length "
+    out.append(f"ours - {name}: {o['L'] - s['L']:+.3f} served acceptance length "
                f"({'greedy' if t == 0 else f'T = {t:g}'}, K = {K}); ours is {where}")
     for t, (lo, hi) in paired.items():
-        out.append(f"paired over the same prompts ({'greedy' if t == 0 else f'T = {t:g}'}): ours - SpecForge 95% "
+        out.append(f"paired over the same prompts ({'greedy' if t == 0 else f'T = {t:g}'}): ours - {name} 95% "
                    f"interval [{lo:+.3f}, {hi:+.3f}]: ours {verdict(lo, hi)}")
     return out
 
@@ -347,14 +491,47 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup-steps", type=int, help="warmup steps (default: the config's)")
     ap.add_argument("--seed", type=int, help="initialisation and data order (default: the config's)")
     ap.add_argument("--sampled", action="store_true", help="serve at T = 0.7 as well as greedy")
-    ap.add_argument("--specforge-precision", default="auto", choices=["auto", *bridge.PRECISIONS],
+    ap.add_argument("--loss", help="our stage 04's --loss (passed as --loss=NAME; the peer's is --peer-loss)")
+    ap.add_argument("--train-arg", action="append", default=[], metavar="ARG",
+                    help="one more argument for our stage 04 only, as one token (--train-arg=--step-decay=0.9); "
+                         "repeatable")
+    ap.add_argument("--peer", default="specforge", choices=sorted(PEER_NAMES),
+                    help=f"whose trainer ours is compared with: SpecForge {bridge.SPECFORGE_VERSION} or speculators "
+                         f"{spec_bridge.SPECULATORS_VERSION}")
+    ap.add_argument("--peer-precision", "--specforge-precision", dest="peer_precision", default="auto",
+                    choices=["auto", *bridge.PRECISIONS],
                     help="auto: as our stage 04 on this machine (bf16 autocast where bf16 matmuls are in "
-                         "hardware, else fp32); bf16: SpecForge's default bf16 weights with fp32 masters")
+                         "hardware, else fp32); bf16 (SpecForge only): its default bf16 weights with fp32 masters")
+    ap.add_argument("--peer-loss", default=spec_bridge.DEFAULT_LOSS,
+                    help="speculators' loss: kl_div, rkl, jsd, ce, tv, nla (-log acceptance, LK^alpha), lk_hybrid "
+                         "(the LK paper's hybrid) or a JSON dict of weights, e.g. '{\"kl_div\": 0.5, \"tv\": 0.5}' "
+                         "(SpecForge 0.2.0 has its KL only)")
+    ap.add_argument("--peer-optimizer", choices=["muon", "adamw"],
+                    help="speculators' optimizer (default: its CLI's, muon)")
+    ap.add_argument("--peer-scheduler", choices=["linear", "cosine"],
+                    help="speculators' schedule after the warmup (default: its CLI's, linear)")
+    ap.add_argument("--peer-step-decay", type=float,
+                    help="speculators' loss weight of TTT step k is this ** k (default: its CLI's, 1.0)")
     ap.add_argument("--specforge-env", type=Path,
                     default=ROOT / "work" / "bench-env" / f"specforge-{bridge.SPECFORGE_VERSION}",
                     help="folder SpecForge is installed into (--no-deps) and imported from")
+    ap.add_argument("--speculators-env", type=Path,
+                    default=ROOT / "work" / "bench-env" / f"speculators-{spec_bridge.SPECULATORS_VERSION}",
+                    help="folder speculators is installed into (--no-deps) and imported from")
     ap.add_argument("--force", action="store_true", help="retrain and re-serve both instead of reusing")
-    return ap.parse_args()
+    a = ap.parse_args()
+    if a.peer == "specforge":
+        chosen = [flag for flag, v in (("--peer-optimizer", a.peer_optimizer), ("--peer-scheduler", a.peer_scheduler),
+                                       ("--peer-step-decay", a.peer_step_decay)) if v is not None]
+        if a.peer_loss != spec_bridge.DEFAULT_LOSS:
+            chosen.append("--peer-loss")
+        if chosen:
+            ap.error(f"{', '.join(chosen)}: speculators' settings; SpecForge {bridge.SPECFORGE_VERSION} runs its own "
+                     f"recipe (pass --peer speculators to choose them)")
+    elif a.peer_precision not in ("auto", *spec_bridge.PRECISIONS):
+        ap.error(f"--peer-precision {a.peer_precision}: speculators keeps fp32 master weights; choose from "
+                 f"auto, {', '.join(spec_bridge.PRECISIONS)}")
+    return a
 
 
 def main() -> None:
@@ -376,55 +553,65 @@ def main() -> None:
     flags = {"max_steps": a.steps, "batch_tokens": a.batch_tokens, "ttt_steps": a.ttt_steps,
              "learning_rate": a.learning_rate, "warmup_steps": a.warmup_steps, "seed": a.seed}
     # One budget for both: the config's train section with these flags over it.
-    cfg = build_config(TrainConfig, "train", a.config, {**flags, "work_dir": str(out / "specforge"),
+    cfg = build_config(TrainConfig, "train", a.config, {**flags, "work_dir": str(out / a.peer),
                                                         "target_model": target, "device": "cpu"})
-    if cfg.max_steps is not None and cfg.warmup_steps >= cfg.max_steps:
+    if a.peer == "specforge" and cfg.max_steps is not None and cfg.warmup_steps >= cfg.max_steps:
         raise SystemExit(f"warmup of {cfg.warmup_steps} steps in a run of {cfg.max_steps}: SpecForge's schedule "
                          f"needs steps after its warmup (lr_scheduler.py divides by their count); pass "
                          f"--warmup-steps below --steps.")
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    version = bridge.ensure_specforge(a.specforge_env)
+    if a.peer == "specforge":
+        version, env = bridge.ensure_specforge(a.specforge_env), a.specforge_env
+        train_peer = train_specforge
+    else:
+        version, env = spec_bridge.ensure_speculators(a.speculators_env), a.speculators_env
+        spec_bridge.check_loss(a.peer_loss)  # before any stage runs
+        train_peer = train_speculators
+    name = PEER_NAMES[a.peer]
     ours_wd = scratch_work_dir(out / "ours", base)
-    sf_wd = scratch_work_dir(out / "specforge", base)
+    peer_wd = scratch_work_dir(out / a.peer, base)
     budget = [f"--{k.replace('_', '-')}={getattr(cfg, k)}" for k in BUDGET if getattr(cfg, k) is not None]
     budget.append("--device=cpu")
+    our_train_args = ([f"--loss={a.loss}"] if a.loss else []) + a.train_arg
     common = ["--config", str(a.config), "--target-model", target]
     force = ["--force"] if a.force else []
     serve = ["--temperature", "0,0.7" if a.sampled else "0", "--no-baseline-untrained", "--timing-prompts", "0",
              f"--num-speculative-tokens={cfg.ttt_steps}"]
 
-    say(f"bench_quality: base {base.root}, target {target}, out {out}, SpecForge {version} from {a.specforge_env}")
+    say(f"bench_quality: base {base.root}, target {target}, out {out}, {name} {version} from {env}")
     trainer = make_trainer(cfg)
     plan = plan_figures(trainer)
     del trainer
     say("ours:")
-    run_stage("train", ours_wd, common, budget + force, logs, "ours")
+    run_stage("train", ours_wd, common, budget + our_train_args + force, logs, "ours")
     run_stage("export", ours_wd, common, force, logs, "ours")
     ours = our_figures(ours_wd, plan)
-    say(f"SpecForge ({specforge_precision(a.specforge_precision)}):")
-    sf = train_specforge(cfg, specforge_precision(a.specforge_precision), sf_wd, a.force)
-    run_stage("export", sf_wd, common, ["--checkpoint", str(sf_wd.root / "specforge_checkpoint.pt")],
-              logs, "specforge")
+    precision = peer_precision(a.peer_precision)
+    say(f"{name} ({precision}):")
+    peer = train_peer(cfg, a, precision, peer_wd, a.force)
+    run_stage("export", peer_wd, common, ["--checkpoint", str(peer_wd.root / f"{a.peer}_checkpoint.pt")],
+              logs, a.peer)
     say("served:")
     run_stage("evaluate", ours_wd, common, serve + force, logs, "ours")
-    run_stage("evaluate", sf_wd, common, serve + force, logs, "specforge")
-    served = {"ours": served_rows(ours_wd), "specforge": served_rows(sf_wd)}
+    run_stage("evaluate", peer_wd, common, serve + force, logs, a.peer)
+    served = {"ours": served_rows(ours_wd), "peer": served_rows(peer_wd)}
 
-    meta = {"specforge_version": version, "work_dir": str(base.root), "our_precision": our_precision(cfg),
-            "specforge_precision": {"autocast": "bf16 autocast, fp32 weights", "fp32": "fp32",
-                                    "bf16": "bf16 weights (SpecForge's default torch_dtype)"}[
-                specforge_precision(a.specforge_precision)]}
+    meta = {"peer": a.peer, "peer_version": version, "work_dir": str(base.root), "our_precision": our_precision(cfg),
+            "our_train_args": our_train_args,
+            "peer_precision": {"autocast": "bf16 autocast, fp32 weights", "fp32": "fp32",
+                               "bf16": "bf16 weights (SpecForge's default torch_dtype)"}[precision]}
     paired = {row["temperature"]: paired_interval(per_prompt(ours_wd.root, row["temperature"]),
-                                                  per_prompt(sf_wd.root, row["temperature"]))
+                                                  per_prompt(peer_wd.root, row["temperature"]))
               for row in served["ours"]}
-    lines = report(cfg, plan, ours, sf, served, meta, paired)
+    lines = report(cfg, plan, ours, peer, served, meta, paired)
     say()
     say("\n".join(lines))
     (out / "bench_quality.json").write_text(json.dumps(
         {"meta": meta, "budget": {k: getattr(cfg, k) for k in BUDGET},
          "plan": {k: v for k, v in plan.items() if k != "tokens"}, "ours": ours,
-         "specforge": {k: v for k, v in sf.items() if k not in ("step_s", "teacher_s")}, "served": served,
+         a.peer: {k: v for k, v in peer.items() if k not in ("step_s", "teacher_s")},
+         "served": {"ours": served["ours"], a.peer: served["peer"]},
          "paired_difference_ci95": {str(t): v for t, v in paired.items()}, "report": lines}, indent=1, default=str))
 
 
