@@ -196,7 +196,8 @@ def save_peer_checkpoint(trainer, model_state: dict, final_eval: dict, path: Pat
     step = trainer.total
     ckpt = TrainCheckpoint(
         model=model_state, drafter_config=trainer.dcfg.to_dict(), aux_layers=list(trainer.store.aux_layers),
-        optimizer={}, scheduler={}, step=step, **trainer.data_position(step), rng=[],
+        optimizer={}, scheduler={}, step=step, **trainer.data_position(step),
+        batch_geometry=trainer.batch_geometry(), rounds_trained=0, rng=[],
         train_config=json.loads(json.dumps(trainer.src.params, default=str)), identity=trainer.src.identity,
         best={"expected_accept_length": final_eval["expected_accept_length"], "step": step}, eval=final_eval)
     torch.save(ckpt.to_file(), path)
