@@ -27,8 +27,12 @@ from eagle3.core.errors import PipelineError
 # 1: the fields of TrainCheckpoint below but `batch_geometry` and `rounds_trained`. Files
 # written before the format had a version hold exactly those and no `format_version`: they
 # are read as version 1. 2: + batch_geometry (the process count is part of what a step
-# reads) and rounds_trained (over windows, the record of what is trained).
+# reads) and rounds_trained (over windows, the record of what is trained). A version 1 file
+# is still read (weeks of training are not thrown away by an upgrade): its two fields come
+# back as `{}` and None, "not recorded", which stage 04's resume fills in or refuses
+# (eagle3/stages/s04_train/windows.py `RoundSchedule.fill_unrecorded`) and export never reads.
 CHECKPOINT_FORMAT = 2
+_ADDED_IN_2 = {"batch_geometry": {}, "rounds_trained": None}
 _VERSION_KEY = "format_version"
 
 
@@ -50,8 +54,9 @@ class TrainCheckpoint:
     batch_geometry: dict
     # Over windows (stage 02's --disk-budget): the rounds whose every step this checkpoint
     # holds, the record of what is trained (progress.json is derived from it, and no round
-    # from this one on is ever deleted); 0 without windows.
-    rounds_trained: int
+    # from this one on is ever deleted); 0 without windows. `{}` / None: a version 1 file,
+    # which recorded neither.
+    rounds_trained: int | None
     # One entry per rank, by rank: that process's torch CPU generator state and, on a GPU,
     # its own GPU's (never the other GPUs': each rank restores its own entry, so a
     # resumed run draws what each rank would have drawn).
@@ -75,6 +80,8 @@ class TrainCheckpoint:
             raise PipelineError(f"{path} is not a stage 04 checkpoint: it holds a {type(data).__name__}, not a dict; "
                                 f"{fix}.")
         version = data.get(_VERSION_KEY, 1)
+        if version == 1 and not set(_ADDED_IN_2) & set(data):  # version 2 with its two fields not recorded
+            data, version = {**data, **_ADDED_IN_2}, CHECKPOINT_FORMAT
         if version != CHECKPOINT_FORMAT:
             raise PipelineError(f"{path} has checkpoint format {version}, this code reads {CHECKPOINT_FORMAT} "
                                 f"(eagle3/artifacts/train_outputs.py); use the code that wrote it, or {fix}.")

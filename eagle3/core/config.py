@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 
 def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = True,
+          identity_unless_default: bool = False,
           default_factory: Any = dataclasses.MISSING, choices: tuple | None = None,
           min: float | None = None, max: float | None = None,
           gt: float | None = None, lt: float | None = None) -> Any:
@@ -55,8 +56,12 @@ def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = Tru
 
     `choices`: the allowed values; `min`/`max`: inclusive bounds, `gt`/`lt`: exclusive
     ones. None (for optional fields) is always allowed; list fields are checked per item.
+    `identity_unless_default`: a field added after runs existed, whose default reproduces
+    what those runs did, enters the identity only when set otherwise, so a work dir (its
+    finished stages, its checkpoints) written before the field existed stays complete and
+    resumable under the new code.
     """
-    meta = {"help": help, "identity": identity}
+    meta = {"help": help, "identity": identity, "identity_unless_default": identity_unless_default}
     for k, v in (("choices", choices), ("min", min), ("max", max), ("gt", gt), ("lt", lt)):
         if v is not None:
             meta[k] = tuple(v) if k == "choices" else v
@@ -94,6 +99,8 @@ def identity_params(cfg) -> dict:
     for f in dataclasses.fields(cfg):
         if f.metadata.get("identity", True):
             v = getattr(cfg, f.name)
+            if f.metadata.get("identity_unless_default") and v == f.default:
+                continue
             out[f.name] = str(v) if isinstance(v, Path) else v
     return out
 

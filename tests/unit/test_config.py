@@ -254,3 +254,18 @@ def test_values_of_the_right_kind_still_pass(tmp_path):
     assert gen.data == ["a.jsonl", "b.jsonl"] and gen.top_p == 1.0 and type(gen.top_p) is float
     assert gen.enforce_eager is True and gen.chat_template_kwargs == {"thinking": True}
     assert build_config(GenerateConfig, "generate", y).chat_template_kwargs == {"thinking": False}
+
+
+def test_fields_added_later_enter_the_identity_only_when_set_otherwise():
+    """--loss, --lk-eta and --drafter-shape came after runs existed; at their defaults they
+    reproduce those runs, so a work dir written before them keeps its identity (its stage 04
+    complete, its checkpoints resumable). Set otherwise, each is part of the identity."""
+    from eagle3.core.config import identity_params
+    from eagle3.stages.s04_train.config import TrainConfig
+
+    base = identity_params(TrainConfig(work_dir="w", target_model="t"))
+    assert not {"loss", "lk_eta", "drafter_shape"} & set(base)
+    assert {"learning_rate", "ttt_steps", "step_decay"} <= set(base)
+    for field, value in (("loss", "tv"), ("lk_eta", 2.0), ("drafter_shape", "eagle3.1")):
+        changed = identity_params(TrainConfig(work_dir="w", target_model="t", **{field: value}))
+        assert changed == {**base, field: value}

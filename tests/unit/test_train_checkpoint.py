@@ -55,14 +55,20 @@ def test_a_checkpoint_comes_back_field_by_field(tmp_path):
     assert raw["format_version"] == CHECKPOINT_FORMAT == 2
 
 
-def test_a_file_without_a_format_version_is_refused_as_version_1(tmp_path):
-    """What stage 04 wrote before the record existed: the version 1 keys, no version; version 2
-    added the process count and the rounds trained, which a resume cannot guess."""
+def test_a_file_without_a_format_version_is_read_as_version_1_with_its_new_fields_not_recorded(tmp_path):
+    """What stage 04 wrote before the record had a version: the version 1 keys. An upgrade must
+    not throw weeks of training away: the file is read, the process count and the rounds it
+    never recorded come back as `{}` and None (stage 04's resume fills them in or refuses:
+    tests/unit/test_train_windows.py), and export reads neither."""
     raw = {f.name: getattr(sample(), f.name) for f in dataclasses.fields(TrainCheckpoint)
            if f.name not in ("batch_geometry", "rounds_trained")}
     torch.save(raw, tmp_path / "step_00000003.pt")
-    with pytest.raises(PipelineError, match=r"step_00000003\.pt has checkpoint format 1, this code reads 2"):
-        read_checkpoint(tmp_path / "step_00000003.pt")
+    back = read_checkpoint(tmp_path / "step_00000003.pt")
+    assert back.batch_geometry == {} and back.rounds_trained is None
+    assert back.step == sample().step and same(back.model, sample().model)
+    torch.save({**raw, "rounds_trained": 2}, tmp_path / "half.pt")  # one of version 2's fields: not version 1
+    with pytest.raises(PipelineError, match=r"half\.pt has checkpoint format 1, this code reads 2"):
+        read_checkpoint(tmp_path / "half.pt")
 
 
 def test_a_missing_field_is_refused_naming_the_file(tmp_path):

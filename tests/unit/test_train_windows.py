@@ -3,6 +3,7 @@ a resume under another process count maps by rounds; the checkpoint is the recor
 trained (progress.json follows it, down too); nothing is deleted before the checkpoint is on
 disk; every rank lets go of a round's files and checks its share of their checksums.
 No stage runs; about a second."""
+import dataclasses
 import os
 from pathlib import Path
 from types import SimpleNamespace
@@ -106,6 +107,25 @@ def test_a_mid_round_checkpoint_under_another_count_is_refused_with_the_command_
                                             rf"\(1 of its {one.steps[1]} steps done\); this run has 2.*"
                                             rf"--nproc-per-node 1 .*--stop-after {one.end(1)}.*--force"):
         two.resume_step(ckpt, Path("step-x.pt"), world=2)
+
+
+def test_a_checkpoint_of_older_code_is_taken_as_this_counts_only_where_its_data_position_agrees():
+    """A version 1 checkpoint records no process count and no rounds. Where this run's schedule
+    puts its step where the checkpoint's data stood, the count was this one and the rounds are
+    this schedule's; elsewhere counting rounds under this count could delete a round never
+    trained, so the resume is refused naming the fix."""
+    one, two = schedule(1, 1), schedule(1, 1, world=2)
+    for step in (0, one.starts[1] + 1, one.end(1)):
+        old = dataclasses.replace(checkpoint_at(one, step, 1), batch_geometry={}, rounds_trained=None)
+        filled = one.fill_unrecorded(old, Path("c.pt"), world=1)
+        assert (filled.rounds_trained, filled.batch_geometry) == (one.rounds_done(step), {"processes": 1})
+        assert one.resume_step(filled, Path("c.pt"), world=1) == step
+    old = dataclasses.replace(checkpoint_at(one, one.end(1), 1), batch_geometry={}, rounds_trained=None)
+    with pytest.raises(PipelineError, match=r"c\.pt was written by older code that did not record its process "
+                                            r"count.*--nproc-per-node N.*--force"):
+        two.fill_unrecorded(old, Path("c.pt"), world=2)
+    recorded = checkpoint_at(one, one.end(1), 1)
+    assert two.fill_unrecorded(recorded, Path("c.pt"), world=2) is recorded  # version 2: as it is
 
 
 def test_a_checkpoint_older_than_progress_json_rewrites_it_down_and_deletes_no_round_it_needs(tmp_path):

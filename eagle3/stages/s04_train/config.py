@@ -27,18 +27,20 @@ class TrainConfig(StageConfig):
     head_dim: int | None = param(None, help="drafter head dim (default: hidden / heads; 128 for DeepSeek/Kimi "
                                             "targets, a size FlashInfer serves)")
     intermediate_size: int | None = param(None, help="drafter MLP width (default: the target's dense width)")
-    drafter_shape: str | None = param(None, choices=tuple(SHAPES),
+    drafter_shape: str | None = param(None, choices=tuple(SHAPES), identity_unless_default=True,
                                       help="eagle3, or eagle3.1 (an RMSNorm per aux layer before fc, the post-norm "
                                            "state fed to the next step; vLLM >= 0.22, SGLang >= 0.5.12). Default: "
                                            "eagle3, or with --init-from the drafter's own")
     # train-time test
     ttt_steps: int = param(7, min=1, help="draft steps unrolled per position (EAGLE-3 uses 7)")
     step_decay: float = param(0.8, help="loss weight of step k is step_decay**k")
-    loss: str = param("kl", help="each step's loss: kl (forward KL, the default), tv (total variation: 1 - the "
-                                 "acceptance rate under sampling), lk_alpha or lk_lambda (the LK losses, arXiv "
-                                 "2602.23881), or a weighted mix such as kl:0.1,tv:0.9 (docs/LEVERS.md, \"The loss\")")
-    lk_eta: float = param(3.0, min=0.0, help="lk_lambda's eta: KL's weight is exp(-eta * the step's mean "
-                                             "acceptance), the rest goes to tv")
+    loss: str = param("kl", identity_unless_default=True,
+                      help="each step's loss: kl (forward KL, the default), tv (total variation: 1 - the "
+                           "acceptance rate under sampling), lk_alpha or lk_lambda (the LK losses, arXiv "
+                           "2602.23881), or a weighted mix such as kl:0.1,tv:0.9 (docs/LEVERS.md, \"The loss\")")
+    lk_eta: float = param(3.0, min=0.0, identity_unless_default=True,
+                          help="lk_lambda's eta: KL's weight is exp(-eta * the step's mean acceptance), the rest "
+                               "goes to tv")
     # what the drafter learns from (docs/LEVERS.md measures each)
     loss_on: str = param("assistant", choices=LOSS_ON,
                          help="positions that carry loss in training: assistant tokens only, or every token (the "

@@ -324,10 +324,11 @@ class Trainer:
             raise PipelineError("--train-fraction applies to a whole store; with stage 02's --disk-budget use a "
                                 "smaller stage 01 dataset instead.")
         lengths, trainable = trainable_samples(self.wd, cfg.max_seq_len, assistant_only=cfg.loss_on == "assistant")
-        if len(lengths) != sum(len(w["samples"]) for w in plan.windows):
-            raise PipelineError(f"{self.wd.store() / 'windows.json'} plans {sum(len(w['samples']) for w in plan.windows)} "
-                                f"train samples, {self.wd.dataset('train')} holds {len(lengths)}: rerun stage 02 "
-                                f"with --force after stage 01 changed.")
+        planned = sum(len(w["samples"]) for w in plan.windows)
+        if len(lengths) != planned:
+            raise PipelineError(f"{self.wd.store() / 'windows.json'} plans {planned} train samples, "
+                                f"{self.wd.dataset('train')} holds {len(lengths)}: rerun stage 02 with --force after "
+                                f"stage 01 changed.")
         if not trainable.any():
             raise PipelineError(f"no sample of {self.wd.dataset('train')} has a position that carries loss within "
                                 f"--max-seq-len {cfg.max_seq_len}; check stage 01's loss mask.")
@@ -588,6 +589,8 @@ class Trainer:
     def resume(self) -> None:
         ckpt = latest_checkpoint(self.wd, self.src.identity)
         path = self.wd.checkpoint(ckpt.step) if ckpt is not None else None
+        if ckpt is not None and self.rounds is not None:
+            ckpt = self.plan.fill_unrecorded(ckpt, path, self.d.world)
         if self.rounds is not None:
             # First: progress.json follows the checkpoint (the record of what is trained) before
             # anything is deleted, and before the run can stop (a refused resume, a missing round).

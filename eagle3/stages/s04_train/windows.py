@@ -48,6 +48,7 @@ while the others sit in it (see --dist-timeout-s, docs/OPERATIONS.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -145,6 +146,27 @@ class RoundSchedule:
         plan, lengths, trainable, batching, grad_accum, epochs = self._inputs
         return RoundSchedule(plan, lengths, trainable, batching, rank=0, world=world, grad_accum=grad_accum,
                              epochs=epochs)
+
+    def fill_unrecorded(self, ckpt: TrainCheckpoint, path: Path, world: int) -> TrainCheckpoint:
+        """A version 1 checkpoint (eagle3/artifacts/train_outputs.py) records neither its process
+        count nor its rounds. Taken as written by this run's count when this schedule puts its
+        step where the checkpoint says its data stood (a round and the steps done in it: the
+        round does not depend on the count); then its rounds are this schedule's. Otherwise
+        refused: rounds counted under another count could delete a round never trained."""
+        if ckpt.rounds_trained is not None:
+            return ckpt
+        recorded = {"epoch": ckpt.epoch, "batch_in_epoch": ckpt.batch_in_epoch}
+        if ckpt.step > self.total or self.position(ckpt.step) != recorded:
+            raise PipelineError(
+                f"{path} was written by older code that did not record its process count, and under this run's "
+                f"{world} process(es) step {ckpt.step} does not stand where it says its data stood (round "
+                f"{ckpt.epoch}, {ckpt.batch_in_epoch} of its steps done): rerun with the process count that wrote it "
+                f"(`torchrun --nproc-per-node N {WorkDir.script('train')} ARGS`), or pass --force to train from "
+                f"scratch.")
+        trained = self.rounds_done(ckpt.step)
+        log.warning("%s records no process count (older code): taken as this run's %d, which puts its step %d "
+                    "where its data stood; it covers %d round(s)", path, world, ckpt.step, trained)
+        return dataclasses.replace(ckpt, batch_geometry={"processes": world}, rounds_trained=trained)
 
     def resume_step(self, ckpt: TrainCheckpoint, path: Path, world: int) -> int:
         """The step of this schedule (`world` processes) at which the training `ckpt` holds
