@@ -57,12 +57,12 @@ def test_verdict_judges_trained_untrained_estimate_and_break_even():
                         "speedup 0.97x [0.88, 1.07]: no difference shown single stream")
     # Passes that disagree (stage 06 then writes no speed figure; results.json of earlier
     # versions kept them beside the problem): no speed figure and no verdict either way.
-    unreliable = results(timing_problems=["the 2 interleaved timing passes' speedups differ by 40%"])
+    unreliable = results(timing_problems=["the 2 interleaved timing passes' speedups by 40% differ"])
     lines = verdict_lines(unreliable)
     assert lines[2] == "          speed and break-even: timings unreliable: no verdict (see tokens/s above)"
     served = "\n".join(served_lines(unreliable))
-    assert ("tokens/s            timings unreliable: no verdict: the 2 interleaved timing passes' speedups differ "
-            "by 40% (other load on the machine?); rerun 06 with --force on an idle machine") in served
+    assert ("tokens/s            timings unreliable: no verdict: the 2 interleaved timing passes' speedups by 40% "
+            "differ (other load on the machine?); rerun 06 with --force on an idle machine") in served
     assert "1.35x" not in served + "\n".join(lines) and "L* = " not in served
 
 

@@ -264,16 +264,17 @@ def timing_problems(plain: dict | None, spec: dict | None) -> list[str]:
     n = len(ratios["speedup"])
     if n < 2:
         return [f"{n} timed pass: nothing to check it against (--timed-passes 2 or more)"]
-    out = []
     # The passes' own figures stay in results.json (timing.pass_speedups, pass_break_evens): the
     # message gives how far apart they are, not a speed figure to quote.
-    for key, label in (("speedup", "speedups"), ("break_even", "break-evens")):
+    apart = []
+    for key, label in (("speedup", "speedups"), ("break_even", "break-evens L*")):
         spread = disagreement(ratios[key])
         if spread is not None and spread > MAX_PASS_DISAGREEMENT:
-            out.append(f"the {n} interleaved timing passes' {label} differ by {100 * (spread - 1):.0f}% (largest "
-                       f"over smallest); passes of identical work agree within "
-                       f"{100 * (MAX_PASS_DISAGREEMENT - 1):.0f}%")
-    return out
+            apart.append(f"{label} by {100 * (spread - 1):.0f}%")
+    if not apart:
+        return []
+    return [f"the {n} interleaved timing passes' {' and '.join(apart)} differ (largest over smallest); passes of "
+            f"identical work agree within {100 * (MAX_PASS_DISAGREEMENT - 1):.0f}%"]
 
 
 def paired_speedups(plain: dict | None, spec: dict | None) -> list[float] | None:
