@@ -237,8 +237,9 @@ def _platform_name(current_platform, on_cpu: bool) -> str:
 
 
 def check_request(req: dict) -> None:
-    """What the worker relies on (the stage plans every request): distinct engines, two only
-    as the plain one, started first, and one drafter engine; timing blocks of those engines."""
+    """What the worker relies on (the stage plans every request): distinct engine names; two
+    engines only as the plain one (started first) and one drafter engine; timing blocks of
+    those engines only."""
     parts = req["engines"]
     names = [p["name"] for p in parts]
     assert parts and len(set(names)) == len(parts), f"engine names must be distinct: {names}"
@@ -271,7 +272,7 @@ def serve_and_measure(req: dict) -> dict:
     patched = False
     try:
         for part in req["engines"]:
-            # the settings it runs with, for results
+            # The settings it runs with (the result reports the last engine's; a pair's share alike).
             engine = vllm_engine.for_platform(run_engine_config(req, part, on_cpu))
             t0 = time.perf_counter()
             llms[part["name"]] = _start_engine(engine)
