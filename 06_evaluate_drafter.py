@@ -8,7 +8,8 @@ Serves the target alone, with the drafter, and with an untrained drafter of the 
 shape. Acceptance (mean, 95% interval over prompts, per draft position, per category)
 is measured over all prompts at once, at each --temperature (default greedy and 0.7);
 tokens/s, the speedup and the break-even acceptance length single-stream on a subset
-of --timing-prompts prompts. Prompts: stage 01's held-out turns, or a file / datasets
+of --timing-prompts prompts, the plain and the drafter's requests interleaved (passes that
+disagree give "timings unreliable: no verdict"). Prompts: stage 01's held-out turns, or a file / datasets
 id (--prompts). Writes WORK/06_evaluate/results.json, evaluate.png and the manifest
 (see eagle3/stages/s06_evaluate/).
 """

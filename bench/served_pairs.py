@@ -8,18 +8,19 @@ interval, from stage 06's per-request acceptance histograms.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
+from eagle3.artifacts.workdir import WorkDir
+from eagle3.stages.s06_evaluate.engine import read_engine_result
 from eagle3.stages.s06_evaluate.figures import histogram_counts
 
 
 def per_prompt(work_dir: Path, temperature: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """(accepted draft tokens, verification steps) per prompt of one stage-06 pass, in
     prompt order."""
-    run = json.loads((Path(work_dir) / "06_evaluate" / "runs" / "trained.result.json").read_text())
+    run = read_engine_result(WorkDir(work_dir), "trained")
     passes = [a for a in run["acceptance"] if a["temperature"] == temperature]
     if not passes or not passes[0].get("histograms"):
         raise SystemExit(f"{work_dir}/06_evaluate has no per-request histograms at T = {temperature:g}")

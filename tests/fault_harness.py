@@ -66,7 +66,7 @@ def write_config(path: Path, target: Path, chats: Path) -> Path:
                   "save_every": 2, "ttt_steps": 2, "warmup_steps": 1, "learning_rate": 3.0e-3},
         "export": {"dtype": "bf16"},
         "evaluate": {"num_speculative_tokens": 2, "num_prompts": 4, "max_new_tokens": 8, "temperature": [0.0],
-                     "timing_prompts": 1, "warmup_prompts": 0, "timed_passes": 1, "baseline_untrained": False,
+                     "timing_prompts": 1, "warmup_prompts": 0, "timed_passes": 2, "baseline_untrained": False,
                      "gpu_memory_utilization": 0.1},
     }
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

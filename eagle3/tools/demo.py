@@ -10,7 +10,8 @@ writes nothing. `summary_text` returns the text (tests read it); `main` prints i
 The closing `verdict` judges the run only by what it measured: the trained drafter
 against the untrained one, the served acceptance against the training-time estimate,
 the measured acceptance against the measured break-even (and the speedup). A figure
-that was not measured leaves its line out.
+that was not measured leaves its line out; timings stage 06 found unreliable give
+"timings unreliable: no verdict" and no speed figure.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from eagle3.core import readable
 from eagle3.core.config import load_yaml
 from eagle3.core.errors import PipelineError
 from eagle3.serving.model_card import CARD_NAME
-from eagle3.stages.s06_evaluate.report import speed_phrase
+from eagle3.stages.s06_evaluate.report import NO_VERDICT, speed_phrase
 
 CURVE_ROWS = 8  # held-out evaluations shown in the training table (evenly spaced)
 
@@ -142,12 +143,16 @@ def served_lines(results: dict) -> list[str]:
         f"  per draft position  trained {per}" + (f"  |  untrained {per0}" if per0 else ""),
         *_acceptance_rows(results),
     ]
-    if tps.get("plain") is not None and tps.get("speculative") is not None:
+    problems = results.get("timing_problems") or []
+    if problems:  # results.json of earlier versions kept the figures beside the problems: not shown
+        lines.append(f"  tokens/s            {NO_VERDICT}: " + "; ".join(problems)
+                     + " (other load on the machine?); rerun 06 with --force on an idle machine")
+    elif tps.get("plain") is not None and tps.get("speculative") is not None:
         lines.append(f"  tokens/s            plain {readable.num(tps['plain'])}  |  with drafter "
                      f"{readable.num(tps['speculative'])}  |  speedup {speed_phrase(results)}"
                      + (f" ({results['timing']['prompts']} prompts timed single stream)"
                         if (results.get("timing") or {}).get("prompts") else ""))
-    if results.get("break_even_acceptance_length") is not None:
+    if results.get("break_even_acceptance_length") is not None and not problems:
         lo_hi = results.get("break_even_ci95") or [None, None]
         be = readable.with_range(results["break_even_acceptance_length"], *lo_hi)
         lines.append(f"  break-even          L* = {be}"
@@ -156,9 +161,6 @@ def served_lines(results: dict) -> list[str]:
     if teacher is not None:
         lines.append(f"  teacher check       {_pct(teacher)} of the target's greedy answers repeat the dataset's "
                      f"word for word (the drafter learns the target, not the dataset)")
-    for problem in results.get("timing_problems") or []:
-        lines.append(f"  WARNING             timings unreliable: {problem} (other load on the machine?); "
-                     f"tokens/s, speedup and L* need a rerun of 06 with --force on an idle machine")
     return lines
 
 
@@ -187,7 +189,9 @@ def verdict_lines(results: dict) -> list[str]:
         where = ("agrees with it (within the 95% interval)" if ci is not None and abs(L - est) <= ci else
                  f"{abs(rel) * 100:.1f}% {'above' if rel > 0 else 'below'} it")
         out.append(f"served {served} vs the training-time estimate {est:.2f}: {where}")
-    if be is not None:
+    if results.get("timing_problems"):
+        out.append(f"speed and break-even: {NO_VERDICT} (see tokens/s above)")
+    elif be is not None:
         # With intervals (stage 06 since the paired speed intervals), beats_break_even is None
         # when they overlap: a verdict that noise could flip is not given.
         pays = results.get("beats_break_even", L > be)
@@ -199,8 +203,7 @@ def verdict_lines(results: dict) -> list[str]:
                       "--timing-prompts, on an idle machine)"}[pays]
         out.append(f"measured L {readable.with_interval(L, ci)} {verb} break-even L* "
                    f"{readable.with_range(be, lo_hi[0], lo_hi[1])}: {what}"
-                   + (f"; speedup {speed_phrase(results)} single stream" if sp is not None else "")
-                   + (" (timings unreliable, see the WARNING above)" if results.get("timing_problems") else ""))
+                   + (f"; speedup {speed_phrase(results)} single stream" if sp is not None else ""))
     return [("verdict   " if i == 0 else "          ") + line for i, line in enumerate(out)]
 
 

@@ -86,11 +86,12 @@ def extract_engine(**kw) -> EngineConfig:
     return vllm_backend.extracting(vllm_backend.extraction_engine(engine, batch_tokens=8192), AUX)
 
 
-def evaluate_engine_for(drafter: str | None = "some/drafter", per_request: bool = True, **kw) -> EngineConfig:
+def evaluate_engine_for(drafter: str | None = "some/drafter", **kw) -> EngineConfig:
     cfg = EvaluateConfig(work_dir=Path("w"), **{"target_model": "some/target", **kw})
-    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=512)), "drafter": drafter,
+    part = {"name": "trained" if drafter else "plain", "drafter": drafter, "temperatures": []}
+    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=512)), "engines": [part],
            "num_speculative_tokens": cfg.num_speculative_tokens}
-    return evaluate_engine.run_engine_config(req, per_request)
+    return evaluate_engine.run_engine_config(req, part, on_cpu=vllm_engine.on_cpu())
 
 
 STAGE_ENGINES = {"generate": generate_engine, "extract": extract_engine, "evaluate": evaluate_engine_for}
@@ -233,7 +234,6 @@ def test_generation_and_evaluation_engine_settings():
     assert (ev["seed"], ev["max_num_seqs"], ev["max_model_len"]) == (3, 16, 512)
     assert ev["speculative_config"] == {"method": "eagle3", "model": "some/drafter", "num_speculative_tokens": 5}
     assert ev["per_request_spec_decode_metrics"] == "summary"
-    assert "per_request_spec_decode_metrics" not in vllm_engine.engine_kwargs(evaluate_engine_for(per_request=False))
     plain = vllm_engine.engine_kwargs(evaluate_engine_for(drafter=None))
     assert "speculative_config" not in plain and "per_request_spec_decode_metrics" not in plain
 
@@ -287,15 +287,29 @@ def test_evaluation_worker_on_a_gpu_box(cuda_vllm, monkeypatch):
     monkeypatch.setattr(evaluate_engine, "_start_engine", start)
     monkeypatch.setattr(evaluate_engine, "_fix_cpu_sampled_verification", no_cpu_fix)
     cfg = EvaluateConfig(work_dir=Path("w"), target_model="some/target")
-    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=64)), "drafter": "some/drafter",
+    trained = {"name": "trained", "drafter": "some/drafter", "temperatures": []}
+    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=64)), "engines": [trained],
            "num_speculative_tokens": 3, "max_new_tokens": 4, "prompts": [],
-           "temperatures": [], "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
+           "timing_blocks": [], "warmup_prompts": 0}
     out = evaluate_engine.serve_and_measure(req)
     (engine,) = seen
     assert engine.enforce_eager is False and engine.gpu_memory_utilization == pytest.approx(GPU_MEMORY_SHARE)
     assert engine.kv_cache_gib is None and engine.speculative_config["model"] == "some/drafter"
     assert out["enforce_eager"] is False and out["gpu_memory_utilization"] == pytest.approx(GPU_MEMORY_SHARE)
     assert out["platform"] == "NVIDIA H200" and out["patched_cpu_sampled_verification"] is False
+    # The timed run's two engines live side by side: vLLM would refuse the second one a share
+    # larger than what the first left free, so they split the share, the default or the user's.
+    plain = {"name": "plain", "drafter": None, "temperatures": []}
+    seen.clear()
+    evaluate_engine.serve_and_measure({**req, "engines": [plain, trained]})
+    assert [e.gpu_memory_utilization for e in seen] == pytest.approx([GPU_MEMORY_SHARE / 2] * 2)
+    assert [e.speculative_config is None for e in seen] == [True, False]  # plain first
+    chosen = {**evaluate_engine.engine_request(EvaluateConfig(work_dir=Path("w"), target_model="some/target",
+                                                              gpu_memory_utilization=0.4).engine_config()),
+              **{k: v for k, v in req.items() if k not in evaluate_engine.ENGINE_KEYS}}
+    seen.clear()
+    evaluate_engine.serve_and_measure({**chosen, "engines": [plain, trained]})
+    assert [e.gpu_memory_utilization for e in seen] == pytest.approx([0.2, 0.2])
 
 
 # --------------------------------------------------------------------------- the KV connector's read

@@ -218,29 +218,32 @@ def test_ratio_interval_shrinks_with_more_prompts_and_matches_a_bootstrap():
     assert ratio_interval([3], [4]) is None
 
 
-def timing_run(tokens: list[list[int]], step_s: float, request_wall_s: list[float], steps: list[int] | None = None,
-               drafts: int = 0, per_pos: list[int] | None = None, slow: float = 1.0) -> dict:
-    """A single-stream timing pass as `serve_and_measure` returns it; decode steps `step_s` apart."""
-    steps = steps or [len(t) - 1 for t in tokens]
+def timing_run(tokens: list[list[int]], step_s: float, request_wall_s: list[float],
+               histograms: list[list[int]] | None = None, slow: float = 1.0) -> dict:
+    """A single-stream timing pass as `serve_blocks` returns it; decode steps `step_s` apart
+    (a request's steps: its histogram's, or one per decode token without a drafter)."""
+    steps = [histogram_counts(h, K)[0] for h in histograms] if histograms else [len(t) - 1 for t in tokens]
     ts, t = [], 100.0
     for n in steps:
         ts.append([t, t + n * step_s * slow])
         t += 10
     return {"wall_s": sum(request_wall_s) * slow, "request_wall_s": [w * slow for w in request_wall_s],
-            "token_ts": ts, "tokens": tokens, "counters": counters(drafts, per_pos) if drafts else {},
-            "histograms": None}
+            "token_ts": ts, "tokens": tokens, "histograms": histograms}
 
 
 def test_single_stream_timing_break_even_and_summary():
     tokens = [list(range(21)), list(range(100, 121))]  # 2 requests x 21 tokens: 40 decode tokens
-    plain = timing_figures([timing_run(tokens, 0.010, [0.25, 0.25])], K, speculative=False)
-    assert plain["decode_tokens"] == 40 and plain["step_s"] == pytest.approx(0.010)
-    assert plain["tokens_per_s"] == pytest.approx(42 / 0.5) and plain["request_step_s"] == pytest.approx([0.01] * 2)
+    plain_pass = timing_run(tokens, 0.010, [0.25, 0.25])
+    plain = timing_figures([plain_pass, plain_pass], K, speculative=False)  # two passes, identical work
+    assert plain["decode_tokens"] == 80 and plain["step_s"] == pytest.approx(0.010)
+    assert plain["tokens_per_s"] == pytest.approx(84 / 1.0) and plain["request_step_s"] == pytest.approx([0.01] * 2)
+    assert plain["request_wall_s"] == pytest.approx([0.5, 0.5]) and plain["pass_wall_s"] == [0.5, 0.5]
     # 16 verification steps (8 per request) for the same 40 decode tokens; 24 accepted.
-    trained = timing_figures([timing_run(tokens, 0.025, [0.2, 0.25], steps=[8, 8], drafts=16, per_pos=[14, 7, 3])],
-                             K, speculative=True)
+    hists = [[1, 3, 3, 1], [1, 3, 3, 1]]  # per request: 8 steps, 0*1 + 1*3 + 2*3 + 3*1 = 12 accepted
+    spec_pass = timing_run(tokens, 0.025, [0.2, 0.25], histograms=hists)
+    trained = timing_figures([spec_pass, spec_pass], K, speculative=True)
     assert trained["step_s"] == pytest.approx(0.025) and trained["acceptance_length"] == pytest.approx(2.5)
-    assert trained["request_step_s"] is None  # no per-request histograms: steps per request unknown
+    assert trained["request_steps"] == [16, 16] and trained["request_step_s"] == pytest.approx([0.025] * 2)
 
     hists = [[0, 2, 1, 1], [0, 2, 1, 1], [1, 2, 1, 0]]  # all prompts: 12 steps, 15 accepted
     acc = acceptance_figures({"temperature": 0.0, "wall_s": 1.0, "tokens": [[1] * 10] * 3,
@@ -262,9 +265,10 @@ def test_single_stream_timing_break_even_and_summary():
     # 95% interval holds 2.5, so no difference is shown (tests/unit/test_speed_verdicts.py).
     assert r["acceptance_length_ci95"] > 0.25
     assert r["break_even_acceptance_length"] == pytest.approx(2.5) and r["beats_break_even"] is None
-    assert r["speedup"] == pytest.approx(0.5 / 0.45)
+    assert r["speedup"] == pytest.approx(0.5 / 0.45) and r["timing_problems"] == []
     assert r["timing"]["speedup_per_prompt"] == pytest.approx({"min": 1.0, "median": 1.125, "max": 1.25})
     assert r["timing"]["acceptance_length"] == pytest.approx(2.5) and r["timing"]["prompts"] == 2
+    assert r["timing"]["passes"] == 2 and r["timing"]["pass_speedups"] == pytest.approx([0.5 / 0.45] * 2)
     assert r["batched"]["tokens_per_s"] == pytest.approx({"plain": 50.0, "speculative": 30.0})
     text = "\n".join(report_lines(r))
     # Rounded to the interval's precision (eagle3/core/readable.py): 2.25 ±0.5 prints as 2.2 ±0.5.
@@ -272,17 +276,23 @@ def test_single_stream_timing_break_even_and_summary():
     assert "greedy: trained 2.2 ±0.5" in text and "| untrained 1.00" in text
     assert r["acceptance"][1]["untrained"] is None and text.count("untrained 1.00") == 1
     assert "T=0.7: trained 1.50 per position 0.50 0.00 0.00\n" in text + "\n"
-    assert "single stream, 2 of 3 prompts" in text and "per prompt 1.00-1.25x" in text
-    assert "break-even acceptance length 2.50: no difference shown" in text
+    assert "single stream, 2 of 3 prompts in 2 interleaved passes" in text and "per prompt 1.00-1.25x" in text
+    # Every request's speculative step costs 2.5 plain ones: a zero-width interval, L's decides nothing.
+    assert r["break_even_ci95"] == pytest.approx([2.5, 2.5]) and "break-even acceptance length 2.5" in text
+    assert "]: no difference shown (speculative step 25.0 ms / plain step 10.0 ms" in text
 
 
-def test_timings_come_from_the_fastest_pass():
-    tokens = [list(range(11))]
-    slow = timing_run(tokens, 0.02, [1.0], steps=[4], drafts=4, per_pos=[3, 2, 1], slow=3.0)
-    fast = timing_run(tokens, 0.02, [1.0], steps=[4], drafts=4, per_pos=[3, 2, 1])
+def test_each_prompts_timings_are_summed_over_the_passes():
+    tokens = [list(range(11)), list(range(5))]
+    hists = [[0, 5, 0, 0], [0, 2, 0, 0]]
+    slow = timing_run(tokens, 0.02, [1.0, 0.5], histograms=hists, slow=3.0)
+    fast = timing_run(tokens, 0.02, [1.0, 0.5], histograms=hists)
     f = timing_figures([slow, fast], K, speculative=True)
-    assert f["wall_s"] == 1.0 and f["pass_wall_s"] == [3.0, 1.0]
-    assert f["step_s"] == pytest.approx(0.02) and f["acceptance_length"] == pytest.approx(1 + 6 / 4)
+    assert f["request_wall_s"] == pytest.approx([4.0, 2.0]) and f["pass_wall_s"] == pytest.approx([4.5, 1.5])
+    assert f["wall_s"] == pytest.approx(6.0) and f["tokens"] == 32 and f["tokens_per_s"] == pytest.approx(32 / 6)
+    assert f["steps"] == 14 and f["step_s"] == pytest.approx((3 * 0.14 + 0.14) / 14)
+    assert [p["step_s"] for p in f["passes"]] == pytest.approx([0.06, 0.02])
+    assert f["acceptance_length"] == pytest.approx(2.0) and f["acceptance_per_position"] == [1.0, 0.0, 0.0]
     assert timing_figures([], K, speculative=True) is None
 
 
@@ -348,7 +358,7 @@ def test_config_validation():
     with pytest.raises(PipelineError, match="dtype"):
         EvaluateConfig(work_dir=Path("w"), target_model="t", dtype="int4")
     with pytest.raises(PipelineError, match="timed_passes"):
-        EvaluateConfig(work_dir=Path("w"), target_model="t", timed_passes=0)
+        EvaluateConfig(work_dir=Path("w"), target_model="t", timed_passes=1)  # nothing to check one pass against
     with pytest.raises(PipelineError, match="temperature"):
         EvaluateConfig(work_dir=Path("w"), target_model="t", temperature=[0.0, -0.5])
     with pytest.raises(PipelineError, match="distinct"):
@@ -405,8 +415,10 @@ def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama
         evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), drafter_dir=drafter,
                                         num_prompts=2))
     msg = str(e.value)
-    assert "plain engine run failed (exit status 3)" in msg and "engine exploded" in msg
-    assert str(WorkDir(work).stage_dir("evaluate") / "logs" / "plain.log") in msg
+    # Timed (the default): plain and trained share one worker, and its failure names both.
+    assert "plain+trained engine run failed (exit status 3)" in msg and "engine exploded" in msg
+    assert str(WorkDir(work).stage_dir("evaluate") / "logs" / "plain+trained.log") in msg
+    assert "engines that live side by side" in msg and "--timing-order passes" in msg
     assert not WorkDir(work).manifest("evaluate").exists()  # nothing looks complete
 
 
@@ -470,20 +482,19 @@ def test_script_reports_bad_input_in_one_line(tmp_path, tiny_llama):
     assert w.returncode != 0 and "06_evaluate_drafter.py" in w.stderr
 
 
-def test_timings_disturbed_by_other_load_are_flagged():
-    calm = {"plain": {"pass_wall_s": [6.5, 6.6], "step_s": 0.0055, "request_step_s": [0.0054, 0.0056, 0.0060]},
-            "trained": {"pass_wall_s": [5.4, 5.5], "step_s": 0.0113},
-            "untrained": {"pass_wall_s": [12.0, 12.3], "step_s": 0.0116}}
-    assert timing_problems(calm) == []
-    noisy = {**calm, "trained": {"pass_wall_s": [75.6, 64.7], "step_s": 0.139}}
-    problems = timing_problems(noisy)
-    assert any("139.0 ms with the trained drafter and 11.6 ms" in p for p in problems)
-    bursty = {**calm, "plain": {"pass_wall_s": [6.5, 20.0], "step_s": 0.0055}}
-    assert "plain run's timed passes took 6.5 / 20.0 s" in timing_problems(bursty)[0]
-    # One request of a single-stream pass slowed down by something else: 3x the median step.
-    hiccup = {"plain": {"pass_wall_s": [6.5], "step_s": 0.0055, "request_step_s": [0.0055, 0.0165, 0.0054]}}
-    assert "one plain request's decode steps took 3.0x the median request's" in timing_problems(hiccup)[0]
-    assert timing_problems({"plain": None, "untrained": None}) == []
+def test_timings_whose_passes_disagree_are_flagged():
+    def timing(speedup_per_pass, step_s_per_pass):
+        return {"passes": [{"tokens_per_s": s, "step_s": c} for s, c in zip(speedup_per_pass, step_s_per_pass)]}
+
+    plain = timing([100.0, 50.0, 80.0], [0.010, 0.020, 0.0125])  # the machine slowed in pass 2: both sides
+    calm = timing([150.0, 75.0, 120.0], [0.012, 0.024, 0.015])
+    assert timing_problems(plain, calm) == []  # every pass: 1.5x, L* 1.2
+    noisy = timing([150.0, 75.0, 200.0], [0.012, 0.024, 0.015])  # pass 3 read 2.5x
+    assert timing_problems(plain, noisy) == ["the 3 interleaved timing passes' speedups by 67% differ (largest over "
+                                             "smallest); passes of identical work agree within 20%"]
+    steps = timing([150.0, 75.0, 120.0], [0.012, 0.024, 0.030])  # pass 3's L* 2.4 against 1.2
+    assert timing_problems(plain, steps)[0].startswith("the 3 interleaved timing passes' break-evens L* by 100% differ")
+    assert timing_problems(plain, None) == [] and timing_problems(None, None) == []  # nothing timed
 
 
 def test_per_token_expansion_used_for_sampled_verification():
@@ -551,6 +562,24 @@ def test_stage_06_file_names_come_from_the_work_dir():
     assert wd.engine_request("trained").parent == wd.engine_result("trained").parent == Path("w/06_evaluate/runs")
 
 
+def test_an_engines_result_is_read_from_whichever_run_served_it(tmp_path):
+    """bench/served_pairs.py reads the trained engine's histograms: from the timed plain+trained
+    run, or from its own run when nothing was timed; the newest file wins."""
+    import os
+
+    from eagle3.stages.s06_evaluate.engine import read_engine_result
+
+    wd = WorkDir(tmp_path)
+    wd.engine_result("x").parent.mkdir(parents=True)
+    with pytest.raises(PipelineError, match="holds no result of a trained engine"):
+        read_engine_result(wd, "trained")
+    wd.engine_result("plain+trained").write_text(json.dumps({"runs": {"plain": {"id": 1}, "trained": {"id": 2}}}))
+    assert read_engine_result(wd, "trained") == {"id": 2} and read_engine_result(wd, "plain") == {"id": 1}
+    wd.engine_result("trained").write_text(json.dumps({"runs": {"trained": {"id": 3}}}))
+    os.utime(wd.engine_result("plain+trained"), (1, 1))  # an older measurement's file
+    assert read_engine_result(wd, "trained") == {"id": 3}
+
+
 def test_engine_shutdown_is_best_effort():
     from types import SimpleNamespace
 
@@ -587,11 +616,75 @@ def test_worker_shuts_the_engine_down_when_a_pass_fails(monkeypatch):
                           llm_engine=SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: calls.append(1))))
     monkeypatch.setattr(engine, "_start_engine", lambda *a: llm)
     settings = engine.engine_request(EngineConfig(model="some/target", max_model_len=64))
-    req = {**settings, "drafter": None, "num_speculative_tokens": K, "max_new_tokens": 4, "prompts": [[1, 2]],
-           "temperatures": [0.0], "timing_indices": [], "warmup_prompts": 0, "timed_passes": 1}
+    req = {**settings, "num_speculative_tokens": K, "max_new_tokens": 4, "prompts": [[1, 2]],
+           "engines": [{"name": "plain", "drafter": None, "temperatures": [0.0]}], "timing_blocks": [],
+           "warmup_prompts": 0}
     with pytest.raises(RuntimeError, match="pass failed"):
         engine.serve_and_measure(req)
     assert calls == [1]
+
+
+def test_the_timed_worker_keeps_both_engines_alive_and_interleaves_their_requests(monkeypatch):
+    """The timed run: the plain engine starts first (a new engine unregisters the metrics of
+    the ones before it, and the drafter's counters are the ones read), each engine serves its
+    acceptance passes, then the timed prompts alternate between the two engines, and both
+    engines are shut down. (Imports vLLM's CPU build: ~5 s.)"""
+    from types import SimpleNamespace
+
+    from dataclasses import astuple
+
+    import eagle3.stages.s06_evaluate.engine as engine
+    from eagle3.engines.config import EngineConfig
+    from eagle3.stages.s06_evaluate.timing import schedule
+
+    events = []
+
+    def fake_llm(name):
+        def generate(prompts, params, use_tqdm=False):
+            temperature = params[0].temperature if isinstance(params, list) else params.temperature
+            events.append((name, len(prompts), temperature, params.max_tokens if not isinstance(params, list)
+                           else params[0].max_tokens))
+            metrics = SimpleNamespace(first_token_ts=1.0, last_token_ts=2.0)
+            spec = SimpleNamespace(histogram=[0, 3, 0, 0]) if name == "trained" else None
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7, 7, 7, 7], finish_reason="length",
+                                                             spec_decode_metrics=spec)], metrics=metrics)
+                    for _ in prompts]
+
+        return SimpleNamespace(generate=generate, get_metrics=lambda: [], llm_engine=SimpleNamespace(
+            engine_core=SimpleNamespace(shutdown=lambda: events.append((name, "shutdown")))))
+
+    started = []
+
+    def start(cfg):
+        name = "trained" if cfg.speculative_config else "plain"
+        started.append((name, cfg.kv_cache_gib))
+        return fake_llm(name)
+
+    monkeypatch.setattr(engine, "_start_engine", start)
+    monkeypatch.setattr(engine, "_fix_cpu_sampled_verification", lambda: False)  # patches vLLM process-wide
+    settings = engine.engine_request(EngineConfig(model="some/target", max_model_len=64))
+    req = {**settings, "num_speculative_tokens": K, "max_new_tokens": 4, "prompts": [[1, 2], [3], [4, 5, 6]],
+           "engines": [{"name": "plain", "drafter": None, "temperatures": [0.0]},
+                       {"name": "trained", "drafter": "some/drafter", "temperatures": [0.0, 0.7]}],
+           "timing_blocks": [list(astuple(b)) for b in schedule([0, 2], 2, ["plain", "trained"])],
+           "warmup_prompts": 1}
+    out = engine.serve_and_measure(req)
+    assert started == [("plain", 1.0), ("trained", 1.0)]  # each its own KV cache (the CPU default)
+    acceptance = [(name, n, t) for name, n, t, _ in events[:3]]
+    assert acceptance == [("plain", 3, 0.0), ("trained", 3, 0.0), ("trained", 3, 0.7)]
+    warmups = events[3:5]
+    assert [(name, n) for name, n, _, _ in warmups] == [("plain", 1), ("trained", 1)]
+    timed = [name for name, *_ in events[5:-2]]
+    assert timed == ["plain", "trained", "trained", "plain", "trained", "plain", "plain", "trained"]
+    assert events[-2:] == [("trained", "shutdown"), ("plain", "shutdown")]
+    runs = out["runs"]
+    assert [len(p["request_wall_s"]) for p in runs["plain"]["timing"]] == [2, 2]
+    assert runs["trained"]["timing"][0]["histograms"] == [[0, 3, 0, 0]] * 2
+    assert runs["plain"]["timing"][0]["histograms"] is None and runs["plain"]["timing"][1]["prompts"] == [0, 2]
+    assert [a["temperature"] for a in runs["trained"]["acceptance"]] == [0.0, 0.7]
+    assert runs["plain"]["per_request_metrics"] is False and runs["trained"]["per_request_metrics"] is True
+    with pytest.raises(AssertionError, match="the plain engine, then a drafter engine"):
+        engine.serve_and_measure({**req, "engines": req["engines"][::-1]})
 
 
 def test_plot_draws_positions_categories_and_training_curves(tmp_path):

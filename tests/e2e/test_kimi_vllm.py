@@ -144,10 +144,11 @@ def test_stage_06_serves_the_plain_target_and_refuses_a_drafter_in_one_line(kimi
     # The plain passes, through stage 06's own engine path (its worker process, its settings).
     prompts = [ids.tolist()[:40] for ids in
                (HiddenStateStore.open(wd, needed_by="test").split("eval")[i].input_ids for i in range(2))]
-    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=128)), "drafter": None,
-           "num_speculative_tokens": 3, "max_new_tokens": 8, "warmup_prompts": 0, "timed_passes": 1,
-           "prompts": prompts, "temperatures": [0.0], "timing_indices": []}
+    req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=128)),
+           "engines": [{"name": "plain", "drafter": None, "temperatures": [0.0]}],
+           "num_speculative_tokens": 3, "max_new_tokens": 8, "warmup_prompts": 0,
+           "prompts": prompts, "timing_blocks": []}
     assert req["language_model_only"] is True
     out = evaluate_engine.run_engine("plain", req, WorkDir(tmp_path / "wd6"), cfg)
-    (acc,) = out["acceptance"]
+    (acc,) = out["runs"]["plain"]["acceptance"]
     assert len(acc["tokens"]) == 2 and all(len(t) == 8 for t in acc["tokens"]), acc["tokens"]

@@ -61,7 +61,7 @@ def demo_run(tmp_path_factory):
     target = build_tiny_target("llama", root / "target", train_steps=TARGET_STEPS)
     work = run_stages(root / "work", target, upto="export", chats=DEMO_CHATS, config=CONFIG,
                       prepare=dict(num_workers=1), train=dict(max_steps=DRAFTER_STEPS, eval_every=20))
-    ev_cfg = stage_config(EvaluateConfig, "evaluate", work, target, max_new_tokens=NEW_TOKENS, timed_passes=1,
+    ev_cfg = stage_config(EvaluateConfig, "evaluate", work, target, max_new_tokens=NEW_TOKENS, timed_passes=2,
                           prompts=str(write_prompt_file(root / "prompts.jsonl")), category_field="topic",
                           temperature=[0.0, 0.7], timing_prompts=TIMED)
     results = evaluate_drafter(ev_cfg)
@@ -80,9 +80,15 @@ def test_trained_drafter_accepts_more_than_an_untrained_one_in_vllm(demo_run):
     # Greedy speculative decoding reproduces the target's own greedy output (up to bf16 batch rounding).
     assert r["outputs_match_plain"] >= 0.75
     assert r["expected_accept_length_training"]["value"] > 1.0 and r["expected_accept_length_training"]["k"] == K
-    for key in ("speedup", "break_even_acceptance_length"):
-        assert r[key] is not None and r[key] > 0
-    assert r["tokens_per_s"]["plain"] > 0 and r["tokens_per_s"]["speculative"] > 0
+    # Speed figures when the interleaved passes agree; on a machine busy with other work they
+    # may not, and then no speed figure at all (tests/unit/test_speed_verdicts.py).
+    speed = ("speedup", "break_even_acceptance_length")
+    assert all(x > 0 for x in r["timing"]["pass_speedups"] + r["timing"]["pass_break_evens"])
+    if r["timing_problems"]:
+        assert all(r[key] is None for key in speed) and r["tokens_per_s"]["plain"] is None
+    else:
+        assert all(r[key] > 0 for key in speed)
+        assert r["tokens_per_s"]["plain"] > 0 and r["tokens_per_s"]["speculative"] > 0
 
 
 def test_acceptance_per_temperature_and_category_over_all_prompts(demo_run):
@@ -105,27 +111,36 @@ def test_acceptance_per_temperature_and_category_over_all_prompts(demo_run):
     assert r["acceptance_length"] == r["acceptance"][0]["trained"]["acceptance_length"]  # greedy is the headline
     # Sampled decoding sees other tokens than greedy: the two passes are different measurements.
     runs = wd.stage_dir("evaluate") / "runs"
-    trained = json.loads((runs / "trained.result.json").read_text())
+    trained = json.loads((runs / "plain+trained.result.json").read_text())["runs"]["trained"]
     assert trained["acceptance"][0]["tokens"] != trained["acceptance"][1]["tokens"]
 
 
 def test_timing_is_single_stream_on_the_subset(demo_run):
     wd, cfg, r = demo_run
     runs = wd.stage_dir("evaluate") / "runs"
-    req = json.loads((runs / "trained.request.json").read_text())
-    assert len(req["timing_indices"]) == TIMED and len(req["prompts"]) == PER_CATEGORY * len(CATEGORIES)
+    req = json.loads((runs / "plain+trained.request.json").read_text())
+    assert len(req["prompts"]) == PER_CATEGORY * len(CATEGORIES)
+    assert [e["name"] for e in req["engines"]] == ["plain", "trained"]  # one worker, both engines alive
     # Round-robin over the categories: one prompt of each.
-    assert req["timing_indices"] == [0, PER_CATEGORY, 2 * PER_CATEGORY] == r["timing"]["indices"]
+    timed = r["timing"]["indices"]
+    assert timed == [0, PER_CATEGORY, 2 * PER_CATEGORY] and len(req["timing_blocks"]) == 2 * 2 * TIMED
+    res = json.loads((runs / "plain+trained.result.json").read_text())["runs"]
+    requests = []  # (start, wall, engine, prompt) of every timed request
     for name in ("plain", "trained"):
-        res = json.loads((runs / f"{name}.result.json").read_text())
-        (p,) = res["timing"]  # timed_passes = 1
-        assert len(p["tokens"]) == len(p["request_wall_s"]) == TIMED
-        # One request at a time: each one's decode lies inside its own wall-clock window,
-        # so no two overlap.
-        ts = sorted(p["token_ts"])
-        assert all(a[1] <= b[0] for a, b in zip(ts, ts[1:]))
-    assert json.loads((runs / "untrained.result.json").read_text())["timing"] == []  # acceptance only
-    assert r["timing"]["prompts"] == TIMED and r["timing"]["speedup_per_prompt"]["min"] > 0
+        assert len(res[name]["timing"]) == 2  # timed_passes = 2
+        for p in res[name]["timing"]:
+            assert len(p["tokens"]) == len(p["request_wall_s"]) == TIMED and p["prompts"] == timed
+            requests += [(t, w, name, i) for t, w, i in zip(p["request_start_s"], p["request_wall_s"], p["prompts"])]
+        # The same prompts, greedy, in both passes: the same outputs, identical work.
+        assert res[name]["timing"][0]["tokens"] == res[name]["timing"][1]["tokens"]
+    requests.sort()
+    # One request at a time, each prompt on both engines back to back, the first one alternating.
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(requests, requests[1:]))
+    pairs = [requests[k:k + 2] for k in range(0, len(requests), 2)]
+    assert all(a[3] == b[3] and {a[2], b[2]} == {"plain", "trained"} for a, b in pairs)
+    assert [a[2] for a, _ in pairs] == ["plain", "trained", "plain", "trained", "plain", "trained"]
+    assert json.loads((runs / "untrained.result.json").read_text())["runs"]["untrained"]["timing"] == []
+    assert r["timing"]["prompts"] == TIMED and r["timing"]["passes"] == 2
 
 
 def test_results_plot_and_manifest_are_written(demo_run):
@@ -173,7 +188,8 @@ def test_stage_06_fills_the_model_card_between_its_markers(demo_run):
     assert f"vLLM {r['engine']['version']} on CPU: " in table and "| acceptance length | " in table
     for name in CATEGORIES:
         assert f"| topic: {name} (n={PER_CATEGORY}) | " in table
-    assert f"{TIMED} prompts timed" in table and "speedup " in table and "Break-even acceptance length" in table
+    speed = "timings unreliable: no verdict" if r["timing_problems"] else "Break-even acceptance length"
+    assert f"{TIMED} prompts timed in 2 interleaved passes" in table and speed in table
     assert ModelCard(text).data.tags and "## Serve it" in text
     edited = text.replace("## Serve it", "My own note.\n\n## Serve it")
     card_path.write_text(edited)

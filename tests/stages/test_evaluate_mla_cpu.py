@@ -31,4 +31,4 @@ def test_a_drafter_on_an_mla_target_is_refused_in_one_line(kind, tiny_targets, s
     msg = str(e.value)
     assert "\n" not in msg, msg
     assert "no common block size" in msg and "kv_lora_rank 512" in msg and "GPU box" in msg, msg
-    assert not wd.engine_request("plain").exists() and not wd.engine_log("plain").exists()
+    assert not wd.engine_request("plain+trained").exists() and not wd.engine_log("plain+trained").exists()

@@ -15,6 +15,9 @@ from eagle3.core.config import param
 from eagle3.core.errors import PipelineError
 from eagle3.engines.config import EngineConfig, EngineSettings
 
+# The orders of the timed requests (eagle3/stages/s06_evaluate/timing.py).
+TIMING_ORDERS = ("pairs", "passes")
+
 
 @dataclass(kw_only=True)
 class EvaluateConfig(EngineSettings):
@@ -41,7 +44,8 @@ class EvaluateConfig(EngineSettings):
                                           "0 is greedy; the first one gives the headline figures")
     max_new_tokens: int = param(64, min=1, help="cap on generated tokens per prompt (generation also stops at EOS)")
     timing_prompts: int = param(8, min=0, help="prompts timed single-stream (one request at a time, greedy) for "
-                                        "tokens/s, speedup and break-even; 0 skips timing")
+                                        "tokens/s, speedup and break-even; both engines (plain, drafter) then live "
+                                        "in one process, each with its KV cache; 0 skips timing")
     max_num_seqs: int = param(64, min=1, help="concurrent sequences in the acceptance passes (acceptance does not "
                                        "depend on it; timing is always single-stream)")
     baseline_untrained: bool = param(True, help="also serve an untrained drafter of the same shape (the floor)")
@@ -50,9 +54,16 @@ class EvaluateConfig(EngineSettings):
     # -- how the engines run (not part of what is measured) --------------------------------
     warmup_prompts: int = param(1, min=0, identity=False, help="short single-stream requests served before timing "
                                                         "(first-call costs)")
-    timed_passes: int = param(1, min=1, identity=False, help="time the subset this many times and keep the fastest "
-                                                      "pass's timings (other load on the machine only slows "
-                                                      "a pass down)")
+    timed_passes: int = param(2, min=2, identity=False, help="passes over the timing subset on both engines; the "
+                                                      "passes do identical work, so their speedups must agree "
+                                                      "or the timings give no verdict (other load on the "
+                                                      "machine)")
+    timing_order: str = param("pairs", choices=TIMING_ORDERS, identity=False,
+                              help="pairs: both engines alive in one process, each timed prompt served without and "
+                                   "with the drafter back to back (a slowdown of the machine hits both); passes: "
+                                   "one engine at a time, whole passes in the order plain, trained, trained, "
+                                   "plain, ... (for a target too large to serve twice at once; one more engine "
+                                   "start)")
     # On by default, unlike stages 00 and 02: each engine runs in a worker process of its own
     # (engine.py), so no long-lived caller inherits the engine's thread pinning, and the CPU
     # build's sampled-verification fix (engine.py) patches the engine core only in this process.

@@ -1,20 +1,22 @@
-"""Stage 06's engine runs: one vLLM engine per configuration, each in its own process.
+"""Stage 06's engine runs: each run in its own worker process, with one engine per configuration.
 
 Parent side (`run_engine`): writes the run's request (WorkDir.engine_request), starts
 `python -m eagle3.stages.s06_evaluate --serve REQUEST RESULT` with its output in the run's log,
 and reads the result back, or stops the stage naming the log.
 
 Worker side (`serve_and_measure`, the only module of the stage that imports vllm):
-builds the engine (the stage's `EngineConfig` from the request plus the run's drafter,
-started by eagle3/engines/vllm_engine.py's `start_llm` as stages 00 and 02 start theirs),
-serves the acceptance passes (all prompts at once, one pass per temperature) and the
-single-stream timing passes, and returns plain dicts of outputs,
-spec-decode counters, per-request histograms and timestamps; eagle3/stages/s06_evaluate/figures.py
-turns them into figures.
+starts the run's engines (the stage's `EngineConfig` from the request plus each
+configuration's drafter, started by eagle3/engines/vllm_engine.py's `start_llm` as stages 00
+and 02 start theirs), serves each one's acceptance passes (all prompts at once, one pass per
+temperature) and, in the timed run, the single-stream timing passes with the plain and the
+drafter engine's requests interleaved (eagle3/stages/s06_evaluate/timing.py), and returns
+plain dicts of outputs, spec-decode counters, per-request histograms and timestamps per
+engine; eagle3/stages/s06_evaluate/figures.py turns them into figures.
 
-Why a process per engine: vLLM keeps its metrics in a process-global Prometheus
-registry and does not free an engine fully on `del`, so one process per engine is what
-keeps the runs apart.
+Why a process per run: vLLM keeps its metrics in a process-global Prometheus registry and
+does not free an engine fully on `del`, so one process per run is what keeps the runs
+apart. The timed run keeps two engines alive in its process, the plain one first
+(`serve_and_measure` says why the order matters).
 """
 from __future__ import annotations
 
@@ -32,10 +34,11 @@ from eagle3.artifacts.workdir import REPO_ROOT, WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
 from eagle3.engines import vllm_engine
-from eagle3.engines.config import EngineConfig
+from eagle3.engines.config import GPU_MEMORY_SHARE, EngineConfig
 from eagle3.engines.vllm_shutdown import shutdown_llm
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.figures import counter_diff
+from eagle3.stages.s06_evaluate.timing import PLAIN, Block, serve_blocks
 
 log = logging.getLogger(__name__)
 
@@ -144,17 +147,28 @@ def engine_request(engine: EngineConfig) -> dict[str, Any]:
     return {"target": engine.model, **{k: getattr(engine, k) for k in ENGINE_KEYS}}
 
 
-def run_engine_config(req: dict, per_request: bool) -> EngineConfig:
-    """The engine of one run: the request's settings, the run's drafter (none: the plain target)."""
+def run_engine_config(req: dict, part: dict, on_cpu: bool) -> EngineConfig:
+    """The engine of one configuration of a run: the request's settings and the part's drafter
+    (none: the plain target). Engines that live side by side in one worker (the timed
+    plain + trained pair) split the GPU share (--gpu-memory-utilization, or the platform's
+    default): vLLM refuses to start an engine whose share of the GPU is more than the memory
+    still free (v1/worker/utils.py, `request_memory`), so two engines of the default 0.85
+    could not both start. On CPU each engine has its own fixed KV cache (--kv-cache-gib), and
+    the share is not read when that is set (v1/worker/cpu_worker.py)."""
     spec, extra = None, {}
-    if req["drafter"]:
-        spec = {"method": "eagle3", "model": req["drafter"], "num_speculative_tokens": req["num_speculative_tokens"]}
-        if per_request:
-            extra = {"per_request_spec_decode_metrics": "summary"}
+    if part["drafter"]:
+        spec = {"method": "eagle3", "model": part["drafter"], "num_speculative_tokens": req["num_speculative_tokens"]}
+        # Per-request acceptance histograms (every vLLM we support, >= 0.32, has them): the
+        # per-category figures, the interval over prompts and the timed steps come from them.
+        extra = {"per_request_spec_decode_metrics": "summary"}
+    settings = {k: req[k] for k in ENGINE_KEYS}
+    engines = len(req["engines"])
+    if engines > 1 and not on_cpu:
+        settings["gpu_memory_utilization"] = (settings["gpu_memory_utilization"] or GPU_MEMORY_SHARE) / engines
     # No prefix caching: the timing passes serve prompts the acceptance passes already saw,
     # and a benchmark's prefill must cost what a new prompt costs. Log stats on: the
     # spec-decode counters and the per-request timestamps come from them.
-    return EngineConfig(model=req["target"], **{k: req[k] for k in ENGINE_KEYS}, enable_prefix_caching=False,
+    return EngineConfig(model=req["target"], **settings, enable_prefix_caching=False,
                         disable_log_stats=False, speculative_config=spec, extra=extra)
 
 
@@ -183,39 +197,32 @@ def _acceptance_pass(llm, prompts: list[dict], temp: float, req: dict, per_reque
             "histograms": [_histogram(o, K) for o in outs] if per_request else None}
 
 
-def _timing_pass(llm, prompts: list[dict], greedy, K: int, per_request: bool) -> dict:
-    """The timed prompts served one request at a time (single-stream decoding)."""
-    before = _metric_totals(llm)
-    walls, outs = [], []
-    t1 = time.perf_counter()
-    for p in prompts:
-        t2 = time.perf_counter()
-        outs.append(llm.generate([p], greedy, use_tqdm=False)[0])
-        walls.append(time.perf_counter() - t2)
-    return {"wall_s": time.perf_counter() - t1, "request_wall_s": walls,
-            "token_ts": [_timestamps(o) for o in outs],
-            "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "counters": counter_diff(_metric_totals(llm), before),
-            "histograms": [_histogram(o, K) for o in outs] if per_request else None}
-
-
-def _timing_passes(llm, prompts: list[dict], req: dict, per_request: bool) -> list[dict]:
-    """Warmup requests, then `timed_passes` greedy single-stream passes over the timing subset."""
+def _timing_passes(llms: dict, prompts: list[dict], req: dict) -> dict[str, list[dict]]:
+    """Warmup requests on each timed engine, then the request's timing blocks in their order
+    (greedy, single stream; timing.py); per engine, its passes."""
     from vllm import SamplingParams
 
-    idx = req["timing_indices"]
-    if not idx:
-        return []
-    seed, n_new = req["seed"], req["max_new_tokens"]
+    blocks = [Block(*b) for b in req["timing_blocks"]]
+    if not blocks:
+        return {}
+    K, seed, n_new = req["num_speculative_tokens"], req["seed"], req["max_new_tokens"]
     greedy = SamplingParams(temperature=0.0, max_tokens=n_new, seed=seed)
     warm = SamplingParams(temperature=0.0, max_tokens=min(WARMUP_TOKENS, n_new), seed=seed)
-    for i in idx[:req["warmup_prompts"]]:
-        llm.generate([prompts[i]], warm, use_tqdm=False)
-    passes = []
-    for n in range(req["timed_passes"]):
-        passes.append(_timing_pass(llm, [prompts[i] for i in idx], greedy, req["num_speculative_tokens"],
-                                   per_request))
-        log.info("timing pass %d: %d prompts single-stream in %.1f s", n + 1, len(idx), passes[-1]["wall_s"])
+    for name in dict.fromkeys(b.run for b in blocks):
+        for i in list(dict.fromkeys(b.prompt for b in blocks if b.run == name))[:req["warmup_prompts"]]:
+            llms[name].generate([prompts[i]], warm, use_tqdm=False)
+
+    def serve(run: str, i: int) -> dict:
+        out = llms[run].generate([prompts[i]], greedy, use_tqdm=False)[0]
+        drafted = run != PLAIN
+        return {"tokens": out.outputs[0].token_ids, "token_ts": _timestamps(out),
+                "histogram": _histogram(out, K) if drafted else None}
+
+    passes = serve_blocks(blocks, serve)
+    for name, runs in passes.items():
+        log.info("%s: timing passes %s of %d prompts single stream: %s s", name,
+                 ", ".join(str(p["timing_pass"]) for p in runs), len(runs[0]["prompts"]),
+                 " / ".join(f"{p['wall_s']:.1f}" for p in runs))
     return passes
 
 
@@ -229,36 +236,63 @@ def _platform_name(current_platform, on_cpu: bool) -> str:
         return str(current_platform.device_name)
 
 
-def serve_and_measure(req: dict) -> dict:
-    """One engine: acceptance passes over all prompts (one per temperature, many sequences at
-    once), then greedy single-stream timing passes over `req["timing_indices"]`.
+def check_request(req: dict) -> None:
+    """What the worker relies on (the stage plans every request): distinct engine names; two
+    engines only as the plain one (started first) and one drafter engine; timing blocks of
+    those engines only."""
+    parts = req["engines"]
+    names = [p["name"] for p in parts]
+    assert parts and len(set(names)) == len(parts), f"engine names must be distinct: {names}"
+    if len(parts) > 1:
+        assert len(parts) == 2 and names[0] == PLAIN and not parts[0]["drafter"] and parts[1]["drafter"], (
+            f"two engines in one worker: the plain engine, then a drafter engine, not {parts}")
+    assert {b[2] for b in req["timing_blocks"]} <= set(names), f"timing blocks of engines not in {names}"
 
-    Runs in a worker process (see `run_engine`); the engine is shut down before returning.
+
+def serve_and_measure(req: dict) -> dict:
+    """The run's engines (`req["engines"]`: name, drafter, temperatures), started in order and
+    alive together: each one's acceptance passes over all prompts (one per temperature, many
+    sequences at once), then the greedy single-stream timing blocks `req["timing_blocks"]`
+    ([pass, prompt index, engine name] each, in the order the stage chose: timing.py).
+
+    Runs in a worker process (see `run_engine`); every engine is shut down before returning.
+    Two engines live in one process: vLLM's CPU build runs them side by side (docs/DEMO.md,
+    "Timing that drift cannot fake"). vLLM keeps its metrics in one registry per process, and a
+    new engine unregisters those of the engines before it (v1/metrics/loggers.py,
+    `PrometheusStatLogger`): the spec-decode counters read are the last engine's, so the one
+    drafter engine of a pair is started last (`check_request`); the plain engine counts none.
     """
     import vllm
     from vllm.platforms import current_platform
 
+    check_request(req)
     on_cpu = vllm_engine.on_cpu()  # vLLM's platform: the one seam every stage asks
-    # Per-request acceptance histograms (every vLLM we support, >= 0.32, has them): the
-    # per-category figures and the interval over prompts come from one pass.
-    per_request = bool(req["drafter"])
-    engine = vllm_engine.for_platform(run_engine_config(req, per_request))  # the settings it runs with, for results
-    t0 = time.perf_counter()
-    llm = _start_engine(engine)
-    init_s = time.perf_counter() - t0
+    llms: dict[str, Any] = {}
+    runs: dict[str, dict] = {}
+    patched = False
     try:
-        # After the engine exists: the CPU platform installs its kernel stand-ins at start.
-        patched = bool(req["drafter"]) and on_cpu and _fix_cpu_sampled_verification()
+        for part in req["engines"]:
+            # The settings it runs with (the result reports the last engine's; a pair's share alike).
+            engine = vllm_engine.for_platform(run_engine_config(req, part, on_cpu))
+            t0 = time.perf_counter()
+            llms[part["name"]] = _start_engine(engine)
+            runs[part["name"]] = {"init_s": time.perf_counter() - t0, "per_request_metrics": bool(part["drafter"])}
+        # After the engines exist: the CPU platform installs its kernel stand-ins at start.
+        patched = any(p["drafter"] for p in req["engines"]) and on_cpu and _fix_cpu_sampled_verification()
         prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
-        acceptance = [_acceptance_pass(llm, prompts, t, req, per_request) for t in req["temperatures"]]
-        timing = _timing_passes(llm, prompts, req, per_request)
+        for part in req["engines"]:
+            llm, per_request = llms[part["name"]], bool(part["drafter"])
+            runs[part["name"]]["acceptance"] = [_acceptance_pass(llm, prompts, t, req, per_request)
+                                                for t in part["temperatures"]]
+        timing = _timing_passes(llms, prompts, req)
+        for name, run in runs.items():
+            run["timing"] = timing.get(name, [])
     finally:
-        shutdown_llm(llm)
+        for llm in reversed(list(llms.values())):
+            shutdown_llm(llm)
     return {"vllm_version": vllm.__version__, "platform": _platform_name(current_platform, on_cpu),
             "enforce_eager": engine.enforce_eager, "gpu_memory_utilization": engine.gpu_memory_utilization,
-            "init_s": init_s,
-            "per_request_metrics": per_request, "patched_cpu_sampled_verification": patched,
-            "acceptance": acceptance, "timing": timing}
+            "patched_cpu_sampled_verification": patched, "runs": runs}
 
 
 def serve_main(argv: list[str]) -> int:
@@ -286,14 +320,20 @@ def _worker_cmd(req_path: Path, out_path: Path) -> list[str]:
     return [sys.executable, "-m", "eagle3.stages.s06_evaluate", "--serve", str(req_path), str(out_path)]
 
 
-def _failure(name: str, returncode: int, log_path: Path, drafter: str | None) -> PipelineError:
+def _failure(name: str, returncode: int, log_path: Path, req: dict) -> PipelineError:
     tail = "\n    ".join(log_path.read_text(errors="replace").splitlines()[-25:])
+    drafter = next((p["drafter"] for p in req["engines"] if p["drafter"]), None)
     hint = ("the drafter folder is not one vLLM serves (check it with `python -m eagle3.tools.diagnose inspect "
             f"{drafter}`)" if drafter else "the target does not serve in this vLLM")
+    memory = "too little memory (--gpu-memory-utilization)"
+    if len(req["engines"]) > 1:
+        memory = (f"too little memory for the {len(req['engines'])} engines that live side by side for the "
+                  f"interleaved timing (each takes the target's weights and a KV cache: --kv-cache-gib; on a GPU "
+                  f"they split --gpu-memory-utilization; --timing-order passes serves one engine at a time)")
     return PipelineError(
         f"the {name} engine run failed (exit status {returncode}); {log_path} ends with:\n    {tail}\n"
         f"Usual causes: vLLM is not installed for this machine (scripts/setup_cpu.sh on CPU, `pip install "
-        f"vllm` on a GPU box), too little memory (--gpu-memory-utilization), or {hint}.")
+        f"vllm` on a GPU box), {memory}, or {hint}.")
 
 
 def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
@@ -314,9 +354,26 @@ def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
                                 f"{log_path}); raise --timeout-s or lower --num-prompts / --max-new-tokens / "
                                 f"--timing-prompts.") from e
     if p.returncode != 0 or not out_path.is_file():
-        raise _failure(name, p.returncode, log_path, req["drafter"])
+        raise _failure(name, p.returncode, log_path, req)
     result = json.loads(out_path.read_text())
-    log.info("%s run: engine start %.1f s; acceptance passes %s s; timing passes %s s; run total %.0f s", name,
-             result["init_s"], " / ".join(f"{a['wall_s']:.1f}" for a in result["acceptance"]) or "-",
-             " / ".join(f"{t['wall_s']:.1f}" for t in result["timing"]) or "-", time.perf_counter() - t0)
+    for engine_name, run in result["runs"].items():
+        log.info("%s engine: start %.1f s; acceptance passes %s s; timing passes %s s", engine_name, run["init_s"],
+                 " / ".join(f"{a['wall_s']:.1f}" for a in run["acceptance"]) or "-",
+                 " / ".join(f"{t['wall_s']:.1f}" for t in run["timing"]) or "-")
+    log.info("%s run: %.0f s in all", name, time.perf_counter() - t0)
     return result
+
+
+def read_engine_result(wd: WorkDir, engine: str) -> dict:
+    """One engine's raw result in `wd` (acceptance passes with their per-request histograms,
+    timing passes, start time), from the newest run file that holds it: its own run's, or the
+    timed `plain+trained` run's. A PipelineError naming the folder when stage 06 served no such
+    engine there."""
+    folder = wd.engine_result(engine).parent
+    for path in sorted(folder.glob("*.result.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+        runs = json.loads(path.read_text()).get("runs") or {}
+        if engine in runs:
+            return runs[engine]
+    raise PipelineError(f"{folder} holds no result of a {engine} engine; run `python {WorkDir.script('evaluate')}` "
+                        f"on this work dir first.")
+

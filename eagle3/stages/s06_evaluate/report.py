@@ -17,8 +17,13 @@ import numpy as np
 from eagle3.artifacts.atomic import atomic_path
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core import readable
-from eagle3.stages.s06_evaluate.figures import (_spread, break_even_interval, break_even_verdict, paired_speedups,
-                                                speed_verdict, speedup_interval, timing_problems)
+from eagle3.stages.s06_evaluate.figures import (MAX_PASS_DISAGREEMENT, _spread, break_even_interval,
+                                                break_even_verdict, pass_ratios, paired_speedups, speed_verdict,
+                                                speedup_interval, timing_problems)
+
+# What the report, the model card and the demo summary say instead of a speed figure when the
+# interleaved timing passes disagree (figures.py, `timing_problems`).
+NO_VERDICT = "timings unreliable: no verdict"
 
 # How each headline figure is computed, written into results.json beside the figures.
 FORMULAS = {
@@ -28,13 +33,17 @@ FORMULAS = {
     "acceptance_per_position": "accepted_per_position[k] / drafts (served counterpart of full_acc_k)",
     "break_even_acceptance_length": "c_s / c_t; c_t = plain decode seconds per token, c_s = speculative "
                                     "decode seconds per verification step (prefill excluded), both single "
-                                    "stream on the timing subset",
+                                    "stream on the timing subset, summed over the interleaved passes",
     "expected_accept_length_training": "1 + sum_{k<K} full_acc_k of stage 04's held-out eval",
-    "speedup": "speculative tokens/s / plain tokens/s, single stream, end to end (prefill included)",
+    "speedup": "speculative tokens/s / plain tokens/s, single stream, end to end (prefill included), summed "
+               "over the interleaved passes (each prompt served on both engines back to back)",
     "speedup_ci95": "speedup x exp(+-1.96 se), se of log((sum tokens_s / sum wall_s) / (sum tokens_p / sum "
                     "wall_p)) by the delta method, paired over the timed prompts",
     "break_even_ci95": "L* x exp(+-1.96 se), se of log((sum decode_s_s / sum steps_s) / (sum decode_s_p / sum "
                        "decode_tokens_p)) by the delta method, paired over the timed prompts",
+    "timing_problems": f"the interleaved passes' speedups or L* differ by more than {MAX_PASS_DISAGREEMENT:g}x "
+                       f"(largest / smallest), or one pass only: then no tokens/s, speedup, L* or verdict "
+                       f"({NO_VERDICT!r})",
     "speedup_verdict": "faster / slower when speedup_ci95 excludes 1.0, else no difference shown",
     "beats_break_even": "true / false when L +- its interval and L* +- its interval do not overlap, null when "
                         "they do (no difference shown) or a figure is missing",
@@ -57,16 +66,23 @@ def _by_temperature(trained: dict, untrained: dict | None, temperatures: list[fl
     return rows
 
 
-def _timing_summary(tp: dict | None, ts: dict | None, settings: dict) -> dict[str, Any]:
-    """The single-stream subset: how many prompts, its acceptance and the per-prompt spreads."""
+def _timing_summary(tp: dict | None, ts: dict | None, settings: dict, reliable: bool) -> dict[str, Any]:
+    """The single-stream subset: how many prompts and passes, its acceptance, each pass's speedup
+    and L* (what the passes' agreement compares) and, when the timings are reliable, the
+    per-prompt spreads."""
     tp, ts = tp or {}, ts or {}
+    per_pass = pass_ratios(tp, ts)
     return {
         "prompts": (tp or ts).get("requests", 0), "max_num_seqs": 1, "temperature": 0.0,
-        "indices": settings.get("timing_indices"),
+        "indices": settings.get("timing_indices"), "passes": len((tp or ts).get("passes") or []),
+        "order": settings.get("timing_order"),  # pairs or passes (eagle3/stages/s06_evaluate/timing.py)
         "acceptance_length": ts.get("acceptance_length"),
-        "speedup_per_prompt": _spread(paired_speedups(tp, ts) or []),
-        "tokens_per_s_per_prompt": {"plain": _spread(tp.get("request_tokens_per_s") or []),
-                                    "speculative": _spread(ts.get("request_tokens_per_s") or [])},
+        "pass_speedups": per_pass["speedup"], "pass_break_evens": per_pass["break_even"],
+        "max_pass_disagreement": MAX_PASS_DISAGREEMENT,
+        "speedup_per_prompt": _spread(paired_speedups(tp, ts) or []) if reliable else None,
+        "tokens_per_s_per_prompt": ({"plain": _spread(tp.get("request_tokens_per_s") or []),
+                                     "speculative": _spread(ts.get("request_tokens_per_s") or [])}
+                                    if reliable else None),
     }
 
 
@@ -90,7 +106,10 @@ def summarise(runs: dict[str, dict], K: int, temperatures: list[float], expectat
     for drafter runs, `outputs_match_plain` (figures.py, `run_figures`)."""
     plain, trained = runs.get("plain") or {}, runs["trained"]
     untrained = runs.get("untrained")
-    tp, ts = plain.get("timing") or {}, trained.get("timing") or {}
+    problems = timing_problems(plain.get("timing"), trained.get("timing"))
+    timing = _timing_summary(plain.get("timing"), trained.get("timing"), settings, reliable=not problems)
+    # Unreliable timings give no speed figure at all: the figures below read nothing.
+    tp, ts = ({}, {}) if problems else (plain.get("timing") or {}, trained.get("timing") or {})
     tu = (untrained or {}).get("timing") or {}
     c_t, c_s = tp.get("step_s"), ts.get("step_s")
     break_even = c_s / c_t if c_t and c_s else None
@@ -125,14 +144,14 @@ def summarise(runs: dict[str, dict], K: int, temperatures: list[float], expectat
         "speedup_ci95": speedup_ci,
         "speedup_verdict": speed_verdict(speedup_ci, speedup),
         "decode_speedup": _ratio(ts.get("decode_tokens_per_s"), tp.get("decode_tokens_per_s")),
-        "timing": _timing_summary(plain.get("timing"), trained.get("timing"), settings),
+        "timing": timing,
         "batched": _batched_throughput(plain, trained, temperatures, settings),
         "step_cost_s": {"plain_decode_step": c_t, "speculative_step": c_s,
                         "untrained_speculative_step": tu.get("step_s")},
         "break_even_acceptance_length": break_even,
         "break_even_ci95": break_even_ci,
         "beats_break_even": break_even_verdict(L, primary.get("ci95"), break_even, break_even_ci),
-        "timing_problems": timing_problems({n: (r or {}).get("timing") for n, r in runs.items()}),
+        "timing_problems": problems,
         "outputs_match_plain": trained.get("outputs_match_plain"),
         "teacher": teacher,
         "runs": runs,
@@ -186,6 +205,12 @@ def break_even_phrase(r: dict) -> str:
     return f"{readable.with_range(be, ci[0], ci[1])}: {verdict}"
 
 
+def _timed(timing: dict, n) -> str:
+    """"16 of 77 prompts in 2 interleaved passes" (results.json of earlier versions: no passes)."""
+    passes = timing.get("passes")
+    return f"{timing['prompts']} of {n} prompts" + (f" in {passes} interleaved passes" if passes else "")
+
+
 def report_lines(r: dict) -> list[str]:
     K = r["num_speculative_tokens"]
     exp = r["expected_accept_length_training"]
@@ -217,10 +242,13 @@ def report_lines(r: dict) -> list[str]:
             vals = " | ".join(_pm(row["trained"]["by_category"].get(name)) for row in r["acceptance"])
             lines.append(f"  {name} (n={r['categories']['prompts'][name]}): {vals}")
     timing = r.get("timing") or {}
-    if timing.get("prompts"):
+    problems = r.get("timing_problems") or []
+    if timing.get("prompts") and problems:
+        lines.append(f"tokens/s, speedup and break-even (single stream, {_timed(timing, n)}, greedy): {NO_VERDICT}")
+    elif timing.get("prompts"):
         sp = timing.get("speedup_per_prompt") or {}
         lines += [
-            f"tokens/s (single stream, {timing['prompts']} of {n} prompts, greedy): plain "
+            f"tokens/s (single stream, {_timed(timing, n)}, greedy): plain "
             f"{readable.num(tps['plain'])}, "
             f"with drafter {readable.num(tps['speculative'])} -> speedup {speed_phrase(r)} "
             f"(per prompt {readable.num(sp.get('min'))}-{readable.num(sp.get('max'))}x, decode only "
@@ -233,7 +261,7 @@ def report_lines(r: dict) -> list[str]:
         ]
     else:
         lines.append("tokens/s, speedup and break-even: not measured (--timing-prompts 0)")
-    for problem in r.get("timing_problems") or []:
+    for problem in problems:
         lines.append(f"UNRELIABLE TIMINGS: {problem}; other load on the machine? Rerun `python "
                      f"{WorkDir.script('evaluate')} --force` on an idle machine (acceptance figures are unaffected).")
     if r.get("outputs_match_plain") is not None and r["outputs_match_plain"] < 1.0:
@@ -294,16 +322,20 @@ def card_table(r: dict, when: str) -> str:
         out.append(f"Training-time estimate for K = {exp.get('k')}: {readable.num(exp['value'])}.")
     timing = r.get("timing") or {}
     tps = r.get("tokens_per_s") or {}
-    if timing.get("prompts"):
-        out += [f"Speed, single stream, greedy, {timing['prompts']} prompts timed: {readable.num(tps.get('plain'))} "
-                f"tokens/s without the drafter, {readable.num(tps.get('speculative'))} with it; speedup "
-                f"{speed_phrase(r)}.",
+    problems = r.get("timing_problems") or []
+    passes = f" in {timing['passes']} interleaved passes" if timing.get("passes") else ""
+    if timing.get("prompts") and problems:
+        out.append(f"Speed, single stream, greedy, {timing['prompts']} prompts timed{passes}: {NO_VERDICT} ("
+                   + "; ".join(problems) + "). No speedup or break-even is given; the acceptance figures above "
+                   "are unaffected.")
+    elif timing.get("prompts"):
+        out += [f"Speed, single stream, greedy, {timing['prompts']} prompts timed{passes}: "
+                f"{readable.num(tps.get('plain'))} tokens/s without the drafter, "
+                f"{readable.num(tps.get('speculative'))} with it; speedup {speed_phrase(r)}.",
                 f"Break-even acceptance length L* (a speculative step's cost in plain steps, decode only): "
                 f"{break_even_phrase(r)}. Timings hold for this hardware and these engine settings only."]
     else:
         out.append("Speed: not measured (--timing-prompts 0).")
-    for problem in r.get("timing_problems") or []:
-        out.append(f"Timings unreliable: {problem}.")
     return "\n".join(out) + "\n"
 
 

@@ -2,8 +2,8 @@
 
 Training accuracy is a proxy; what a deployment gets is the acceptance length in the
 server and whether it beats the break-even of that deployment. This stage serves the
-target in vLLM (its CUDA build on a GPU box, its CPU build on a laptop), one engine
-process per configuration:
+target in vLLM (its CUDA build on a GPU box, its CPU build on a laptop), one engine per
+configuration:
 
     plain       the target alone: greedy outputs of all prompts (the reference the
                 speculative outputs must equal) and single-stream timings
@@ -11,6 +11,11 @@ process per configuration:
                 acceptance over all prompts at each temperature, single-stream timings
     untrained   the target + a drafter of the same config and mapping with fresh random
                 weights: the floor (it accepts ~nothing); acceptance at the first temperature only
+
+Each worker process runs one configuration, except the timed one: plain and trained live
+side by side in one worker (`plain+trained`), so their timed requests interleave
+(--timing-order pairs; with --timing-order passes, one engine at a time, whole passes each,
+plain started twice).
 
 Two measurements, each in the regime that makes it cheap and right:
 - acceptance does not depend on how many requests run together, so every prompt is
@@ -20,7 +25,10 @@ Two measurements, each in the regime that makes it cheap and right:
   the figures per category (--category-field);
 - speed is measured where speculative decoding is meant to help, single-stream: a
   subset of --timing-prompts prompts (round-robin over categories) served one request
-  at a time, greedy, for tokens/s, the speedup and the break-even.
+  at a time, greedy, for tokens/s, the speedup and the break-even. Each prompt is served
+  by the plain and the drafter engine back to back, in --timed-passes passes, so a
+  machine slowed by other work slows both sides (eagle3/stages/s06_evaluate/timing.py);
+  passes that disagree give "timings unreliable: no verdict" and no speed figure.
 
 Any drafter can be measured on its own, before anything is trained: with --drafter-dir
 and --prompts the work directory may be new (only 06_evaluate/ is written there), e.g. a
@@ -38,7 +46,7 @@ Writes WORK/06_evaluate/
     results.json            every measured figure (eagle3/stages/s06_evaluate/report.py, `summarise`)
     evaluate.png            acceptance per draft position and per category; training curves
     untrained_drafter/      the baseline drafter folder
-    runs/NAME.{request,result}.json, logs/NAME.log   one engine run each
+    runs/NAME.{request,result}.json, logs/NAME.log   one worker run each (plain+trained when timed)
     manifest.json
 
 Run: `python 06_evaluate_drafter.py --config configs/tiny-llama.yaml [--num-speculative-tokens 3]`.
@@ -63,7 +71,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +99,7 @@ from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
 from eagle3.stages.s06_evaluate.report import card_table, report_lines, summarise, write_plot
+from eagle3.stages.s06_evaluate.timing import PLAIN, Block, pass_segments, schedule
 
 log = logging.getLogger(__name__)
 
@@ -282,38 +291,73 @@ def _choose_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, info, prep: Manifest 
     return prompts, prompt_info, cfg.max_model_len or min(limit, longest + cfg.max_new_tokens + K + 1)
 
 
-def _plan_runs(wd: WorkDir, cfg: EvaluateConfig, drafter_dir: Path,
-               timed: list[int]) -> list[tuple[str, str | None, list[float], bool]]:
-    """(name, drafter folder, temperatures of its acceptance passes, timed?) of each engine run;
-    writes the untrained baseline drafter when one is served."""
+@dataclass(frozen=True)
+class _Run:
+    """One worker process: its name (its request, result and log files), its engines, each
+    {"name", "drafter", "temperatures"} (started in this order), and its timing blocks."""
+    name: str
+    engines: list[dict]
+    timing: list[Block]
+
+
+def _plan_runs(wd: WorkDir, cfg: EvaluateConfig, drafter_dir: Path, timed: list[int]) -> list[_Run]:
+    """The worker runs; writes the untrained baseline drafter when one is served.
+
+    Timed in `pairs` (the default), the plain target and the trained drafter share one worker,
+    both engines alive, the plain one first (engine.py, `serve_and_measure`), and their timed
+    requests interleave. Timed in `passes`, each engine start serves whole passes (timing.py,
+    `pass_segments`); an engine's acceptance passes ride with its first start. Without timing,
+    each configuration has a worker of its own."""
     greedy = 0.0 in cfg.temperature
-    plan: list[tuple[str, str | None, list[float], bool]] = [
-        ("plain", None, [0.0] if greedy else [], bool(timed)),
-        ("trained", str(drafter_dir), cfg.temperature, bool(timed))]
+    plain = {"name": PLAIN, "drafter": None, "temperatures": [0.0] if greedy else []}
+    trained = {"name": "trained", "drafter": str(drafter_dir), "temperatures": cfg.temperature}
+    if timed and cfg.timing_order == "pairs":
+        plan = [_Run(f"{PLAIN}+trained", [plain, trained], schedule(timed, cfg.timed_passes, [PLAIN, "trained"]))]
+    elif timed:
+        plan, starts = [], {}
+        for name, passes in pass_segments(cfg.timed_passes, [PLAIN, "trained"]):
+            starts[name] = starts.get(name, 0) + 1
+            first = starts[name] == 1
+            engine = {PLAIN: plain, "trained": trained}[name]
+            plan.append(_Run(name if first else f"{name}.{starts[name]}",
+                             [engine if first else {**engine, "temperatures": []}],
+                             [Block(n, i, name) for n in passes for i in timed]))
+    else:  # plain has nothing to do without greedy or timing
+        plan = [_Run(e["name"], [e], []) for e in (plain, trained) if e["temperatures"]]
     if cfg.baseline_untrained:
         untrained_dir = write_untrained_drafter(drafter_dir, wd.untrained_drafter(), cfg.seed)
         # The floor at the headline temperature only: it accepts ~nothing at any temperature.
-        plan.append(("untrained", str(untrained_dir), cfg.temperature[:1], False))
-    return [p for p in plan if p[2] or p[3]]  # plain has nothing to do without greedy or timing
+        plan.append(_Run("untrained", [{"name": "untrained", "drafter": str(untrained_dir),
+                                        "temperatures": cfg.temperature[:1]}], []))
+    return plan
 
 
 def _base_request(cfg: EvaluateConfig, prompts: list[Prompt], max_model_len: int) -> dict[str, Any]:
-    """What every engine run is asked; each run adds its drafter, temperatures and timed prompts."""
+    """What every engine run is asked; each run adds its engines and timing blocks."""
     return {**engine_request(cfg.engine_config(max_model_len=max_model_len)),
             "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens,
             "warmup_prompts": cfg.warmup_prompts,
-            "timed_passes": cfg.timed_passes,
             "prompts": [p.prompt_ids for p in prompts]}
 
 
-def _serve(plan: list, base_req: dict, timed: list[int], wd: WorkDir, cfg: EvaluateConfig) -> dict[str, dict]:
-    """Each planned engine run, one after the other, each in its own process."""
+def _serve(plan: list[_Run], base_req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict[str, dict]:
+    """Each planned run, one after the other, each in its own process; per engine, its result
+    with the run's engine and platform facts (an engine started more than once, in the
+    `passes` order: its first start's, with the timing passes of every start)."""
     from tqdm import tqdm
 
     raw: dict[str, dict] = {}
-    for name, drafter, temps, timed_run in tqdm(plan, desc="engine runs", unit="run"):
-        raw[name] = run_engine(name, {**base_req, "drafter": drafter, "temperatures": temps,
-                                      "timing_indices": timed if timed_run else []}, wd, cfg)
+    for run in tqdm(plan, desc="engine runs", unit="run"):
+        result = run_engine(run.name, {**base_req, "engines": run.engines,
+                                       "timing_blocks": [list(astuple(b)) for b in run.timing]}, wd, cfg)
+        common = {k: v for k, v in result.items() if k != "runs"}
+        for name, engine_result in result["runs"].items():
+            if name in raw:
+                raw[name]["timing"] += engine_result["timing"]
+            else:
+                raw[name] = {**common, **engine_result}
+    for engine_result in raw.values():
+        engine_result["timing"].sort(key=lambda p: p["timing_pass"])
     return raw
 
 
@@ -329,6 +373,7 @@ def _results(raw: dict[str, dict], cfg: EvaluateConfig, prompts: list[Prompt], p
               "enforce_eager": first["enforce_eager"]}
     settings = {**{k: v for k, v in base_req.items() if k != "prompts"},
                 "temperatures": cfg.temperature, "timing_prompts": cfg.timing_prompts, "timing_indices": timed,
+                "timed_passes": cfg.timed_passes, "timing_order": cfg.timing_order,
                 "drafter": str(drafter_dir), "baseline_untrained": cfg.baseline_untrained}
     return summarise(runs, K, cfg.temperature, expectation, prompt_info, settings, engine, teacher)
 
@@ -447,7 +492,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     wd.evaluate_dir().mkdir(parents=True, exist_ok=True)
     wd.manifest("evaluate").unlink(missing_ok=True)  # the manifest marks completion: drop a stale one first
     base_req = _base_request(cfg, prompts, max_model_len)
-    raw = _serve(_plan_runs(wd, cfg, drafter.dir, timed), base_req, timed, wd, cfg)
+    raw = _serve(_plan_runs(wd, cfg, drafter.dir, timed), base_req, wd, cfg)
     results = _results(raw, cfg, prompts, prompt_info, base_req, timed, drafter.dir, expectation)
     results["settings"]["aux_layers"] = capture
 
