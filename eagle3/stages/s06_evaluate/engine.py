@@ -317,7 +317,9 @@ def _engine_env() -> dict[str, str]:
 
 
 def _worker_cmd(req_path: Path, out_path: Path) -> list[str]:
-    return [sys.executable, "-m", "eagle3.stages.s06_evaluate", "--serve", str(req_path), str(out_path)]
+    # -P: `-m` would put the current directory ahead of PYTHONPATH, so stage 06 run from inside
+    # another checkout would serve with that checkout's code.
+    return [sys.executable, "-P", "-m", "eagle3.stages.s06_evaluate", "--serve", str(req_path), str(out_path)]
 
 
 def _failure(name: str, returncode: int, log_path: Path, req: dict) -> PipelineError:
