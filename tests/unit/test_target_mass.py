@@ -3,7 +3,7 @@ distribution, and that the whole lm_head is read once per run and let go after e
 import torch
 
 import eagle3.stages.s04_train.target_mass as target_mass
-from eagle3.stages.s04_train.target_mass import HeldOutMass, draft_vocab_mass
+from eagle3.stages.s04_train.target_mass import HeldOutMass, draft_vocab_mass, head_dtype
 
 
 def test_the_mass_is_the_softmax_share_of_the_draft_rows_in_any_chunking(monkeypatch):
@@ -36,3 +36,17 @@ def test_the_head_is_read_once_and_released_after_a_pass():
     assert len(loads) == 2
     torch.testing.assert_close(first, draft_vocab_mass(a, head, torch.tensor([0, 3, 7])))
     assert 0 < float(first.min()) and float(first.max()) < 1
+
+
+def test_the_head_is_bf16_on_a_gpu_and_float32_on_a_cpu():
+    assert head_dtype(torch.device("cuda", 3)) == torch.bfloat16  # a device object only: no GPU touched
+    assert head_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_a_bf16_head_gives_the_float32_heads_mass_within_bf16_rounding():
+    """What the GPU branch computes, run on the CPU: the bf16 head's mass stays near the float32 one."""
+    g = torch.Generator().manual_seed(2)
+    head, final = torch.randn(64, 16, generator=g), torch.randn(3, 5, 16, generator=g)
+    ids = torch.tensor([1, 4, 9, 16, 25, 36, 49])
+    exact = draft_vocab_mass(final, head, ids)
+    torch.testing.assert_close(draft_vocab_mass(final, head.to(torch.bfloat16), ids), exact, atol=0.02, rtol=0.05)

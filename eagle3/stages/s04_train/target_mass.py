@@ -46,6 +46,13 @@ def draft_vocab_mass(final: Tensor, lm_head: Tensor, draft_ids: Tensor) -> Tenso
     return out.view(lead)
 
 
+def head_dtype(device: torch.device) -> torch.dtype:
+    """The lm_head's dtype for the mass on `device`: bf16 on a GPU (as stage 02's argmax: the
+    Kimi-K2.5 head is 2.3 GB in bf16, twice that in float32), float32 on a CPU (whose bf16
+    matmul gains nothing here and rounds more)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 class HeldOutMass:
     """`draft_vocab_mass` of each held-out batch, computed once per batch and run.
 
@@ -68,8 +75,7 @@ class HeldOutMass:
         key = tuple(indices)
         if key not in self.masses:
             if self.lm_head is None:
-                dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-                self.lm_head = self.load_lm_head().to(self.device, dtype)
+                self.lm_head = self.load_lm_head().to(self.device, head_dtype(self.device))
                 log.info("held-out acceptance under sampling: the target's lm_head [%d, %d] is on %s while the "
                          "draft vocabulary's share of each position's mass is computed", *self.lm_head.shape,
                          self.device)
