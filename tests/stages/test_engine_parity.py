@@ -2,14 +2,18 @@
 `Eagle3LlamaForCausalLM` and SGLang's `LlamaForCausalLMEagle3`, each built from an exported
 folder and run on the same aux states, tokens and positions as the drafter as trained, agree
 with it over K chained steps on every shape we export; five plausible export bugs are each
-caught with a message naming the field.
+caught with a message naming the field, and four for the EAGLE 3.1 shape's norms.
 
 All cases run in one worker process per engine (the module fixture): vLLM in this python,
 SGLang in `.venv-sglang` (scripts/setup_cpu.sh). When SGLang cannot be imported the fixture
 raises, so every test here fails: the check is never skipped.
 
-The grid is `GRID`: a shape is one more row (DrafterConfig fields over `BASE`); each row
-runs requests at positions 0-23 (inside the trained reach) and 100,000-100,009 (far past it).
+The grid is `GRID`: a shape is one more row (DrafterConfig fields over `BASE`, and the aux
+layers it is trained on); each row runs requests at positions 0-23 (inside the trained reach)
+and 100,000-100,009 (far past it). The EAGLE 3.1 rows (`--drafter-shape eagle3.1`: `fc_norm`
+and `norm_output`) run on both engines' own handling of the two keys (vLLM's and SGLang's
+llama_eagle3.py build one RMSNorm per aux layer, counted from the nested layer ids, and feed
+the post-norm state to the next step), with plain rope and with K2.5's yarn.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from eagle3.artifacts.manifest import read_record
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
+from eagle3.drafter.shape import shape_switches
 from eagle3.serving.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
 from eagle3.serving.engine_rules import served_yarn_attention_factor
 from eagle3.tools import diagnose
@@ -42,30 +47,37 @@ MHA, GQA = dict(num_key_value_heads=4), dict(num_key_value_heads=2)
 PLAIN = dict(rope_theta=10000.0)
 YARN = dict(rope_theta=50000.0, rope_scaling=K25_YARN, max_position_embeddings=262144)
 SMALL_VOCAB, FULL_VOCAB = dict(draft_vocab_size=64), dict(draft_vocab_size=300)
+EAGLE31 = shape_switches("eagle3.1")
 
 
 @dataclass(frozen=True)
 class GridRow:
     name: str
     shape: dict  # DrafterConfig fields over BASE
+    layers: tuple[int, ...] = tuple(LAYERS)  # the aux layers it is trained on (convention 1 ids)
 
 
 GRID = [GridRow(f"{att}-{rope}-{vocab}", {**a, **r, **v})
         for att, a in (("mha", MHA), ("gqa", GQA))
         for rope, r in (("plain", PLAIN), ("yarn", YARN))
         for vocab, v in (("draft64", SMALL_VOCAB), ("full", FULL_VOCAB))]
-PLANT_BASE = "gqa-yarn-draft64"
+# EAGLE 3.1 over three aux layers: export refuses four (engine_rules `check_drafter`: SGLang's fc
+# taken to fuse exactly three), so no four-aux row is an exported shape yet
+GRID += [GridRow("eagle3.1-gqa-plain-draft64", {**GQA, **PLAIN, **SMALL_VOCAB, **EAGLE31}),
+         GridRow("eagle3.1-gqa-yarn-draft64", {**GQA, **YARN, **SMALL_VOCAB, **EAGLE31})]
+PLANT_BASE, PLANT_BASE_31 = "gqa-yarn-draft64", "eagle3.1-gqa-yarn-draft64"
 
 
 def trained_drafter(shape: dict, seed: int = 0) -> Eagle3Drafter:
-    """A drafter with random weights (norms away from 1, so a swap shows) and a random mapping."""
+    """A drafter with random weights (norms away from 1, so a swap or a norm left at its
+    initial ones shows) and a random mapping."""
     cfg = DrafterConfig(**{**BASE, **shape})
     g = torch.Generator().manual_seed(seed)
     m = Eagle3Drafter(cfg)
     with torch.no_grad():
         for name, p in m.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
-                    else 0.1 * torch.randn(p.shape, generator=g))
+            norm = name.endswith("norm.weight") or name.startswith("fc_norm.")
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if norm else 0.1 * torch.randn(p.shape, generator=g))
     V, Vd = cfg.target_vocab_size, cfg.draft_vocab_size
     if Vd < V:
         ids = torch.sort(torch.randperm(V, generator=g)[:Vd]).values
@@ -73,8 +85,8 @@ def trained_drafter(shape: dict, seed: int = 0) -> Eagle3Drafter:
     return m
 
 
-def export(drafter: Eagle3Drafter, out: Path) -> Path:
-    save_drafter_dir(out, drafter.state_dict(), hf_config_from_drafter_config(drafter.config, LAYERS))
+def export(drafter: Eagle3Drafter, out: Path, layers=tuple(LAYERS)) -> Path:
+    save_drafter_dir(out, drafter.state_dict(), hf_config_from_drafter_config(drafter.config, list(layers)))
     return out
 
 
@@ -115,13 +127,48 @@ def transpose_fc(folder: Path) -> None:
     _edit_tensors(folder, lambda t: t.update({"fc.weight": t["fc.weight"].T.contiguous()}))
 
 
-# planted defect -> (the edit, the field every engine's message must name, a phrase of it)
+def drop_fc_norm_tensors(folder: Path) -> None:
+    _edit_tensors(folder, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("fc_norm.")]])
+
+
+def rename_fc_norm_tensors(folder: Path) -> None:
+    """`fc_norms.{i}.weight`: the name a trainer's ModuleList called `fc_norms` gives (neither engine has it)."""
+    _edit_tensors(folder, lambda t: t.update({k.replace("fc_norm.", "fc_norms."): t.pop(k)
+                                              for k in [k for k in t if k.startswith("fc_norm.")]}))
+
+
+def drop_config_key(key: str):
+    def edit(folder: Path) -> None:
+        _edit_config(folder, lambda cfg: cfg.pop(key))
+    return edit
+
+
+@dataclass(frozen=True)
+class Plant:
+    edit: object  # Path -> None, applied to a copy of the base row's export
+    field: str  # what every engine's error finding must name
+    phrase: str  # and a phrase of its message
+    base: str = PLANT_BASE
+
+
 PLANTS = {
-    "layer-ids-shifted": (shift_layer_ids, "eagle_aux_hidden_state_layer_ids", "trained on [2, 4, 5]"),
-    "d2t-absolute": (absolute_d2t, "d2t", "absolute target ids"),
-    "yarn-mscale-dropped": (drop_yarn_mscale, "rope_scaling", "lacks mscale, mscale_all_dim"),
-    "norms-swapped": (swap_norms, "midlayer.input_layernorm.weight", "is the trained midlayer.hidden_norm.weight"),
-    "fc-transposed": (transpose_fc, "fc.weight", "transposed"),
+    "layer-ids-shifted": Plant(shift_layer_ids, "eagle_aux_hidden_state_layer_ids", "trained on [2, 4, 5]"),
+    "d2t-absolute": Plant(absolute_d2t, "d2t", "absolute target ids"),
+    "yarn-mscale-dropped": Plant(drop_yarn_mscale, "rope_scaling", "lacks mscale, mscale_all_dim"),
+    "norms-swapped": Plant(swap_norms, "midlayer.input_layernorm.weight", "is the trained midlayer.hidden_norm.weight"),
+    "fc-transposed": Plant(transpose_fc, "fc.weight", "transposed"),
+    # EAGLE 3.1: vLLM and SGLang both run a norm whose tensor is missing with its initial ones
+    "fc-norm-dropped": Plant(drop_fc_norm_tensors, "fc_norm.0.weight", "the folder has no fc_norm.0.weight",
+                             PLANT_BASE_31),
+    # vLLM's loader refuses the unknown name, SGLang ignores it: both run the norms as initialised
+    "fc-norm-renamed": Plant(rename_fc_norm_tensors, "fc_norm.0.weight", "in the folder as fc_norms.0.weight",
+                             PLANT_BASE_31),
+    # the tensors kept, the key gone: vLLM refuses the tensors, SGLang drops them; neither norms
+    "fc-norm-key-dropped": Plant(drop_config_key("fc_norm"), "fc_norm", "the engine builds no fc_norm",
+                                 PLANT_BASE_31),
+    # step 0 as trained; every later step reads the pre-norm state
+    "norm-output-dropped": Plant(drop_config_key("norm_output"), "norm_output", "trained on the post-norm one",
+                                 PLANT_BASE_31),
 }
 
 
@@ -141,14 +188,14 @@ def parity(tmp_path_factory, pipeline):
     drafters = {row.name: trained_drafter(row.shape) for row in GRID}
     cases = []
     for row in GRID:
-        folder = export(drafters[row.name], root / row.name)
-        cases.append(ParityCase(row.name, folder, reference_from_drafter(drafters[row.name], LAYERS),
+        folder = export(drafters[row.name], root / row.name, row.layers)
+        cases.append(ParityCase(row.name, folder, reference_from_drafter(drafters[row.name], row.layers),
                                 chains=[(24, 0), (10, FAR_POSITION)]))
-    for plant, (edit, _, _) in PLANTS.items():
-        folder = root / plant
-        shutil.copytree(root / PLANT_BASE, folder)
-        edit(folder)
-        cases.append(ParityCase(plant, folder, reference_from_drafter(drafters[PLANT_BASE], LAYERS)))
+    for name, plant in PLANTS.items():
+        folder = root / name
+        shutil.copytree(root / plant.base, folder)
+        plant.edit(folder)
+        cases.append(ParityCase(name, folder, reference_from_drafter(drafters[plant.base], LAYERS)))
     best = pipeline.stage_dir("train") / read_record(pipeline, "train", needed_by="test").best_checkpoint
     cases.append(ParityCase("stage-05-export", pipeline.export_dir(), reference_from_checkpoint(best),
                             chains=[(24, 0), (10, 1000)], target_layers=8, family="llama"))
@@ -157,21 +204,24 @@ def parity(tmp_path_factory, pipeline):
     return {c["name"]: c for c in report["cases"]}
 
 
-@pytest.mark.parametrize("row", [r.name for r in GRID])
+@pytest.mark.parametrize("row", GRID, ids=[r.name for r in GRID])
 def test_each_exported_shape_is_served_as_trained_by_both_engines(parity, row):
-    case = parity[row]
+    case = parity[row.name]
+    cfg = DrafterConfig(**{**BASE, **row.shape})
     for engine, r in case["engines"].items():
         assert r["ok"], (engine, r["findings"])
         assert len(r["steps"]) == 3  # K chained steps, each judged
         for s in r["steps"]:
             assert s["relative"] <= LOGIT_TOLERANCE, (engine, s)
             assert s["ids_agree"] == 1.0, (engine, s)
-        assert r["captured"]["vllm" if engine == "vllm" else "sglang"] == LAYERS
+        assert r["captured"]["vllm" if engine == "vllm" else "sglang"] == list(row.layers)
+        # the engine's class built the shape that was trained (one norm per aux layer for EAGLE 3.1)
+        assert r["built"] == {"fc_norm": cfg.num_aux_layers if cfg.fc_norm else 0, "norm_output": cfg.norm_output}
 
 
 @pytest.mark.parametrize("plant", list(PLANTS))
 def test_each_planted_mismatch_is_caught_naming_the_field(parity, plant):
-    _, field_name, phrase = PLANTS[plant]
+    field_name, phrase = PLANTS[plant].field, PLANTS[plant].phrase
     for engine, r in parity[plant]["engines"].items():
         assert not r["ok"], (engine, plant)
         named = [f for f in r["findings"] if f["level"] == "error" and f["field"] and field_name in f["field"]

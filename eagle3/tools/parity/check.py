@@ -25,16 +25,20 @@ and names the field behind a difference:
     weights   each tensor as the engine holds it after its own loader, exactly equal to the
               trained one (a tensor equal to another trained one is named as swapped, a
               transposed one as transposed); a tensor the loader refused, with the folder's
-              and the trained shape
+              and the trained shape; a trained tensor the folder lacks (the engine runs it as
+              initialised), with the folder tensor that holds its values under another name
     d2t       the engine's draft -> target map against the trained one (absolute ids written
               as offsets, an identity where a mapping was trained)
     rope      the engine's cos/sin rows: their scale (yarn's mscale) and angles against training's,
               with the config.json rope keys that differ from the trained config
     layers    the target layers each engine rule captures for this config (the engines' own
               readers) against the layers the drafter was trained on, naming the key it read
+    shape     the EAGLE 3.1 switches as the engine built its drafter from config.json (its count
+              of `fc_norm` norms, its `norm_output`) against the trained ones, naming the key
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import subprocess
@@ -270,18 +274,46 @@ def _finding(level: str, topic: str, message: str, field_name: str | None = None
     return {"level": level, "topic": topic, "field": field_name, "message": message}
 
 
-def weight_findings(reference: Reference, held: dict[str, torch.Tensor], folder_shapes: dict[str, list[int]]
+def _in_folder(name: str, folder: dict[str, torch.Tensor]) -> bool:
+    return name in folder or f"model.{name}" in folder  # unprefixed (ours, SpecForge) or prefixed (NeMo)
+
+
+def _renamed_as(want: torch.Tensor, folder: dict[str, torch.Tensor], trained: dict[str, torch.Tensor]) -> str | None:
+    """The folder tensor that holds a trained tensor's values under a name no trained tensor has
+    (an export that renamed it), or None."""
+    for other, t in folder.items():
+        if other.removeprefix("model.") in trained or not t.is_floating_point() or t.shape != want.shape:
+            continue
+        if torch.equal(t.float(), want):
+            return other
+    return None
+
+
+def _missing_from_folder(name: str, want: torch.Tensor, folder: dict[str, torch.Tensor],
+                         trained: dict[str, torch.Tensor], what_the_engine_did: str) -> dict[str, Any]:
+    renamed = _renamed_as(want, folder, trained)
+    fix = (f"its trained values are in the folder as {renamed}, which {what_the_engine_did}: write them as {name}"
+           if renamed else f"export every trained tensor (stage 05)")
+    return _finding("error", "weights", f"the folder has no {name}, which was trained ({list(want.shape)}): {fix}",
+                    name)
+
+
+def weight_findings(reference: Reference, held: dict[str, torch.Tensor], folder: dict[str, torch.Tensor]
                     ) -> list[dict[str, Any]]:
-    """Each tensor as the engine holds it against the trained one, naming what differs."""
+    """Each tensor as the engine holds it against the trained one, naming what differs
+    (`folder`: the drafter folder's tensors under their names in the file)."""
     out = []
     trained = reference.weights()
     for name, want in trained.items():
         got = held.get(name)
         if got is None:
             out.append(_finding("error", "weights", f"the engine holds no {name} (the folder has "
-                                f"{'it' if name in folder_shapes else 'none'})", name))
+                                f"{'it' if _in_folder(name, folder) else 'none'})", name))
             continue
         if got.shape == want.shape and torch.equal(got, want):
+            continue
+        if not _in_folder(name, folder):  # the engine keeps the value its constructor gave (an RMSNorm's ones)
+            out.append(_missing_from_folder(name, want, folder, trained, "the engine does not read"))
             continue
         other = next((n for n, t in trained.items()
                       if n != name and t.shape == got.shape and torch.equal(t, got)), None)
@@ -387,10 +419,12 @@ def layer_findings(reference: Reference, captured: dict[str, list[int]], family:
     return out
 
 
-def load_findings(reference: Reference, error: dict[str, Any], folder_shapes: dict[str, list[int]]
+def load_findings(reference: Reference, error: dict[str, Any], folder: dict[str, torch.Tensor]
                   ) -> list[dict[str, Any]]:
-    """The engine refused the folder: its message, and each tensor it refused with both shapes."""
+    """The engine refused the folder: its message, each tensor it refused with both shapes, and
+    (when its weight loader refused) each trained tensor the folder lacks."""
     trained = reference.weights()
+    folder_shapes = {k: list(v.shape) for k, v in folder.items()}
     where = {"config": "config reader", "load_weights": "weight loader", "forward": "forward"}[error["where"]]
     out = [_finding("error", "load" if error["where"] != "forward" else "forward",
                     f"the engine's {where} raised {error['message'][:300]}")]
@@ -404,6 +438,38 @@ def load_findings(reference: Reference, error: dict[str, Any], folder_shapes: di
         elif want is not None and shape is not None:
             hint = f": the folder's shape {shape}, trained {list(want.shape)}"
         out.append(_finding("error", "weights", f"its loader refused {name} ({message[:160]}){hint}", name))
+    if error["where"] == "load_weights":
+        out += [_missing_from_folder(name, want, folder, trained, "the loader refused")
+                for name, want in trained.items() if not _in_folder(name, folder)]
+    return out
+
+
+def shape_findings(reference: Reference, built: dict[str, Any], folder_config: dict[str, Any]
+                   ) -> list[dict[str, Any]]:
+    """The EAGLE 3.1 switches of the drafter as the engine built it from config.json (`built`:
+    {"fc_norm": its count of per-aux-layer norms, "norm_output": bool}) against the trained ones."""
+    c = reference.config
+    out = []
+    want_norms = c.num_aux_layers if c.fc_norm else 0
+    got_norms = int(built.get("fc_norm") or 0)
+    written = f"config.json has fc_norm = {json.dumps(folder_config.get('fc_norm'))}"
+    if got_norms != want_norms and not want_norms:
+        out.append(_finding("error", "shape", f"the engine norms each aux layer before fc ({written}); the drafter "
+                            f"was trained without fc_norm: drop the key", "fc_norm"))
+    elif got_norms != want_norms and not got_norms:
+        out.append(_finding("error", "shape", f"the engine builds no fc_norm ({written}); the drafter was trained "
+                            f"with one RMSNorm per aux layer before fc: write \"fc_norm\": true", "fc_norm"))
+    elif got_norms != want_norms:
+        out.append(_finding("error", "shape", f"the engine builds {got_norms} fc_norm norms, the drafter was trained "
+                            f"on {want_norms} aux layers: config.json's eagle_config.eagle_aux_hidden_state_layer_ids "
+                            f"(or num_aux_hidden_states) sets the count", "fc_norm"))
+    got_output = bool(built.get("norm_output"))
+    if got_output != c.norm_output:
+        fed, trained_fed = ("post-norm", "pre-norm") if got_output else ("pre-norm", "post-norm")
+        fix = "drop the key" if got_output else "write \"norm_output\": true"
+        out.append(_finding("error", "shape", f"the engine feeds each next draft step its {fed} output (config.json "
+                            f"has norm_output = {json.dumps(folder_config.get('norm_output'))}); the drafter was "
+                            f"trained on the {trained_fed} one: {fix}", "norm_output"))
     return out
 
 
@@ -411,14 +477,15 @@ def compare(case: ParityCase, ours: dict[str, torch.Tensor], tensors: dict[str, 
             tolerance: float = LOGIT_TOLERANCE) -> dict[str, Any]:
     """One engine's result for one case, judged against the reference (module doc)."""
     files = read_drafter_dir(case.folder)
-    folder_shapes = {k: list(v.shape) for k, v in files.tensors.items()}
     findings: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
+    if facts.get("built"):
+        findings += shape_findings(case.reference, facts["built"], files.config)
     if facts.get("error"):
-        findings += load_findings(case.reference, facts["error"], folder_shapes)
+        findings += load_findings(case.reference, facts["error"], files.tensors)
     held = {k.removeprefix("held."): v for k, v in tensors.items() if k.startswith("held.")}
     if held:
-        findings += weight_findings(case.reference, held, folder_shapes)
+        findings += weight_findings(case.reference, held, files.tensors)
     if "target_ids" in tensors:
         findings += mapping_findings(case.reference, tensors["target_ids"])
     if "rope" in tensors:
@@ -453,7 +520,7 @@ def compare(case: ParityCase, ours: dict[str, torch.Tensor], tensors: dict[str, 
     if facts.get("captured"):
         findings += layer_findings(case.reference, facts["captured"], case.family, files.config)
     return {"steps": steps, "findings": findings, "ok": not any(f["level"] == "error" for f in findings),
-            "versions": facts.get("versions"), "captured": facts.get("captured"),
+            "versions": facts.get("versions"), "captured": facts.get("captured"), "built": facts.get("built"),
             "rope_scale": rope_scale(tensors["rope"]) if "rope" in tensors else None}
 
 

@@ -26,7 +26,8 @@ Results per case: logits.k (draft vocabulary, step 0 [T, V_d], steps k >= 1 [R, 
 engine's draft -> target map), held.NAME (each weight as the engine holds it after its own
 loader, under docs/CONVENTIONS.md §6 names: `held_weights`), rope [P, D] (the engine's cos|sin
 rows at `rope_positions`). OUT.json: {"error": null | {"where", "message"}, "rope_scale",
-"captured": {rule: [layer ids]}, "versions": {...}}.
+"captured": {rule: [layer ids]}, "built": BUILT, "versions": {...}}, where BUILT is what the
+engine's class made of config.json's EAGLE 3.1 keys (`built_shape`).
 """
 from __future__ import annotations
 
@@ -97,6 +98,15 @@ def held_weights(params: Mapping[str, torch.Tensor], heads: int, kv_heads: int, 
         else:
             out[short] = t
     return out
+
+
+def built_shape(inner_model) -> dict[str, Any]:
+    """The EAGLE 3.1 switches of an engine's drafter as built (both engines' inner `LlamaModel`
+    holds `fc_norm`, a ModuleList or None, and `norm_output`; releases before EAGLE 3.1 hold
+    neither): {"fc_norm": how many per-aux-layer norms, "norm_output": bool}."""
+    norms = getattr(inner_model, "fc_norm", None)
+    return {"fc_norm": len(norms) if norms is not None else 0,
+            "norm_output": bool(getattr(inner_model, "norm_output", False))}
 
 
 def write_json(path: Path | str, data: Any) -> None:

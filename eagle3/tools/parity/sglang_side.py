@@ -174,6 +174,7 @@ def run_case(case: dict[str, Any], scratch: Path) -> tuple[dict[str, torch.Tenso
     facts["captured"] = captured_layers(config, int(case["target_layers"]))
     torch.set_default_dtype(torch.float32)
     model = LlamaForCausalLMEagle3(config).eval()
+    facts["built"] = protocol.built_shape(model.model)
     weights = load_file(str(folder / "model.safetensors"))
     try:
         model.load_weights(weights.items())

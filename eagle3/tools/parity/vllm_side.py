@@ -141,6 +141,7 @@ def run_case(case: dict[str, Any], scratch: Path) -> tuple[dict[str, torch.Tenso
         _init_distributed()
         torch.set_default_dtype(torch.float32)
         model = Eagle3LlamaForCausalLM(vllm_config=vllm_config)
+        facts["built"] = protocol.built_shape(model.model)
         try:
             model.load_weights(weights.items())
         except Exception as e:  # noqa: BLE001 - the loader's own refusal is the finding
