@@ -1,6 +1,7 @@
 """Soak: kill -9 every stage at several random points, rerun, compare with an unbroken run.
 
     python bench/soak_faults.py [--trials 5] [--stages prepare,extract] [--budget-s 1500] [--seed 1]
+    python bench/soak_faults.py --windows [--scenarios kill,procs,ckpt,claim,force] [--trials 2] [--budget-s 900]
 
 The short version (one kill per stage) runs in CI as tests/e2e/test_faults.py; this one runs
 `--trials` seeded kill points per stage on the tiny Llama (built here) with the
@@ -8,6 +9,11 @@ harness's small settings (tests/fault_harness.py), stops starting trials when
 `--budget-s` is spent, and prints trials / passes per stage and each failure. Run it
 under the heavy lock on a shared machine: `flock /tmp/eagle3-heavy.lock python
 bench/soak_faults.py`. Exit status 1 when any trial failed.
+
+With --windows it runs the windows scenarios instead (bench/soak_windows.py: kill -9 of the
+trainer and of a producer, a resume under 2 processes then 1, a truncated newest checkpoint,
+a second producer on a claimed round, a --force from a second work dir on a shared windows
+folder), each trial checked for a round lost, and prints their table.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import fault_harness as fh  # noqa: E402
 
@@ -32,9 +39,15 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--chats", type=int, default=24, help="demo chats stage 00 regenerates (the CI test's 24)")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--windows", action="store_true", help="the windows scenarios instead of the stage kills")
+    ap.add_argument("--scenarios", default=None,
+                    help="with --windows: comma-separated, of kill,procs,ckpt,claim,force (default: all)")
     a = ap.parse_args()
 
     from eagle3.tools.tiny import build_tiny_target
+
+    if a.windows:
+        return windows_soak(a, build_tiny_target)
 
     rows = [r for r in fh.ROWS if a.stages is None or r.stage in a.stages.split(",")]
     t_start = time.monotonic()
@@ -67,6 +80,21 @@ def main() -> int:
     for stage, ts in results.items():
         print(f"{stage:10s} {len(ts):6d} {sum(t.killed for t in ts):6d} {sum(t.passed for t in ts):6d}")
     return 0 if all(t.passed for ts in results.values() for t in ts) else 1
+
+
+def windows_soak(a, build_tiny_target) -> int:
+    import soak_windows
+
+    names = a.scenarios.split(",") if a.scenarios else list(soak_windows.SCENARIOS)
+    unknown = sorted(set(names) - set(soak_windows.SCENARIOS))
+    if unknown:
+        sys.exit(f"--scenarios: no scenario {unknown}; they are {','.join(soak_windows.SCENARIOS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(a.work or tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        target = build_tiny_target("llama", root / "target")
+        ok = soak_windows.soak(root, target, names, a.trials, a.budget_s, a.seed)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ round i + 1, not yet extracted. Then the next round, until stage 04 writes its m
 Killed anywhere (inside either stage, between them, during a deletion), the same
 command continues: stage 02 keeps the complete files of the round it was writing, stage
 04 resumes from its last checkpoint, and `windows/progress.json` (written by stage 04
-after the covering checkpoint) says which round is next. The final weights equal those
+after the covering checkpoint) says which round is next. When the newest checkpoint is
+unreadable, stage 04 resumes an older one and rewrites progress.json down to it; the loop
+then extracts the rounds after it again (they were deleted once trained) and goes on. The final weights equal those
 of an unbroken run (tests/e2e/test_windows.py).
 
 Reads the config and the work dir's window plan and progress; writes
@@ -129,7 +131,15 @@ def run_loop(args) -> int:
             t2 = time.perf_counter()
         plan = windows.read_plan(wd.store())
         progress = windows.read_progress(wdir)
-        if progress["trained_rounds"] <= r and not written_since(manifest, manifest_at_start):
+        if progress["trained_rounds"] < r:
+            # Stage 04 resumed an older checkpoint than the one progress.json named (that one was
+            # unreadable: a power loss, a torn copy) and rewrote progress.json down to it; the
+            # rounds after it were deleted once trained, so they are extracted again, from here.
+            log.warning("window loop: stage 04 rewound to %s, which covers %d round(s) (its log says which checkpoint "
+                        "it skipped and why): round %d is extracted and trained again, then the ones after it",
+                        progress.get("checkpoint"), progress["trained_rounds"], progress["trained_rounds"])
+            continue
+        if progress["trained_rounds"] == r and not written_since(manifest, manifest_at_start):
             raise PipelineError(f"stage 04 stopped before finishing round {r} ({wdir / windows.PROGRESS_JSON} says "
                                 f"{progress['trained_rounds']} round(s) trained); see {wd.log_file('04_train')}.")
         w = plan.window_of(r)

@@ -215,3 +215,48 @@ def test_the_loop_never_compares_a_manifest_time_with_its_own_clock(tmp_path, mo
             root.removeHandler(h)
             h.close()
     assert ran == ["stage 02, round 0", "stage 04, round 0", "stage 02, round 1", "stage 04, round 1"]
+
+
+def test_the_loop_extracts_again_a_round_stage_04_rewound(tmp_path, monkeypatch):
+    """progress.json says round 0 is trained, but the checkpoint that covered it was unreadable
+    (truncated by a power loss): stage 04 resumes an older one and rewrites progress.json down to
+    it (eagle3/stages/s04_train/windows.py `Rounds.resumed`), then stops at round 0, deleted.
+    The loop goes on with round 0, extracted again, instead of stopping on an error."""
+    work = tmp_path / "work"
+    wd = WorkDir(work)
+    plan = plan_of(samples=16)
+    assert plan.rounds == 2
+    windows.write_or_check_plan(wd.store(), plan)
+    wdir = wd.store() / windows.WINDOWS_DIR
+    windows.write_progress(wdir, 1, "step-1", 1)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"work_dir": str(work), "target_model": "unused",
+                                      "extract": {"disk_budget": plan.disk_budget}}))
+    ran = []
+
+    def fake_stage(cmd, what):
+        ran.append(what)
+        if what.startswith("stage 04"):
+            if len(ran) == 2:  # the first start: the newest checkpoint unreadable, the one before covers nothing
+                windows.write_progress(wdir, 0, None, 0)
+                return
+            trained = windows.read_progress(wdir)["trained_rounds"] + 1
+            windows.write_progress(wdir, trained, f"step-{trained}", trained)
+            if trained == plan.rounds:
+                wd.manifest("train").parent.mkdir(parents=True, exist_ok=True)
+                wd.manifest("train").write_text("{}")
+
+    monkeypatch.setattr(window_loop, "_run", fake_stage)
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        args = SimpleNamespace(config=str(config), work_dir=None, disk_budget=None, extract_args="", train_args="",
+                               nproc_per_node=1)
+        assert window_loop.run_loop(args) == 0
+    finally:
+        for h in [h for h in root.handlers if h not in before]:  # the loop's log file
+            root.removeHandler(h)
+            h.close()
+    assert ran == ["stage 02, round 1", "stage 04, round 1", "stage 02, round 0", "stage 04, round 0",
+                   "stage 02, round 1", "stage 04, round 1"]
+    assert "rewound" in wd.log_file("window_loop").read_text()
