@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from eagle3.artifacts.atomic import save_torch, write_json
-from eagle3.artifacts.train_outputs import TrainCheckpoint, read_checkpoint
+from eagle3.artifacts.train_outputs import TrainCheckpoint, evaluated_checkpoints, read_checkpoint
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s04_train.distributed import all_gather_object
@@ -81,19 +81,6 @@ def checkpoints_to_prune(steps: list[int], current: int, *, keep: int, evaluated
     return [s for s in doomed if s not in spared] + sorted(s for s in steps if s > current)
 
 
-def evaluated_steps(wd: WorkDir, steps: list[int]) -> set[int]:
-    """The steps among `steps` whose file holds held-out metrics (`TrainCheckpoint.eval`);
-    an unreadable file counts as not evaluated. Memory-mapped reads: the weights are not read."""
-    found = set()
-    for s in steps:
-        try:
-            if read_checkpoint(wd.checkpoint(s)).eval:
-                found.add(s)
-        except PipelineError as e:
-            log.warning("%s is not counted among the evaluated checkpoints: %s", wd.checkpoint(s), e)
-    return found
-
-
 def save_checkpoint(wd: WorkDir, ckpt: TrainCheckpoint, *, keep: int, is_best: bool, keep_evaluated: int = 1) -> Path:
     """Write `ckpt` (and best.pt when `is_best`), point latest.json at it, then prune the step
     files `checkpoints_to_prune` names (best.pt is never pruned)."""
@@ -103,7 +90,8 @@ def save_checkpoint(wd: WorkDir, ckpt: TrainCheckpoint, *, keep: int, is_best: b
         save_torch(wd.best_checkpoint(), ckpt.to_file())
     write_json(wd.latest_checkpoint(), {"step": ckpt.step, "file": path.name, "identity": ckpt.identity})
     steps = sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
-    evaluated = evaluated_steps(wd, [s for s in steps if s <= ckpt.step]) if keep_evaluated > 1 else set()
+    evaluated = ({wd.checkpoint_step(p) for p, _ in evaluated_checkpoints(wd, up_to=ckpt.step)}
+                 if keep_evaluated > 1 else set())
     for s in checkpoints_to_prune(steps, ckpt.step, keep=keep, evaluated=evaluated, keep_evaluated=keep_evaluated):
         wd.checkpoint(s).unlink(missing_ok=True)
     return path
