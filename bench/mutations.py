@@ -136,8 +136,8 @@ MUTATIONS: tuple[Mutation, ...] = (
              'data = torch.load(path, map_location="cpu", weights_only=False, mmap=True)', TRAIN_CHECKPOINT),
     # the e2e config of tests/e2e/test_windows.py saves every step, which hides it
     Mutation("train: a round's end not forced to save", "eagle3/stages/s04_train/run.py",
-             "if is_best or self.step % cfg.save_every == 0 or end or round_end:",
-             "if is_best or self.step % cfg.save_every == 0 or end:", WINDOWS_PROCESSES, "e2e"),
+             "if is_best or candidate or self.step % cfg.save_every == 0 or end or round_end:",
+             "if is_best or candidate or self.step % cfg.save_every == 0 or end:", WINDOWS_PROCESSES, "e2e"),
     # Both were caught only by tests/e2e/test_windows.py (two producers, a trainer) until the
     # producer's functions got unit tests of their own.
     Mutation("windows: the budget check leaves out the round's own bytes", "eagle3/stages/s02_extract/windowed.py",
@@ -145,6 +145,16 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation("windows: producers skip the next untrained round", "eagle3/stages/s02_extract/windowed.py",
              "and round_no >= trained]", "and round_no > trained]",
              PRODUCERS),
+    Mutation("checkpoints: --keep-evaluated 1 spares the newest evaluated file too",
+             "eagle3/stages/s04_train/checkpoint.py",
+             "[-keep_evaluated:]) if keep_evaluated > 1 else set()",
+             "[-keep_evaluated:]) if keep_evaluated > 0 else set()", ("tests/unit/test_train_checkpoint.py",)),
+    Mutation("checkpoints: --keep-evaluated N spares one too many", "eagle3/stages/s04_train/checkpoint.py",
+             "if s <= current)[-keep_evaluated:])", "if s <= current)[-keep_evaluated - 1:])",
+             ("tests/unit/test_train_checkpoint.py",)),
+    Mutation("selection: a tie goes to the earlier checkpoint", "eagle3/stages/s06_evaluate/selection.py",
+             'key=lambda r: (r["acceptance_length"], r["step"])', 'key=lambda r: (r["acceptance_length"], -r["step"])',
+             ("tests/unit/test_checkpoint_selection.py",)),
     Mutation("layer rules: vLLM V1 takes an empty top-level list", "eagle3/serving/engine_rules.py",
              "ids = [int(k) for k in top] if top else (nested or None)",
              "ids = [int(k) for k in top] if top is not None else (nested or None)", VLLM_RULES, "e2e"),

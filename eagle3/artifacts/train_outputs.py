@@ -1,6 +1,7 @@
 """Stage 04's outputs as the stages and tools after it read them: its checkpoint
 (`TrainCheckpoint`, written by eagle3/stages/s04_train/checkpoint.py `save_checkpoint`,
-read by `read_checkpoint` for stage 04's resume and for stage 05) and the metrics log
+read by `read_checkpoint` for stage 04's resume and for stage 05), the checkpoints that
+hold held-out metrics (`evaluated_checkpoints`, stage 06's candidates) and the metrics log
 (`read_train_metrics`).
 
 A checkpoint is a typed record like a manifest's (eagle3/artifacts/records.py): the fields of
@@ -15,6 +16,7 @@ and the fix. Adding, renaming or removing a field changes the format: bump
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ import torch
 
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
+
+log = logging.getLogger(__name__)
 
 # 1: the fields of TrainCheckpoint below but `batch_geometry` and `rounds_trained`. Files
 # written before the format had a version hold exactly those and no `format_version`: they
@@ -138,3 +142,24 @@ def read_train_metrics(wd: WorkDir) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def evaluated_checkpoints(wd: WorkDir, up_to: int | None = None) -> list[tuple[Path, TrainCheckpoint]]:
+    """The step files of 04_train/checkpoints/ that hold held-out metrics (`eval`), by step,
+    memory-mapped (the weights are read only when touched), at or below step `up_to` when
+    given: what stage 04's --keep-evaluated keeps and stage 06's --select-checkpoint serves.
+    An unreadable file is left out, logged with the reason."""
+    folder = wd.checkpoints()
+    steps = sorted(s for s in map(wd.checkpoint_step, folder.iterdir()) if s is not None) if folder.is_dir() else []
+    found = []
+    for s in steps:
+        if up_to is not None and s > up_to:
+            continue
+        try:
+            ckpt = read_checkpoint(wd.checkpoint(s))
+        except PipelineError as e:
+            log.warning("%s is left out of the evaluated checkpoints: %s", wd.checkpoint(s), e)
+            continue
+        if ckpt.eval:
+            found.append((wd.checkpoint(s), ckpt))
+    return found

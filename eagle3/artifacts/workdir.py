@@ -9,6 +9,7 @@ Layout (one folder per stage, each finished by a manifest written last):
     WORK/04_train/          checkpoints/, metrics.jsonl
     WORK/05_export/         config.json model.safetensors export_report.json
     WORK/06_evaluate/       results.json evaluate.png untrained_drafter/ runs/ logs/
+                            (--select-checkpoint) selection.json candidates/step-NNNNNNN/
     WORK/*/manifest.json
     WORK/logs/              NN_stage.log per numbered stage, window_loop.log (appended across reruns)
 
@@ -143,6 +144,14 @@ class WorkDir:
     def untrained_drafter(self) -> Path:
         """The baseline drafter folder: the exported config and mapping, fresh weights."""
         return self.stage_dir("evaluate") / "untrained_drafter"
+
+    def selection_candidate(self, step: int) -> Path:
+        """--select-checkpoint: the scratch drafter folder of stage 04's checkpoint at `step`."""
+        return self.stage_dir("evaluate") / "candidates" / f"step-{step:07d}"
+
+    def selection_results(self) -> Path:
+        """--select-checkpoint: each candidate's served figures and the choice."""
+        return self.stage_dir("evaluate") / "selection.json"
 
     def engine_request(self, run: str) -> Path:
         """What one stage-06 engine run ("plain", "trained", "untrained") is asked."""

@@ -6,6 +6,7 @@
     model_card.py    the folder's model card, shared by stages 05 and 06
     positions.py     how far into the served context a drafter was trained
     installed.py     which engines are installed here, at which version (package metadata)
+    acceptance_pairs.py  two drafters served on the same prompts: the paired interval of their difference
 
 Not eagle3.engines: that runs vLLM; this package describes the files the engines load.
 Imports: eagle3.core, eagle3.artifacts, eagle3.target and eagle3.drafter; never an engine or a

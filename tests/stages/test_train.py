@@ -254,3 +254,22 @@ def test_init_from_refuses_other_aux_layers(tmp_path, stages_123, sharp_llama, t
     with pytest.raises(PipelineError, match=r"aux layer mismatch: .* layers \[1, 4, 6\] .* store has \[2, 4, 5\]"):
         train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
                                   **SMALL))
+
+
+def test_keep_evaluated_keeps_the_newest_evaluated_checkpoints_with_their_held_out_figures(tmp_path, stages_123,
+                                                                                          sharp_llama):
+    """--keep-evaluated 3: every evaluation is saved with its metrics, the newest three stay
+    beside best.pt and the resume point; --keep-checkpoints 1 alone would keep only step 8."""
+    from eagle3.artifacts.train_outputs import evaluated_checkpoints, read_checkpoint
+
+    work = fresh(stages_123, tmp_path / "w")
+    train_drafter(TrainConfig(work_dir=work, target_model=str(sharp_llama), max_steps=8, learning_rate=2e-3,
+                              keep_checkpoints=1, keep_evaluated=3, **{**SMALL, "eval_every": 2}))
+    wd = WorkDir(work)
+    assert sorted(p.name for p in wd.checkpoints().glob("step-*.pt")) == [wd.checkpoint(s).name for s in (4, 6, 8)]
+    kept = evaluated_checkpoints(wd)
+    assert [c.step for _, c in kept] == [4, 6, 8]
+    evals = {x["step"]: x for x in map(json.loads, wd.train_metrics().read_text().splitlines()) if x["split"] == "eval"}
+    for _, c in kept:  # each file carries the figures logged at its own step
+        assert c.eval["expected_accept_length"] == evals[c.step]["expected_accept_length"]
+    assert read_checkpoint(wd.best_checkpoint()).step in evals

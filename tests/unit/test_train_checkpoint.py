@@ -16,7 +16,7 @@ from fixtures import train_checkpoint
 from eagle3.artifacts.train_outputs import CHECKPOINT_FORMAT, TrainCheckpoint, read_checkpoint
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s04_train.checkpoint import latest_checkpoint, save_checkpoint
+from eagle3.stages.s04_train.checkpoint import checkpoints_to_prune, latest_checkpoint, save_checkpoint
 
 
 def sample() -> TrainCheckpoint:
@@ -191,3 +191,54 @@ def test_a_save_keeps_its_own_file_after_a_resume_that_renumbered_the_steps(tmp_
     save_checkpoint(wd, dataclasses.replace(sample(), step=15), keep=2, is_best=False)
     assert sorted(p.name for p in wd.checkpoints().glob("step-*.pt")) == [wd.checkpoint(14).name,
                                                                           wd.checkpoint(15).name]
+
+
+def _rule_before_keep_evaluated(steps, current, keep):
+    """save_checkpoint's pruning before --keep-evaluated existed, as it was written then."""
+    if keep <= 0:
+        return []
+    older = [s for s in sorted(steps) if s < current]
+    return older[:max(0, len(older) - (keep - 1))] + [s for s in sorted(steps) if s > current]
+
+
+def test_keep_evaluated_1_prunes_exactly_what_stage_04_pruned_before_it():
+    """The default (1) must leave a run's folder as it was: the same files deleted, whatever
+    is marked evaluated, over every small folder."""
+    import itertools
+    pool = [1, 2, 3, 5, 8]
+    for n in range(len(pool) + 1):
+        for steps in itertools.combinations(pool, n):
+            for current in steps or (4,):
+                for keep in (-1, 0, 1, 2, 3):
+                    expected = _rule_before_keep_evaluated(steps, current, keep)
+                    # the written step evaluated or not (stage 04 saves steps between evaluations too)
+                    for evaluated in (set(steps), set(steps) - {current}):
+                        got = checkpoints_to_prune(list(steps), current, keep=keep, evaluated=evaluated,
+                                                   keep_evaluated=1)
+                        assert got == expected, (steps, current, keep, evaluated)
+
+
+def test_keep_evaluated_spares_the_newest_evaluated_and_never_the_resume_point():
+    # steps 100..500 on disk, 500 just written (the resume point) and not evaluated
+    steps, evaluated = [100, 200, 300, 400, 500], {100, 200, 300, 400}
+    assert checkpoints_to_prune(steps, 500, keep=1, evaluated=evaluated, keep_evaluated=3) == [100]
+    # evaluated ones count toward N at or below the written step only; newer files always go
+    assert checkpoints_to_prune(steps + [600], 500, keep=1, evaluated=evaluated | {600},
+                                keep_evaluated=2) == [100, 200, 600]
+    # the written step is never pruned, however small keep and N are
+    for keep, n in ((1, 2), (2, 5), (1, 1)):
+        assert 500 not in checkpoints_to_prune(steps, 500, keep=keep, evaluated=evaluated, keep_evaluated=n)
+
+
+def test_save_checkpoint_keeps_the_last_n_evaluated_files_and_best(tmp_path):
+    """Saves as stage 04 makes them under --keep-evaluated 3 --keep-checkpoints 1: every
+    evaluation (held-out metrics in the file) and a save_every step between (none)."""
+    wd = WorkDir(tmp_path)
+    for step, evaluated in ((10, True), (15, False), (20, True), (30, True), (35, False), (40, True)):
+        ckpt = dataclasses.replace(sample(), step=step, eval={"expected_accept_length": 1.0 + step / 100}
+                                   if evaluated else {})
+        save_checkpoint(wd, ckpt, keep=1, is_best=step == 20, keep_evaluated=3)
+    names = sorted(p.name for p in wd.checkpoints().glob("*.pt"))
+    assert names == sorted(["best.pt"] + [wd.checkpoint(s).name for s in (20, 30, 40)])
+    assert read_checkpoint(wd.best_checkpoint()).step == 20
+    assert latest_checkpoint(wd, "x").step == 40

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from eagle3.artifacts.atomic import save_torch, write_json
-from eagle3.artifacts.train_outputs import TrainCheckpoint, read_checkpoint
+from eagle3.artifacts.train_outputs import TrainCheckpoint, evaluated_checkpoints, read_checkpoint
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s04_train.distributed import all_gather_object
@@ -62,22 +62,38 @@ def set_rng_state(states: list[dict], rank: int, world: int, device: torch.devic
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def save_checkpoint(wd: WorkDir, ckpt: TrainCheckpoint, *, keep: int, is_best: bool) -> Path:
-    """Write `ckpt` (and best.pt when `is_best`), point latest.json at it, then prune: the
-    newest `keep` step files at or below its step stay (keep <= 0: all). Files of a higher
-    step were written before a resume that renumbered the steps (another process count,
-    eagle3/stages/s04_train/windows.py `resume_step`) or skipped by it as unreadable: this
-    one supersedes them."""
+def checkpoints_to_prune(steps: list[int], current: int, *, keep: int, evaluated: set[int],
+                         keep_evaluated: int) -> list[int]:
+    """The step files `save_checkpoint` deletes after writing step `current`, of the `steps`
+    in the folder: of those below it, all but the newest `keep - 1`, and every one above it
+    (written before a resume that renumbered the steps, eagle3/stages/s04_train/windows.py
+    `resume_step`, or skipped by it as unreadable: this one supersedes them); keep <= 0:
+    none. `current` itself, the resume point latest.json names, is never deleted.
+
+    `keep_evaluated` > 1 (--keep-evaluated) also spares the newest `keep_evaluated` of the
+    `evaluated` steps (files that hold held-out metrics) at or below `current`: the
+    candidates stage 06's --select-checkpoint serves. 1 spares nothing more: today's rule."""
+    if keep <= 0:
+        return []
+    older = sorted(s for s in steps if s < current)
+    doomed = older[:max(0, len(older) - (keep - 1))]
+    spared = set(sorted(s for s in evaluated if s <= current)[-keep_evaluated:]) if keep_evaluated > 1 else set()
+    return [s for s in doomed if s not in spared] + sorted(s for s in steps if s > current)
+
+
+def save_checkpoint(wd: WorkDir, ckpt: TrainCheckpoint, *, keep: int, is_best: bool, keep_evaluated: int = 1) -> Path:
+    """Write `ckpt` (and best.pt when `is_best`), point latest.json at it, then prune the step
+    files `checkpoints_to_prune` names (best.pt is never pruned)."""
     path = wd.checkpoint(ckpt.step)
     save_torch(path, ckpt.to_file())
     if is_best:
         save_torch(wd.best_checkpoint(), ckpt.to_file())
     write_json(wd.latest_checkpoint(), {"step": ckpt.step, "file": path.name, "identity": ckpt.identity})
-    if keep > 0:
-        steps = sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
-        older = [s for s in steps if s < ckpt.step]
-        for s in older[:max(0, len(older) - (keep - 1))] + [s for s in steps if s > ckpt.step]:
-            wd.checkpoint(s).unlink(missing_ok=True)
+    steps = sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
+    evaluated = ({wd.checkpoint_step(p) for p, _ in evaluated_checkpoints(wd, up_to=ckpt.step)}
+                 if keep_evaluated > 1 else set())
+    for s in checkpoints_to_prune(steps, ckpt.step, keep=keep, evaluated=evaluated, keep_evaluated=keep_evaluated):
+        wd.checkpoint(s).unlink(missing_ok=True)
     return path
 
 

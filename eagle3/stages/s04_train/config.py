@@ -89,6 +89,10 @@ class TrainConfig(StageConfig):
                                       f"{', '.join(TRACKER_CHOICES)} (auto: tensorboard when installed)")
     save_every: int = param(200, identity=False, help="steps between checkpoints")
     keep_checkpoints: int = param(2, identity=False, help="step checkpoints kept besides the best one")
+    keep_evaluated: int = param(1, min=1, identity=False,
+                                help="held-out evaluated checkpoints kept, the newest N, for stage 06's "
+                                     "--select-checkpoint to serve (1: only best.pt, no extra files; N > 1 saves a "
+                                     "checkpoint at every evaluation)")
     # fine-tuning an existing drafter
     init_from: str | None = param(None, help="start from this drafter folder (SGLang/EAGLE format)")
     vocab_mode: str = param("keep", choices=VOCAB_MODES, help="with --init-from: keep the drafter's own d2t, or "

@@ -578,13 +578,16 @@ class Trainer:
             group["lr"] = lr
         self.sched._last_lr = lrs  # what get_last_lr() reports until the next step
 
-    def save(self, is_best: bool) -> None:
+    def save(self, is_best: bool, evaluated: bool = False) -> None:
+        """Write this step's checkpoint; it records the held-out metrics when it is the best or,
+        under --keep-evaluated N > 1, whenever this step was evaluated (what marks a candidate)."""
         # A collective: every rank calls save at the same steps (the reduced held-out
         # metrics make is_best the same on all), and each rank's own RNG state is written.
         rng = rng_states_of_all_ranks(self.device)
         if self.d.main:  # the ranks hold the same weights (DDP)
-            ckpt = self.state_dict(rng, self.last_eval if is_best else {})
-            save_checkpoint(self.wd, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best)
+            ckpt = self.state_dict(rng, self.last_eval if is_best or evaluated else {})
+            save_checkpoint(self.wd, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best,
+                            keep_evaluated=self.cfg.keep_evaluated)
 
     def resume(self) -> None:
         ckpt = latest_checkpoint(self.wd, self.src.identity)
@@ -628,9 +631,12 @@ class Trainer:
                 round_end = self.rounds is not None and (self.rounds.is_end(self.step) or end)
                 if self.step % cfg.log_every == 0 or end:
                     self.log_train(gnorm)
-                is_best = (self.step % cfg.eval_every == 0 or end) and self.evaluate_and_track()
-                if is_best or self.step % cfg.save_every == 0 or end or round_end:
-                    self.save(is_best)
+                evaluated = self.step % cfg.eval_every == 0 or end
+                is_best = evaluated and self.evaluate_and_track()
+                # --keep-evaluated N > 1: every evaluated step is saved, with its held-out metrics.
+                candidate = evaluated and cfg.keep_evaluated > 1
+                if is_best or candidate or self.step % cfg.save_every == 0 or end or round_end:
+                    self.save(is_best, evaluated=candidate)
                 if round_end:
                     self.rounds.covered(self.step, self.wd.checkpoint(self.step))
                 if cfg.stop_after is not None and cfg.stop_after <= self.step < self.total:

@@ -86,7 +86,7 @@ def recipe_lines(wd: WorkDir, need: str, report: dict) -> list[str]:
     return [
         f"- **Steps**: {readable.count(r.steps)} optimizer steps of {readable.count(p.get('batch_tokens'))} tokens "
         f"x {p.get('grad_accum', 1)} micro-batches per process (rows up to {readable.count(p.get('max_seq_len'))} "
-        f"tokens); exported step {report['checkpoint'].get('step')} (the best held-out one: "
+        f"tokens); exported step {report['checkpoint'].get('step')} (stage 04's best held-out step: "
         f"{r.best_step})",
         f"- **Learning rate**: {p.get('learning_rate')} peak (AdamW), {p.get('warmup_steps')} warmup steps, cosine "
         f"to {p.get('min_lr_ratio')} x peak",
@@ -160,7 +160,8 @@ def card_text(report: dict, wd: WorkDir, *, target: str, base_model: str | None,
         f"{readable.count(t['vocab_size'])} tokens (`d2t` maps them back)"
         + (f"; covers {' and '.join(coverage)}" if coverage else ""),
         f"- **Exported from**: step {report['checkpoint'].get('step')} of stage 04 "
-        f"(checkpoint sha256 {str(report['checkpoint']['sha256'])[:12]})",
+        f"(checkpoint sha256 {str(report['checkpoint']['sha256'])[:12]}), chosen by "
+        f"{report['checkpoint'].get('chosen_by') or 'not recorded'}",
         "",
         "## Training data",
         "",

@@ -12,6 +12,10 @@ class ExportConfig(StageConfig):
     work_dir: Path = param(help="work directory (stages 02 and 04 must have run in it)")
     target_model: str = param(help="target model folder or hub id the drafter will serve with")
     checkpoint: Path | None = param(None, help="stage 04 checkpoint to export (default: the best one)")
+    chosen_by: str | None = param(None, identity_unless_default=True,
+                                  help="how the checkpoint was chosen, in one line for the model card (stage 06's "
+                                       "--select-checkpoint passes its served comparison); default: stage 04's best "
+                                       "held-out expected accept length, or --checkpoint as given")
     out_dir: Path | None = param(None, help="drafter folder to write (default: WORK/05_export)")
     include_embed_tokens: bool = param(False, help="also write the target's embedding as embed_tokens "
                                                    "(the engines use the target's when it is absent)")

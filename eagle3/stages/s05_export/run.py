@@ -76,6 +76,16 @@ def resolve_checkpoint(wd: WorkDir, checkpoint: Path | None) -> tuple[Path, Mani
     return wd.stage_dir("train") / record_of(train_m).best_checkpoint, train_m  # relative to 04_train/
 
 
+def chosen_by(cfg: ExportConfig, ckpt: TrainCheckpoint, train_m: Manifest | None) -> str:
+    """How the exported checkpoint was chosen, for the report and the model card."""
+    if cfg.chosen_by:
+        return cfg.chosen_by
+    if cfg.checkpoint is not None:
+        return f"named with --checkpoint ({cfg.checkpoint})"
+    best = record_of(train_m).best_step if train_m is not None else ckpt.step
+    return f"the best held-out expected accept length of stage 04's evaluations (step {best})"
+
+
 def expected_accept_length(ckpt: TrainCheckpoint, train_m: Manifest | None) -> tuple[float | None, str]:
     """Held-out expected accept length (convention 5) of this checkpoint, and where it came from.
 
@@ -157,7 +167,7 @@ def report_markdown(r: dict) -> str:
         f"- written to: `{r['out_dir']}` ({r['dtype']}, {len(r['tensors'])} tensors"
         f"{', with embed_tokens' if r['include_embed_tokens'] else ''})",
         f"- from checkpoint: `{r['checkpoint']['path']}` (step {r['checkpoint'].get('step')}, "
-        f"sha256 {r['checkpoint']['sha256'][:12]})",
+        f"sha256 {r['checkpoint']['sha256'][:12]}), chosen by {r['checkpoint'].get('chosen_by')}",
         f"- target: `{r['target']['source']}` ({r['target']['architecture']}, {r['target']['num_layers']} layers, "
         f"hidden {r['target']['hidden_size']}, vocab {r['target']['vocab_size']}, context "
         f"{r['target']['max_position_embeddings']})",
@@ -287,7 +297,8 @@ def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, ckpt: TrainCh
         "out_dir": str(x.out_dir),
         "dtype": cfg.dtype,
         "include_embed_tokens": cfg.include_embed_tokens,
-        "checkpoint": {"path": str(x.ckpt_path), "sha256": x.inputs["checkpoint"], "step": ckpt.step},
+        "checkpoint": {"path": str(x.ckpt_path), "sha256": x.inputs["checkpoint"], "step": ckpt.step,
+                       "chosen_by": chosen_by(cfg, ckpt, x.train_m)},
         "target": {"source": info.source, "architecture": info.architecture, "family": x.facts.family,
                    "num_layers": info.num_layers, "hidden_size": info.hidden_size, "vocab_size": info.vocab_size,
                    "max_position_embeddings": info.max_position_embeddings},

@@ -49,6 +49,10 @@ class EvaluateConfig(EngineSettings):
     max_num_seqs: int = param(64, min=1, help="concurrent sequences in the acceptance passes (acceptance does not "
                                        "depend on it; timing is always single-stream)")
     baseline_untrained: bool = param(True, help="also serve an untrained drafter of the same shape (the floor)")
+    select_checkpoint: bool = param(False, identity=False,
+                                    help="first serve each checkpoint stage 04 kept (--keep-evaluated N > 1) greedy "
+                                         "on these prompts, acceptance only, and have stage 05 export the one served "
+                                         "best (its model card says how it was chosen); then measure it as usual")
     seed: int = param(0, help="engine seed, per-request sampling seeds (seed + prompt index) and the "
                               "untrained drafter's initialisation")
     # -- how the engines run (not part of what is measured) --------------------------------
@@ -78,6 +82,10 @@ class EvaluateConfig(EngineSettings):
         if not self.temperature or len(set(self.temperature)) != len(self.temperature):
             raise PipelineError(f"evaluate.temperature = {self.temperature}: give one or more distinct values >= 0 "
                                 f"(--temperature 0,0.7; 0 is greedy).")
+        if self.select_checkpoint and self.drafter_dir is not None:
+            raise PipelineError(f"--select-checkpoint exports the chosen checkpoint of this work dir's stage 04 into "
+                                f"stage 05's folder; --drafter-dir {self.drafter_dir} names another drafter: pass "
+                                f"one of them.")
         if self.category_field and not self.prompts:
             raise PipelineError(f"--category-field {self.category_field} needs a prompt set (--prompts FILE or "
                                 f"DATASET_ID); stage 01's eval split has no categories.")

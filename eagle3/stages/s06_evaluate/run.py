@@ -71,6 +71,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import subprocess
 from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,10 @@ from eagle3.serving.model_card import write_evaluate_section
 from eagle3.artifacts.records import EvaluateRecord, ExportRecord, TrainRecord
 from eagle3.target.info import load_tokenizer, read_target_info, tokenizer_fingerprint
 from eagle3.target.tokenizer_check import check_tokenizer
-from eagle3.artifacts.train_outputs import read_train_metrics
+from eagle3.artifacts.train_outputs import read_checkpoint, read_train_metrics
 from eagle3.artifacts.vocab_map import target_ids
 from eagle3.artifacts.workdir import WorkDir
+from eagle3.stages.s06_evaluate import selection
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_cpu_mla, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
@@ -454,6 +456,55 @@ def _update_card(drafter_dir: Path, results: dict, when: str) -> None:
         log.info("stage 06: %s has no model card with eagle3:evaluate markers; no card updated", drafter_dir)
 
 
+def select_checkpoint(cfg: EvaluateConfig, wd: WorkDir, prep: Manifest | None) -> dict:
+    """--select-checkpoint (eagle3/stages/s06_evaluate/selection.py): serve each kept checkpoint
+    greedy on the stage's prompts, one engine run each, acceptance only; write selection.json,
+    log the table, and have stage 05 export the best (atomically: its folder is replaced only
+    once the new one is complete). Returns selection.json's dict."""
+    export_m = read_manifest(wd, "export", needed_by=f"{STAGE_SCRIPT} --select-checkpoint")
+    export_dir = Path(record_of(export_m).drafter_dir)
+    cands = selection.candidates(wd)
+    hf, _ = load_drafter_dir(export_dir)
+    info, tok = _check_target(cfg, prep if cfg.prompts is None else None, hf, export_dir)
+    refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)
+    prompts, prompt_info, max_model_len = _choose_prompts(cfg, wd, tok, info, prep)
+    base_req = {**_base_request(cfg, prompts, max_model_len), "timing_blocks": []}
+    log.info("stage 06 --select-checkpoint: serving %d checkpoints (steps %s) greedy on %d prompts from %s",
+             len(cands), ", ".join(str(c.step) for c in cands), prompt_info["count"], prompt_info["source"])
+    served = {}
+    for c in cands:
+        folder = selection.write_candidate_drafter(read_checkpoint(c.path), c.path, export_dir,
+                                                   wd.selection_candidate(c.step),
+                                                   dtype=export_m.params.get("dtype", "bfloat16"))
+        name = f"candidate-{folder.name}"
+        result = run_engine(name, {**base_req, "engines": [{"name": name, "drafter": str(folder),
+                                                             "temperatures": [0.0]}]}, wd, cfg)
+        served[c.step] = selection.per_prompt_counts(result["runs"][name]["acceptance"][0]["histograms"],
+                                                     cfg.num_speculative_tokens)
+    rows = selection.compare(cands, served)
+    chosen = selection.choose(rows)
+    chosen_by = selection.chosen_by(rows, chosen, prompt_info["count"])
+    out = {"candidates": rows, "chosen_step": chosen["step"], "chosen_checkpoint": chosen["checkpoint"],
+           "chosen_by": chosen_by, "prompts": prompt_info, "num_speculative_tokens": cfg.num_speculative_tokens,
+           "max_new_tokens": cfg.max_new_tokens}
+    write_json(wd.selection_results(), out)
+    for line in selection.table_lines(rows, chosen):
+        log.info("%s", line)
+    cmd = selection.export_command(export_m.params, Path(chosen["checkpoint"]), chosen_by)
+    log.info("stage 06 --select-checkpoint: exporting step %d with stage 05 (log: %s)", chosen["step"],
+             wd.engine_log("export-chosen"))
+    wd.engine_log("export-chosen").parent.mkdir(parents=True, exist_ok=True)
+    with open(wd.engine_log("export-chosen"), "w") as logf:
+        p = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT)
+    if p.returncode != 0:
+        tail = "\n    ".join(wd.engine_log("export-chosen").read_text(errors="replace").splitlines()[-15:])
+        raise PipelineError(f"stage 05 failed to export the chosen checkpoint {chosen['checkpoint']} (exit status "
+                            f"{p.returncode}); the previous export in {export_dir} is unchanged. "
+                            f"{wd.engine_log('export-chosen')} ends with:\n    {tail}\nRun the command by hand to "
+                            f"see it: {' '.join(cmd)}")
+    return out
+
+
 def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     """Stage 06: serve plain / trained / untrained, write results.json, the plot and the manifest."""
 
@@ -461,6 +512,8 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     # Stage 01's prompts are its token ids; a prompt set is tokenized here, so needs no stage 01.
     prep = (read_manifest(wd, "prepare", needed_by=STAGE_SCRIPT)
             if cfg.prompts is None or wd.manifest("prepare").is_file() else None)
+    if cfg.select_checkpoint:  # the export is replaced by the checkpoint served best, then measured below
+        select_checkpoint(cfg, wd, prep)
     drafter = _read_drafter(wd, cfg)
     info, tok = _check_target(cfg, prep if cfg.prompts is None else None, drafter.config, drafter.dir)
     params, inputs = _identity(cfg, drafter, prep, info)
