@@ -412,7 +412,8 @@ def is_round_file(name: str) -> bool:
     store.json, index.json, their atomic writes' temporary folders), window.json, the claim."""
     base = name.lstrip(".")  # a dot-named file's atomic write goes through "..NAME.*.tmp"
     fixed = (store.STORE_JSON, store.INDEX_JSON, COMPLETE_JSON, claims.CLAIM_JSON)
-    return (re.fullmatch(r"(?:train|eval)-\d{5,}\.(?:safetensors|json(?:\..*\.tmp)?|partial(?:[-.].*)?)", base) is not None
+    shard_file = r"(?:train|eval)-\d{5,}\.(?:safetensors|json(?:\..*\.tmp)?|partial(?:[-.].*)?)"
+    return (re.fullmatch(shard_file, base) is not None
             or any(base == known.lstrip(".") or base.startswith(known.lstrip(".") + ".") for known in fixed)
             or re.fullmatch(r"claim-[0-9a-f]+\.beat(?:\..*)?", base) is not None)
 

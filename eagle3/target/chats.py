@@ -18,10 +18,11 @@ user/assistant alternating, a trailing user turn trimmed); stage 00 answers them
 (`answer_slots`: an assistant turn after every user turn that has none). A record
 that cannot become a clean conversation raises `BadRecord` with a reason; the caller
 counts reasons, nothing is dropped silently, and `likely_fix` turns the most common
-reason into the one-line advice a stage prints when nothing usable is left. Bad bytes are bad records too: a line that is not UTF-8, an item of a JSON
-array holding such bytes, text with unpaired surrogates (the tokenizer would raise),
-and the point where a truncated or corrupt gzip stream stops are each one record
-with a reason and a line, never a traceback.
+reason into the one-line advice a stage prints when nothing usable is left. Bad bytes
+are bad records too: a line that is not UTF-8, an item of a JSON array holding such
+bytes, text with unpaired surrogates (the tokenizer would raise), and the point where a
+truncated or corrupt gzip stream stops are each one record with a reason and a line,
+never a traceback.
 
 No file is read whole: a JSONL file goes line by line, a `.json` file item by item
 (eagle3/target/json_items.py), and a record longer than MAX_RECORD_BYTES is a bad record

@@ -316,7 +316,8 @@ class FileLayout:
         # item size without gaps (safetensors forbids holes in the data section).
         S, T, H, A = self.num_samples, self.num_tokens, self.hidden_size, self.num_aux
         if self.encoding.scaled:
-            states = [("aux", FP8_DTYPE, (T, A * H)), ("final", FP8_DTYPE, (T, H)), ("scale_log2", torch.int8, (T, A + 1))]
+            states = [("aux", FP8_DTYPE, (T, A * H)), ("final", FP8_DTYPE, (T, H)),
+                      ("scale_log2", torch.int8, (T, A + 1))]
         else:
             states = [("aux", torch.bfloat16, (T, A * H)), ("final", torch.bfloat16, (T, H))]
         return [

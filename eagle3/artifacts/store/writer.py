@@ -180,7 +180,8 @@ def require_free_space(store_dir: Path, files: Sequence[tuple[int, int]], hidden
         return
     tokens = sum(T for _, T in files)
     enc = encoding_named(store_dtype)
-    other = "" if enc.scaled else (f" --store-dtype fp8 needs {bytes_to_write(files, hidden_size, num_aux, 'fp8', engines):,} "
+    fp8_bytes = bytes_to_write(files, hidden_size, num_aux, 'fp8', engines)
+    other = "" if enc.scaled else (f" --store-dtype fp8 needs {fp8_bytes:,} "
                                    f"bytes ({FP8.bytes_per_token(hidden_size, num_aux):,} B/token);")
     raise PipelineError(
         f"stage 02 needs {need:,} bytes ({need / 1e9:.2f} GB) free in {store_dir} to write {len(files)} file(s) "

@@ -77,8 +77,8 @@ class TrainConfig(StageConfig):
     checkpoint_steps: bool = param(False, identity=False,
                                    help="recompute each TTT step's activations in backward (less memory, "
                                         "about one more forward of compute)")
-    precision: str = param("auto", choices=PRECISIONS, help="auto = bf16 autocast on GPU and on CPUs with AMX/AVX512-BF16, "
-                                                                     "else fp32")
+    precision: str = param("auto", choices=PRECISIONS,
+                           help="auto = bf16 autocast on GPU and on CPUs with AMX/AVX512-BF16, else fp32")
     seed: int = param(0, help="seed of initialisation and data order")
     # evaluation, logging, checkpoints
     log_every: int = param(10, identity=False, help="steps between log lines")

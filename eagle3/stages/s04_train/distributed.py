@@ -152,7 +152,8 @@ def collective_device(tensor: torch.Tensor) -> torch.device:
         return torch.device("cuda", torch.cuda.current_device())  # init_distributed made it the training GPU
     raise PipelineError(f"the process group (backend {dist.get_backend_config()}) has no backend for "
                         f"{tensor.device.type} tensors, and this process has no CUDA device to reduce them on; "
-                        f"create the group with init_distributed (eagle3/stages/s04_train/distributed.py) or with backend "
+                        f"create the group with init_distributed (eagle3/stages/s04_train/distributed.py) or "
+                        f"with backend "
                         f"'cpu:gloo,cuda:nccl'.")
 
 

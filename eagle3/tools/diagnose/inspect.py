@@ -89,7 +89,8 @@ def format_inspect(r: dict[str, Any]) -> str:
     d = r["d2t"]
     out.append("")
     if d:
-        out.append(f"d2t: {d['size']} ids, {d['dtype']}, target ids {d.get('min_target_id')}..{d.get('max_target_id')}, "
+        out.append(f"d2t: {d['size']} ids, {d['dtype']}, "
+                   f"target ids {d.get('min_target_id')}..{d.get('max_target_id')}, "
                    f"ascending={d['ascending']} duplicates={d['duplicates']} out_of_range={d['out_of_range']}")
     else:
         out.append("d2t: absent")
