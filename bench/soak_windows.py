@@ -15,7 +15,8 @@ through the real scripts as an operator drives them:
   ckpt     the loop killed -9 at a random time once a round is covered; the newest checkpoint
            file truncated (a power loss, a torn copy), the loop rerun: it falls back to the
            previous intact checkpoint and trains the rewound steps (stage 02 extracts again a
-           round it needs that was deleted).
+           round it needs that was deleted). When the truncated file was the only checkpoint,
+           stage 04 refuses naming --force; the soak runs stage 04 --force as told, then the loop.
   claim    a producer over a shared --windows-dir and a consumer; while the producer holds a
            round's claim (frozen with SIGSTOP, or running), a second producer of the same shard
            and the `--window r` recovery are started: each refused in one line naming the
@@ -378,6 +379,9 @@ def _rounds_on_two(log: Path) -> int:
     return int(found[0]) if found else 0
 
 
+_NO_CHECKPOINT = re.compile(r"no checkpoint in \S+ can be read: .* pass --force to train from scratch", re.DOTALL)
+
+
 def scenario_ckpt(soak: Soak, rng: random.Random) -> Outcome:
     ref = soak.reference()
     config, wd, d = soak.new_run("ckpt", save_every=rng.choice([2, 1000]))
@@ -400,7 +404,14 @@ def scenario_ckpt(soak: Soak, rng: random.Random) -> Outcome:
              f"(progress: {windows.read_progress(wdir)['trained_rounds']} round(s))"]
     rc = loop_until_done(config, log, tries=1)
     text = log.read_text()
-    if "newest readable checkpoint; skipped" not in text:
+    if rc != 0 and _NO_CHECKPOINT.search(text):
+        # The only checkpoint was the truncated one: stage 04 refuses, naming --force. The
+        # operator runs it; a round lost is one the run cannot train again from scratch.
+        notes.append("no older checkpoint: refused naming --force, which was run as the message says")
+        run(train_cmd(config, "--force"), log)
+        rc = loop_until_done(config, log, tries=1)
+        text = log.read_text()
+    elif "newest readable checkpoint; skipped" not in text:
         notes.append("no fallback logged")
     if rc != 0:
         return stopped_short(wd, ref["rounds"], f"the rerun exited {rc}: {log}", notes)
