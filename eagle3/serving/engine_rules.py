@@ -719,14 +719,13 @@ class _Check:
                      "feeds the drafter one hidden state; this is not an EAGLE-3 drafter")
         if self.num_aux is None:
             return
+        # Both engines size fc alike: vLLM 0.32's llama_eagle3, and SGLang's from 0.5.12 on (read
+        # in the 0.5.12, 0.5.13, 0.5.16 and 0.5.23 wheels), so four aux layers serve in both.
         nested = _nested_ids(self.cfg)
-        vllm_aux = _int(self.cfg, "num_aux_hidden_states") or (len(nested) if nested else 3)
-        if vllm_aux != self.num_aux:
-            self.add("error", "vllm", "layers", f"fc fuses {self.num_aux} aux states but vLLM sizes fc for "
-                     f"{vllm_aux} (num_aux_hidden_states, else the nested id count, else 3)")
-        if self.num_aux != 3:
-            self.add("error", "sglang", "layers", f"fc fuses {self.num_aux} aux states; SGLang's llama_eagle3 "
-                     f"hard-codes 3")
+        served_aux = _int(self.cfg, "num_aux_hidden_states") or (len(nested) if nested else 3)
+        if served_aux != self.num_aux:
+            self.add("error", "both", "layers", f"fc fuses {self.num_aux} aux states but the engines size fc for "
+                     f"{served_aux} (num_aux_hidden_states, else the nested id count, else 3)")
 
     def fc_norm(self) -> None:
         """EAGLE 3.1's norms (module doc): the config keys against the `fc_norm.{i}` tensors."""

@@ -61,10 +61,11 @@ GRID = [GridRow(f"{att}-{rope}-{vocab}", {**a, **r, **v})
         for att, a in (("mha", MHA), ("gqa", GQA))
         for rope, r in (("plain", PLAIN), ("yarn", YARN))
         for vocab, v in (("draft64", SMALL_VOCAB), ("full", FULL_VOCAB))]
-# EAGLE 3.1 over three aux layers: export refuses four (engine_rules `check_drafter`: SGLang's fc
-# taken to fuse exactly three), so no four-aux row is an exported shape yet
+# EAGLE 3.1, and four aux layers (both engines size fc and the fc norms by num_aux_hidden_states)
 GRID += [GridRow("eagle3.1-gqa-plain-draft64", {**GQA, **PLAIN, **SMALL_VOCAB, **EAGLE31}),
-         GridRow("eagle3.1-gqa-yarn-draft64", {**GQA, **YARN, **SMALL_VOCAB, **EAGLE31})]
+         GridRow("eagle3.1-gqa-yarn-draft64", {**GQA, **YARN, **SMALL_VOCAB, **EAGLE31}),
+         GridRow("eagle3.1-gqa-plain-draft64-aux4", {**GQA, **PLAIN, **SMALL_VOCAB, **EAGLE31, "num_aux_layers": 4},
+                 layers=(2, 3, 4, 5))]
 PLANT_BASE, PLANT_BASE_31 = "gqa-yarn-draft64", "eagle3.1-gqa-yarn-draft64"
 
 

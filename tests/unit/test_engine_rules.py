@@ -170,7 +170,7 @@ def _drafter(H=64, nh=1, nkv=1, D=64, inter=128, V=100, Vd=16, layers=(2, 4, 5))
            "num_attention_heads": nh, "num_key_value_heads": nkv, "head_dim": D, "intermediate_size": inter,
            "vocab_size": V, "draft_vocab_size": Vd, "max_position_embeddings": 4096, "tie_word_embeddings": False,
            **er.aux_layer_config(list(layers))}
-    shapes = er.expected_shapes(cfg, 3)
+    shapes = er.expected_shapes(cfg, len(layers))
     t = {n: torch.zeros(shapes[n], dtype=torch.bfloat16) for n in er.WEIGHT_NAMES}
     ids = torch.arange(0, 2 * Vd, 2) if 2 * Vd <= V else torch.arange(Vd)
     t["d2t"] = ids - torch.arange(Vd)
@@ -183,6 +183,19 @@ def test_clean_synthetic_drafter_has_no_errors_or_warnings():
     target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
                             family="llama")
     assert [f for f in er.check_drafter(cfg, t, target) if f.level != "info"] == []
+
+
+def test_four_aux_layers_serve_in_both_engines_and_a_count_that_disagrees_with_fc_is_an_error():
+    # vLLM 0.32 and SGLang from 0.5.12 on size fc by num_aux_hidden_states, else the nested id
+    # count, else 3 (engine_rules `aux_count`); an earlier check held SGLang to exactly three.
+    cfg, t = _drafter(layers=(1, 2, 4, 5))
+    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                            family="llama")
+    assert er.errors(er.check_drafter(cfg, t, target)) == []
+    cfg["num_aux_hidden_states"] = 3
+    bad = er.errors(er.check_drafter(cfg, t, target))
+    assert [(f.engine, f.topic) for f in bad] == [("both", "layers")], bad
+    assert "fc fuses 4 aux states" in bad[0].message and "num_aux_hidden_states" in bad[0].message
 
 
 def test_deepseek_target_with_layers_starting_at_3_is_an_error():
