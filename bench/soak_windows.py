@@ -430,6 +430,16 @@ def _wait(procs: list[subprocess.Popen], deadline: float) -> None:
             kill_tree(p)
 
 
+def finish(wd: WorkDir, shared: Path, ref: dict, problems: list[str], notes: list[str],
+           failure: str | None) -> Outcome:
+    """A shared-folder trial's outcome: stopped short on `failure`, else checked; the problems
+    seen along the way first."""
+    out = stopped_short(wd, ref["rounds"], failure, notes) if failure else check_run(wd, shared, ref, one_count=True)
+    out.problems = problems + out.problems
+    out.notes = notes
+    return out
+
+
 def scenario_claim(soak: Soak, rng: random.Random) -> Outcome:
     ref = soak.reference()
     config, wd, d = soak.new_run("claim")
@@ -483,15 +493,9 @@ def scenario_claim(soak: Soak, rng: random.Random) -> Outcome:
             if p is not None and p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
                 kill_tree(p)
-    if first.returncode != 0 or consumer.returncode != 0:
-        out = stopped_short(wd, ref["rounds"], f"producer exited {first.returncode}, consumer {consumer.returncode}: "
-                            f"{log}", notes)
-        out.problems = problems + out.problems
-        return out
-    out = check_run(wd, shared, ref, one_count=True)
-    out.problems = problems + out.problems
-    out.notes = notes
-    return out
+    failed = first.returncode != 0 or consumer.returncode != 0
+    return finish(wd, shared, ref, problems, notes,
+                  f"producer exited {first.returncode}, consumer {consumer.returncode}: {log}" if failed else None)
 
 
 def scenario_force(soak: Soak, rng: random.Random) -> Outcome:
@@ -546,14 +550,8 @@ def scenario_force(soak: Soak, rng: random.Random) -> Outcome:
             if p is not None and p.poll() is None:
                 kill_tree(p)
     rcs = (box_a.returncode, b_force.returncode, consumer.returncode)
-    if any(rcs):
-        out = stopped_short(wd, ref["rounds"], f"exit statuses (box A, box B --force, consumer) {rcs}: {log}", notes)
-        out.problems = problems + out.problems
-        return out
-    out = check_run(wd, shared, ref, one_count=True)
-    out.problems = problems + out.problems
-    out.notes = notes
-    return out
+    return finish(wd, shared, ref, problems, notes,
+                  f"exit statuses (box A, box B --force, consumer) {rcs}: {log}" if any(rcs) else None)
 
 
 RUNNERS = {"kill": scenario_kill, "procs": scenario_procs, "ckpt": scenario_ckpt, "claim": scenario_claim,

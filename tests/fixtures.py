@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -346,3 +347,21 @@ def train_checkpoint(model: dict, drafter_config: dict, **fields):
                 rounds_trained=0, rng=[{"torch": torch.get_rng_state()}],
                 train_config={}, identity="x", best={"expected_accept_length": -1.0, "step": None}, eval={})
     return TrainCheckpoint(**{**base, **fields})
+
+
+def record_fsyncs_and_renames(monkeypatch) -> list[tuple[str, str]]:
+    """("fsync", path) and ("rename", destination), in the order they happen (the real calls run)."""
+    seen: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        seen.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        seen.append(("rename", os.path.realpath(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return seen

@@ -1,31 +1,17 @@
 """Atomic writes are durable (eagle3/artifacts/atomic.py): what was written is fsynced before the
 rename that makes it visible, and the folder that holds the new name after it. Every fsync
 and rename is recorded in order; no disk is harmed. Well under a second."""
-import os
 from pathlib import Path
 
 import pytest
+from fixtures import record_fsyncs_and_renames
 
 from eagle3.artifacts.atomic import atomic_path, save_torch, write_json
 
 
 @pytest.fixture
 def events(monkeypatch) -> list[tuple[str, str]]:
-    """("fsync", path) and ("rename", destination) as they happen."""
-    seen: list[tuple[str, str]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        seen.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst):
-        seen.append(("rename", os.path.realpath(dst)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return seen
+    return record_fsyncs_and_renames(monkeypatch)
 
 
 def test_a_file_is_fsynced_before_its_rename_and_its_folder_after(tmp_path, events):

@@ -4,14 +4,13 @@ trained (progress.json follows it, down too); nothing is deleted before the chec
 disk; every rank lets go of a round's files and checks its share of their checksums.
 No stage runs; about a second."""
 import dataclasses
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from fixtures import train_checkpoint
+from fixtures import record_fsyncs_and_renames, train_checkpoint
 from round_stores import MAIN, flip_a_byte, write_round
 
 from eagle3.artifacts import store, windows
@@ -160,19 +159,7 @@ def test_the_checkpoint_and_latest_json_are_on_disk_before_progress_and_before_a
     before their rename and their folder after it, all before progress.json is written, and
     progress.json (fsynced) before the round's folder is renamed away. Before, nothing was
     fsynced: on NFS the deletion was committed while the checkpoint sat in the page cache."""
-    events = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("rename", os.path.realpath(dst)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    events = record_fsyncs_and_renames(monkeypatch)
     tmp_path = tmp_path.resolve()
     s = schedule(1, 1)
     wd, wdir = WorkDir(tmp_path), tmp_path / "windows"

@@ -178,6 +178,20 @@ def test_the_trainer_logs_the_round_it_waits_for_and_its_advice_names_the_window
 # --------------------------------------------------------------------------- the one-box loop
 
 
+def run_the_loop(config) -> int:
+    """window_loop's run over `config` on one process, its log file's handler removed after."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        args = SimpleNamespace(config=str(config), work_dir=None, disk_budget=None, extract_args="", train_args="",
+                               nproc_per_node=1)
+        return window_loop.run_loop(args)
+    finally:
+        for h in [h for h in root.handlers if h not in before]:  # the loop's log file
+            root.removeHandler(h)
+            h.close()
+
+
 def test_the_loop_never_compares_a_manifest_time_with_its_own_clock(tmp_path, monkeypatch):
     """A stage 04 manifest left from before, dated ahead of this machine's clock (a file
     server's clock): the loop still runs every round, then stops once stage 04 wrote it anew."""
@@ -204,16 +218,7 @@ def test_the_loop_never_compares_a_manifest_time_with_its_own_clock(tmp_path, mo
                 manifest.write_text('{"written": "now"}')
 
     monkeypatch.setattr(window_loop, "_run", fake_stage)
-    root = logging.getLogger()
-    before = list(root.handlers)
-    try:
-        args = SimpleNamespace(config=str(config), work_dir=None, disk_budget=None, extract_args="", train_args="",
-                               nproc_per_node=1)
-        assert window_loop.run_loop(args) == 0
-    finally:
-        for h in [h for h in root.handlers if h not in before]:  # the loop's log file
-            root.removeHandler(h)
-            h.close()
+    assert run_the_loop(config) == 0
     assert ran == ["stage 02, round 0", "stage 04, round 0", "stage 02, round 1", "stage 04, round 1"]
 
 
@@ -247,16 +252,7 @@ def test_the_loop_extracts_again_a_round_stage_04_rewound(tmp_path, monkeypatch)
                 wd.manifest("train").write_text("{}")
 
     monkeypatch.setattr(window_loop, "_run", fake_stage)
-    root = logging.getLogger()
-    before = list(root.handlers)
-    try:
-        args = SimpleNamespace(config=str(config), work_dir=None, disk_budget=None, extract_args="", train_args="",
-                               nproc_per_node=1)
-        assert window_loop.run_loop(args) == 0
-    finally:
-        for h in [h for h in root.handlers if h not in before]:  # the loop's log file
-            root.removeHandler(h)
-            h.close()
+    assert run_the_loop(config) == 0
     assert ran == ["stage 02, round 1", "stage 04, round 1", "stage 02, round 0", "stage 04, round 0",
                    "stage 02, round 1", "stage 04, round 1"]
     assert "rewound" in wd.log_file("window_loop").read_text()
