@@ -244,6 +244,7 @@ class Soak:
         self.base = run_stages(root / "base", target, upto="prepare", chats=60)
         run_stages(self.base, target, first="vocab", upto="vocab")
         self.n = 0
+        self.trial = 0  # the trial of the scenario running: some scenarios alternate a choice by it
         self._refs: dict[tuple, dict] = {}
 
     def new_run(self, name: str, save_every: int = 3) -> tuple[Path, WorkDir, Path]:
@@ -384,7 +385,9 @@ _NO_CHECKPOINT = re.compile(r"no checkpoint in \S+ can be read: .* pass --force 
 
 def scenario_ckpt(soak: Soak, rng: random.Random) -> Outcome:
     ref = soak.reference()
-    config, wd, d = soak.new_run("ckpt", save_every=rng.choice([2, 1000]))
+    # Even trials keep an older checkpoint to fall back to (save_every 2), odd ones only the
+    # truncated one (1000: a checkpoint at each round's end only): each run meets both.
+    config, wd, d = soak.new_run("ckpt", save_every=(2, 1000)[soak.trial % 2])
     log, wdir = d / "log", wd.store() / windows.WINDOWS_DIR
     covered = rng.randrange(1, ref["rounds"])  # kill once this many rounds are covered, at a random later time
     proc = start(loop_cmd(config), log)
@@ -570,6 +573,7 @@ def soak(root: Path, target: Path, scenarios: list[str], trials: int, budget_s: 
             if time.monotonic() - t_start > budget_s:
                 break
             rng = random.Random(seed * 1000 + k * 10 + i)
+            s.trial = k
             t1 = time.monotonic()
             try:
                 o = RUNNERS[name](s, rng)
