@@ -30,6 +30,7 @@ from pathlib import Path
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.stages import STAGE, STAGES
+from eagle3.stages.configs import STAGE_CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CHATS = ROOT / "data" / "demo_chats.jsonl"
@@ -75,9 +76,24 @@ def run_stages(work: Path, target: Path, *, upto: str = "vocab", first: str = "p
             data = first_chats(work / "chats.jsonl", chats) if isinstance(chats, int) else chats
             settings["data"] = [str(data)]
         settings.update(overrides.get(key, {}))
-        stage = STAGE[key]
-        stage.entry_function()(build_config(stage.config_type(), key, config, settings))
+        stage_entries()[key](build_config(STAGE_CONFIGS[key], key, config, settings, sections=STAGE_CONFIGS))
     return work
+
+
+def stage_entries() -> dict:
+    """Each stage's entry function by registry key, as its numbered script imports it. Imported
+    here, when a test runs stages, not when the test session starts (stage 04's pulls in torch)."""
+    from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s03_vocab.run import build_vocab_mapping
+    from eagle3.stages.s04_train.run import train_drafter
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
+
+    return {"generate": generate_responses, "prepare": prepare_dataset, "extract": extract_hidden_states,
+            "vocab": build_vocab_mapping, "train": train_drafter, "export": export_drafter,
+            "evaluate": evaluate_drafter}
 
 
 def copy_stages(base: Path, dest: Path, stages=("prepare", "extract", "vocab")) -> Path:

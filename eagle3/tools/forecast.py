@@ -39,6 +39,7 @@ from eagle3.artifacts.vocab_map import load_mapping
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import Batching, EpochPlan, nested_share
 from eagle3.stages.s04_train.loss_positions import count_loss_positions
@@ -561,7 +562,7 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
         raise PipelineError(f"--fit-upto {fit_upto} is outside (0, 1]: the largest fraction the check fits on.")
     wd = WorkDir(work_dir)
     overrides = {"work_dir": str(wd.root), "target_model": target_model, "device": device}
-    base = build_config(TrainConfig, "train", config, overrides)
+    base = build_config(TrainConfig, "train", config, overrides, sections=STAGE_CONFIGS)
     if base.init_from:
         raise PipelineError(f"train.init_from = {base.init_from}: the forecast trains from scratch (a fine-tune's "
                             f"data need depends on its start); remove init_from from {config}.")

@@ -20,6 +20,7 @@ from fixtures import DEMO_CHATS, ROOT, run_stages
 
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
+from eagle3.stages.configs import STAGE_CONFIGS
 
 CONFIG = ROOT / "configs" / "tiny-llama.yaml"
 # Reduced from the demo (150 target steps, 120 drafter steps, 77 prompts x 64 tokens).
@@ -48,7 +49,8 @@ def write_prompt_file(path: Path) -> Path:
 
 def stage_config(cls, section: str, work: Path, target: Path, **overrides):
     """The shipped demo config with this test's work dir, target and reduced sizes."""
-    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides})
+    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides},
+                        sections=STAGE_CONFIGS)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from fixtures import ROOT, copy_stages, run_stages
 
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
+from eagle3.stages.configs import STAGE_CONFIGS
 
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
@@ -48,7 +49,8 @@ def engine_dtype() -> str:
 
 
 def stage_config(cls, section: str, work: Path, target: Path, **overrides):
-    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides})
+    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides},
+                        sections=STAGE_CONFIGS)
 
 
 def subset(src: Path, dst: Path, n: int) -> Path:
