@@ -7,7 +7,7 @@
   its own copy.
 - Chat templates of four families and two reasoning ones (Qwen3's and DeepSeek-R1's history
   rules), written here as text, and tokenizers built around them (`make_tokenizer`); Kimi-K2.5's
-  template and special-token ids come from eagle3/tools/kimi_k25_tokenizer.py
+  template and special-token ids come from eagle3/demo/kimi_k25_tokenizer.py
   (`kimi_k25_tokenizer`, `save_kimi_k25_target`).
 - `kill_after_entries`: a stage-02 command killed -9 part way.
 - `torchrun`: a command under `torchrun --nproc-per-node N`, its workers killed on a timeout.
@@ -301,9 +301,9 @@ assert DEEPSEEK_R1["template"].count("</think>") == 1 and "<think>\n" in DEEPSEE
 
 @functools.lru_cache(maxsize=1)
 def kimi_k25_tokenizer():
-    """The Kimi-K2.5 stand-in (eagle3/tools/kimi_k25_tokenizer.py), built once per session
+    """The Kimi-K2.5 stand-in (eagle3/demo/kimi_k25_tokenizer.py), built once per session
     (a few seconds); read-only."""
-    from eagle3.tools.kimi_k25_tokenizer import build_tokenizer
+    from eagle3.demo.kimi_k25_tokenizer import build_tokenizer
 
     return build_tokenizer()
 
@@ -315,7 +315,7 @@ def save_kimi_k25_target(path: Path) -> Path:
     script the target)."""
     from transformers import GenerationConfig, LlamaConfig
 
-    from eagle3.tools.kimi_k25_tokenizer import END_OF_TURN_ID, EOS_ID, VOCAB_SIZE, write_added_tokens_decoder
+    from eagle3.demo.kimi_k25_tokenizer import END_OF_TURN_ID, EOS_ID, VOCAB_SIZE, write_added_tokens_decoder
 
     kimi_k25_tokenizer().save_pretrained(path)
     write_added_tokens_decoder(path)

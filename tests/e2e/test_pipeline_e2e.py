@@ -34,7 +34,7 @@ def write_prompt_file(path: Path) -> Path:
     """Questions of three of the demo's topics, new draws (seeded), both record shapes."""
     import random
 
-    from eagle3.tools import synthetic_chats
+    from eagle3.demo import synthetic_chats
 
     rng = random.Random(7)
     rows = []
@@ -57,7 +57,7 @@ def stage_config(cls, section: str, work: Path, target: Path, **overrides):
 def demo_run(tmp_path_factory):
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
-    from eagle3.tools.tiny import build_tiny_target
+    from eagle3.demo.tiny import build_tiny_target
 
     root = tmp_path_factory.mktemp("e2e")
     target = build_tiny_target("llama", root / "target", train_steps=TARGET_STEPS)
@@ -165,7 +165,7 @@ def test_rerun_does_nothing(demo_run):
 
 
 def test_demo_summary(demo_run):
-    from eagle3.tools.demo import summary_text
+    from eagle3.demo.summary import summary_text
 
     wd, _, r = demo_run
     text = summary_text(wd.root, elapsed_s=125)

@@ -16,7 +16,9 @@ The packages by concept, each importing only those named after it (and itself):
     stages/     a stage: what engines may import, engines, and its own package; never another stage
                 (stages/configs.py, every stage's config class by YAML section, imports each
                 stage's config.py and nothing else of theirs; no stage imports it)
-    tools/      may import anything; nothing else imports a tool
+    demo/       the demo's targets, chats and summary, the tests' and benchmarks' inputs: everything
+                above but the tools and core/cli.py; nothing else of ours imports it
+    tools/      the operator's commands: anything but the demo; nothing else imports a tool
 
 so the packages form no cycle (the rules themselves are checked for one), and no module imports
 one of ours inside a function, so every link between modules shows at the top of the file. The
@@ -50,10 +52,15 @@ ALLOWED: dict[str, set[str]] = {
     "core.cli": {"core", "artifacts", "core.cli"},
     "engines": LOWER | {"engines"},
     "stages": LOWER | {"engines"},
+    "demo": LOWER | {"engines", "stages", "demo"},
     "tools": LOWER | {"core.cli", "engines", "stages", "tools"},
 }
 # What core/ keeps: plumbing every layer may use, no artifact, model or engine in it.
 CORE_MODULES = {"__init__", "batching", "cli", "config", "errors", "logs", "readable", "stages"}
+# eagle3/tools/ and eagle3/demo/ split by audience: an operator's commands for runs on real
+# targets, and what the demo, the tests and the benchmarks build (each __init__.py says more).
+TOOLS = {"__init__", "check_stores", "diagnose", "forecast", "parity", "window_loop"}
+DEMO = {"__init__", "kimi_k25_tokenizer", "summary", "synthetic_chats", "targets", "tiny"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -164,12 +171,33 @@ def test_the_packages_are_the_concepts():
     assert kept == CORE_MODULES, f"eagle3/core/ holds {sorted(kept - CORE_MODULES)}: give each its concept's package"
 
 
+def package_contents(package: Path) -> set[str]:
+    """The modules (by stem) and subpackages of a package."""
+    return {p.stem for p in package.glob("*.py")} | {p.name for p in package.iterdir() if (p / "__init__.py").is_file()}
+
+
+def test_operator_tools_and_the_demo_are_split_by_audience():
+    assert package_contents(PACKAGE / "tools") == TOOLS, "eagle3/tools/ is the operator's commands; the demo's " \
+                                                        "targets, chats and summary go in eagle3/demo/"
+    assert package_contents(PACKAGE / "demo") == DEMO, "eagle3/demo/ is what the demo and the tests build"
+    # the import rules: the tools never import the demo, and the library imports neither
+    assert "demo" not in ALLOWED["tools"]
+    assert [k for k, v in ALLOWED.items() if "tools" in v and k != "tools"] == []
+    assert [k for k, v in ALLOWED.items() if "demo" in v and k != "demo"] == []
+    # the forecast has one home; `diagnose forecast` is its command
+    assert sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*forecast*")) == ["eagle3/tools/forecast.py"]
+
+
 def test_the_checker_sees_a_sideways_import(tmp_path):
     # The rules above pass vacuously if the parser missed imports: feed it known cases.
     assert not allowed("eagle3.stages.s05_export.run", "eagle3.stages.s02_extract.run")
     assert not allowed("eagle3.drafter.model", "eagle3.stages.s03_vocab.run")
     assert not allowed("eagle3.engines.vllm_engine", "eagle3.stages.s06_evaluate.engine")
-    assert not allowed("eagle3.stages.s04_train.run", "eagle3.tools.demo")
+    assert not allowed("eagle3.stages.s04_train.run", "eagle3.demo.summary")
+    assert not allowed("eagle3.tools.window_loop", "eagle3.demo.tiny")
+    assert not allowed("eagle3.serving.model_card", "eagle3.demo.summary")
+    assert not allowed("eagle3.demo.tiny", "eagle3.tools.diagnose")
+    assert allowed("eagle3.demo.summary", "eagle3.stages.s06_evaluate.report")
     assert allowed("eagle3.stages.s04_train.run", "eagle3.stages.s04_train.data")
     assert allowed("eagle3.stages.configs", "eagle3.stages.s04_train.config")
     assert not allowed("eagle3.stages.configs", "eagle3.stages.s04_train.run")
