@@ -5,7 +5,10 @@
 
 Writes WORK/00_generate/ (see eagle3/stages/s00_generate/run.py); stage 01 reads it with `--data generated`.
 """
-from eagle3.core.cli import stage_main
+if __name__ == "__main__":  # vLLM spawns processes that re-import the main module
+    from eagle3.core.cli import run_stage
+    from eagle3.stages.configs import STAGE_CONFIGS
+    from eagle3.stages.s00_generate.config import GenerateConfig
+    from eagle3.stages.s00_generate.run import generate_responses
 
-if __name__ == "__main__":
-    stage_main("generate", __doc__)
+    run_stage(GenerateConfig, "generate", generate_responses, __doc__, sections=STAGE_CONFIGS)

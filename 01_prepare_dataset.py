@@ -4,7 +4,10 @@
 
 Writes WORK/01_dataset/ (see eagle3/stages/s01_prepare/run.py).
 """
-from eagle3.core.cli import stage_main
+from eagle3.core.cli import run_stage
+from eagle3.stages.configs import STAGE_CONFIGS
+from eagle3.stages.s01_prepare.config import PrepareConfig
+from eagle3.stages.s01_prepare.run import prepare_dataset
 
 if __name__ == "__main__":
-    stage_main("prepare", __doc__)
+    run_stage(PrepareConfig, "prepare", prepare_dataset, __doc__, sections=STAGE_CONFIGS)

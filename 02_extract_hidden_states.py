@@ -11,7 +11,10 @@ its argmax, in WORK/02_hidden_states/ (format: eagle3/artifacts/store/format.py)
 Killed runs resume from the last complete file; boxes of a multi-box run write
 disjoint files; copy them into one folder and rerun once to complete the manifest.
 """
-from eagle3.core.cli import stage_main
-
 if __name__ == "__main__":  # vLLM spawns engine processes that re-import this file
-    stage_main("extract", __doc__)
+    from eagle3.core.cli import run_stage
+    from eagle3.stages.configs import STAGE_CONFIGS
+    from eagle3.stages.s02_extract.config import ExtractConfig
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+
+    run_stage(ExtractConfig, "extract", extract_hidden_states, __doc__, sections=STAGE_CONFIGS)

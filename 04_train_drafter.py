@@ -7,7 +7,10 @@
 Reads WORK/02_hidden_states/ and WORK/03_vocab/, writes WORK/04_train/
 (see eagle3/stages/s04_train/run.py). A killed run resumes from its last checkpoint.
 """
-from eagle3.core.cli import stage_main
+from eagle3.core.cli import run_stage
+from eagle3.stages.configs import STAGE_CONFIGS
+from eagle3.stages.s04_train.config import TrainConfig
+from eagle3.stages.s04_train.run import train_drafter
 
 if __name__ == "__main__":
-    stage_main("train", __doc__)
+    run_stage(TrainConfig, "train", train_drafter, __doc__, sections=STAGE_CONFIGS)

@@ -13,7 +13,10 @@ disagree give "timings unreliable: no verdict"). Prompts: stage 01's held-out tu
 id (--prompts). Writes WORK/06_evaluate/results.json, evaluate.png and the manifest
 (see eagle3/stages/s06_evaluate/).
 """
-from eagle3.core.cli import stage_main
-
 if __name__ == "__main__":  # vLLM spawns processes that re-import the main module
-    stage_main("evaluate", __doc__)
+    from eagle3.core.cli import run_stage
+    from eagle3.stages.configs import STAGE_CONFIGS
+    from eagle3.stages.s06_evaluate.config import EvaluateConfig
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
+
+    run_stage(EvaluateConfig, "evaluate", evaluate_drafter, __doc__, sections=STAGE_CONFIGS)

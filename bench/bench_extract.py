@@ -40,7 +40,7 @@ log = logging.getLogger("bench_extract")
 def prepare(work: Path, kind: str) -> tuple[Path, Path]:
     from eagle3.stages.s01_prepare.run import prepare_dataset
     from eagle3.stages.s01_prepare.config import PrepareConfig
-    from eagle3.tools.tiny import build_tiny_target
+    from eagle3.demo.tiny import build_tiny_target
 
     target = build_tiny_target(kind, work / "targets" / kind)
     wd = work / f"wd-{kind}"

@@ -62,7 +62,7 @@ def main(argv=None) -> None:
     from eagle3.stages.s00_generate.run import generate_responses
     from eagle3.engines.config import EngineConfig
     from eagle3.stages.s00_generate.vllm_runner import VllmEngine
-    from eagle3.tools.tiny import build_tiny_target
+    from eagle3.demo.tiny import build_tiny_target
 
     work = Path(tempfile.mkdtemp(prefix="bench_generate."))
     demo = ROOT / "work" / "targets" / "tiny-llama"

@@ -2,7 +2,7 @@
 
     python bench/bench_prepare.py [--conversations 10000] [--workers 2]
 
-Generates a synthetic multi-turn chat set (eagle3/tools/synthetic_chats.py), builds the
+Generates a synthetic multi-turn chat set (eagle3/demo/synthetic_chats.py), builds the
 tiny Llama target's tokenizer, and runs `prepare_dataset` twice in this process
 on the same file: once with one worker, once with `--workers`. Prints the figures
 and the speed-up; reading, tokenizing, masking and writing Arrow are all included.
@@ -20,8 +20,8 @@ from eagle3.core.logs import setup_logging  # noqa: E402
 from eagle3.artifacts.manifest import record_of  # noqa: E402
 from eagle3.stages.s01_prepare.run import prepare_dataset
 from eagle3.stages.s01_prepare.config import PrepareConfig
-from eagle3.tools.synthetic_chats import write_jsonl  # noqa: E402
-from eagle3.tools.tiny import build_tiny_target  # noqa: E402
+from eagle3.demo.synthetic_chats import write_jsonl  # noqa: E402
+from eagle3.demo.tiny import build_tiny_target  # noqa: E402
 
 
 def main():

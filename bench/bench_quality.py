@@ -74,6 +74,7 @@ from served_pairs import paired_interval, per_prompt, verdict  # noqa: E402
 from eagle3.core.config import build_config, load_yaml  # noqa: E402
 from eagle3.stages.s04_train.config import TrainConfig  # noqa: E402
 from eagle3.artifacts.workdir import WorkDir  # noqa: E402
+from eagle3.stages.configs import STAGE_CONFIGS  # noqa: E402
 
 UPSTREAM = ("generate", "prepare", "extract", "vocab")  # the stages both scratch work dirs share with W
 BUDGET = ("max_steps", "batch_tokens", "ttt_steps", "learning_rate", "warmup_steps", "seed")
@@ -555,7 +556,8 @@ def main() -> None:
              "learning_rate": a.learning_rate, "warmup_steps": a.warmup_steps, "seed": a.seed}
     # One budget for both: the config's train section with these flags over it.
     cfg = build_config(TrainConfig, "train", a.config, {**flags, "work_dir": str(out / a.peer),
-                                                        "target_model": target, "device": "cpu"})
+                                                        "target_model": target, "device": "cpu"},
+                       sections=STAGE_CONFIGS)
     if a.peer == "specforge" and cfg.max_steps is not None and cfg.warmup_steps >= cfg.max_steps:
         raise SystemExit(f"warmup of {cfg.warmup_steps} steps in a run of {cfg.max_steps}: SpecForge's schedule "
                          f"needs steps after its warmup (lr_scheduler.py divides by their count); pass "

@@ -13,7 +13,7 @@ Default mode, in one process, for each encoding of `extract.store_dtype` (bf16, 
      read tokens/s (shuffled samples through the reader and into training tensors, padded
      with `store.collate` and packed with stage 04's `load_batch`), page cache warm;
   3. on a real target's states (`--target`, default the demo's SmolLM2-135M-Instruct,
-     built at work/targets/smollm2-135m by `python -m eagle3.tools.targets smollm2` if missing):
+     built at work/targets/smollm2-135m by `python -m eagle3.demo.targets smollm2` if missing):
      stage 01 on `--chats` demo chats, stage 02 (hf backend) once per encoding, its tokens/s, and
      through the reader the fp8 store against the bf16 one: per aux layer and for the
      final state the per-token relative L2 error (median, p90, max; it holds the two runs'
@@ -246,7 +246,7 @@ def quality(target: Path | None, chats: int, work: Path) -> list[str]:
     from eagle3.artifacts.workdir import WorkDir
 
     if target is None:
-        from eagle3.tools.targets import build_target
+        from eagle3.demo.targets import build_target
 
         target = build_target("smollm2", ROOT / "work" / "targets" / "smollm2-135m")  # does nothing when built
     data = work / "chats.jsonl"

@@ -162,7 +162,7 @@ def part2(total_tokens: int) -> None:
 
 
 def part3() -> None:
-    from eagle3.tools.tiny import build_tokenizer, chat_token_ids
+    from eagle3.demo.tiny import build_tokenizer, chat_token_ids
 
     print("\n3. padding share of one epoch (padding positions / computed positions)")
     demo = [len(s) for s in chat_token_ids(build_tokenizer())]

@@ -45,6 +45,7 @@ from eagle3.artifacts import windows  # noqa: E402
 from eagle3.artifacts.dataset import load_split  # noqa: E402
 from eagle3.artifacts.workdir import SPLITS, WorkDir  # noqa: E402
 from eagle3.core.config import build_config  # noqa: E402
+from eagle3.stages.configs import STAGE_CONFIGS  # noqa: E402
 from eagle3.stages.s02_extract.config import ExtractConfig  # noqa: E402
 from eagle3.stages.s04_train.config import TrainConfig  # noqa: E402
 from eagle3.stages.s04_train.data import Batching  # noqa: E402
@@ -67,8 +68,9 @@ def store_files(store_dir: Path) -> list[int]:
 def plan_steps(config: Path, wd: Path, budget: str, passes: int, epochs: int) -> int:
     """Steps the windowed run will train with these passes and epochs: stage 02's window
     plan and stage 04's own round schedule, from stage 01's lengths."""
-    ex = build_config(ExtractConfig, "extract", str(config), {"work_dir": str(wd)})
-    tr = build_config(TrainConfig, "train", str(config), {"work_dir": str(wd), "epochs": epochs})
+    ex = build_config(ExtractConfig, "extract", str(config), {"work_dir": str(wd)}, sections=STAGE_CONFIGS)
+    tr = build_config(TrainConfig, "train", str(config), {"work_dir": str(wd), "epochs": epochs},
+                      sections=STAGE_CONFIGS)
     w = WorkDir(wd)
     info = read_target_info(ex.target_model, ex.trust_remote_code)
     aux = ex.aux_layers if ex.aux_layers is not None else info.default_aux_layers()
@@ -153,7 +155,8 @@ def main() -> None:
     store = base / "02_hidden_states"
     whole_store = windows.dir_bytes(store)
     budget = windows.parse_bytes(a.disk_budget) if a.disk_budget else int(whole_store * a.budget_fraction)
-    max_steps = a.max_steps or build_config(TrainConfig, "train", str(a.config), {"work_dir": str(base)}).max_steps
+    max_steps = a.max_steps or build_config(TrainConfig, "train", str(a.config), {"work_dir": str(base)},
+                                            sections=STAGE_CONFIGS).max_steps
     if not max_steps:
         raise SystemExit(f"{a.config} sets no train.max_steps: give --max-steps (the whole-store run's steps)")
     out = (a.out or base.with_name(base.name + "-windows")).resolve()

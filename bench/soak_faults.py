@@ -44,7 +44,7 @@ def main() -> int:
                     help="with --windows: comma-separated, of kill,procs,ckpt,claim,force (default: all)")
     a = ap.parse_args()
 
-    from eagle3.tools.tiny import build_tiny_target
+    from eagle3.demo.tiny import build_tiny_target
 
     if a.windows:
         return windows_soak(a, build_tiny_target)

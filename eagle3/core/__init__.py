@@ -1,8 +1,8 @@
 """The plumbing every other package may use: nothing in it knows a model, an artifact or an engine.
 
     config.py    the typed stage configs' machinery: YAML sections, flags, checks
-    cli.py       the numbered scripts' command line (`stage_main`)
-    stages.py    the stage registry: keys, folders, scripts, packages, in order
+    cli.py       the numbered scripts' command line (`run_stage`)
+    stages.py    the stage registry: keys, folders, scripts, in order
     logs.py      logging: one format, rank 0 only, a stage's log file, quiet third-party loggers
     errors.py    PipelineError, the one exception a user reads
     readable.py  figures rounded for people (pure; logs, reports, the model card, the demo)

@@ -1,8 +1,11 @@
 """The numbered scripts' shared command line: flags generated from a stage config.
 
-`stage_main("prepare", __doc__)` (a numbered script's whole body) gives the script
-`--config FILE`, one `--flag` per config field (help from the field's metadata),
-logging set up once, and bad input reported as one clear line with exit status 2.
+A numbered script imports its stage's config class and entry function and calls
+`run_stage(PrepareConfig, "prepare", prepare_dataset, __doc__, sections=STAGE_CONFIGS)`:
+the script gets `--config FILE`, one `--flag` per config field (help from the field's
+metadata), logging set up once, the stage's log file, and bad input reported as one
+clear line with exit status 2. `sections` (eagle3/stages/configs.py) is what the YAML
+file is checked against; this module, below the stages, cannot import it.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import logging
 import os
 import sys
 import typing
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from eagle3.artifacts.manifest import stage_run
 from eagle3.artifacts.workdir import WorkDir
@@ -53,12 +56,15 @@ def make_parser(cls, description: str | None) -> argparse.ArgumentParser:
 
 
 def run_stage(cls, section: str, fn: Callable[[Any], Any], description: str | None = None,
-              argv: list[str] | None = None) -> None:
+              argv: list[str] | None = None, *, sections: Mapping[str, type]) -> None:
+    """Stage `section` from the command line: its config `cls` built from `--config` and the
+    flags, then `fn(config)`. `sections`: every stage's config class by YAML section."""
+    assert sections[section] is cls, f"stage {section!r} is configured by {sections[section].__name__}"
     try:
         args = make_parser(cls, description).parse_args(argv)
         setup_logging(logging.DEBUG if args.verbose else logging.INFO)
         overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)}
-        cfg = build_config(cls, section, args.config, overrides)
+        cfg = build_config(cls, section, args.config, overrides, sections=sections)
         if getattr(cfg, "work_dir", None):
             log_to_file(WorkDir(cfg.work_dir).log_file(f"{STAGE[section].number}_{section}"))
             logging.getLogger("eagle3").info("command: %s", " ".join(sys.argv))
@@ -81,9 +87,3 @@ def leave_without_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def stage_main(key: str, description: str | None = None) -> None:
-    """Run the registry's stage `key` from the command line (what each numbered script does)."""
-    stage = STAGE[key]
-    run_stage(stage.config_type(), key, stage.entry_function(), description)

@@ -1,7 +1,7 @@
 """Stage configs: dataclasses filled from a YAML file and command-line flags.
 
 Each stage owns one dataclass in its package's `config.py` (e.g. `PrepareConfig` in
-eagle3/stages/s01_prepare/config.py), named by the stage registry (eagle3/core/stages.py).
+eagle3/stages/s01_prepare/config.py); eagle3/stages/configs.py maps each section to its class.
 It subclasses `StageConfig` (work_dir, target_model, trust_remote_code, force) or, for
 the stages that run target engines and can split their work over boxes (00 and 02),
 `ShardedStageConfig`. A YAML file in configs/ has shared top-level keys (`work_dir`,
@@ -24,7 +24,9 @@ built in code is held to the same rules.
 
 A YAML file cannot mislead: a key no stage reads, a section no stage owns, or a key
 its section's stage does not have is refused with the closest valid name (a misspelt
-`vocab:` section would otherwise train with the default vocabulary size), and so is a
+`vocab:` section would otherwise train with the default vocabulary size). The core
+cannot import the stages, so whoever reads a YAML file passes every stage's config class
+by section (`sections`: eagle3/stages/configs.py `STAGE_CONFIGS`). Refused as well: a
 `generate.max_new_tokens` longer than `prepare.max_length` or `train.max_seq_len` keep
 (`check_lengths`). Also here: the dtype names stages accept (`dtype_name`, `torch_dtype`)
 and a stage's `data` setting as a list (`data_sources`).
@@ -33,18 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib
-import logging
 import os
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from eagle3.core.errors import PipelineError
-from eagle3.core.stages import STAGE, STAGES
-
-log = logging.getLogger(__name__)
 
 
 def param(default: Any = dataclasses.MISSING, *, help: str, identity: bool = True,
@@ -357,30 +354,15 @@ def data_sources(data: list[str] | str, section: str) -> list[str]:
     return data
 
 
-def stage_configs() -> dict[str, type | None]:
-    """Section -> config class for every stage of the registry (eagle3/core/stages.py), imported
-    when a YAML file is read (None: its module is not in this tree)."""
-    out: dict[str, type | None] = {}
-    for stage in STAGES:
-        module = f"{stage.package}.config"
-        try:
-            out[stage.key] = getattr(importlib.import_module(module), stage.config_class)
-        except ModuleNotFoundError as e:
-            if not (e.name and module.startswith(e.name)):
-                raise  # the stage exists but one of its imports is missing: a real error
-            log.debug("stage section `%s`: %s not importable (%s)", stage.key, module, e)
-            out[stage.key] = None
-    return out
+def check_yaml_keys(data: dict, yaml_path: Path | str, sections: Mapping[str, type]) -> None:
+    """Refuse top-level keys no stage reads, unknown sections and unknown keys in any section.
 
-
-def check_yaml_keys(data: dict, yaml_path: Path | str) -> None:
-    """Refuse top-level keys no stage reads, unknown sections and unknown keys in any section."""
-    stages = stage_configs()
-    fields = {s: {f.name for f in dataclasses.fields(c)} for s, c in stages.items() if c is not None}
+    `sections`: every stage's config class by its YAML section (eagle3/stages/configs.py)."""
+    fields = {s: {f.name for f in dataclasses.fields(c)} for s, c in sections.items()}
     shared = set().union(*fields.values())
     problems = []
     for key, value in data.items():
-        if key in stages:
+        if key in sections:
             if value is None:
                 continue
             if not isinstance(value, dict):
@@ -390,26 +372,26 @@ def check_yaml_keys(data: dict, yaml_path: Path | str) -> None:
                 problems.append(f"unknown key(s) ['{k}'] in section `{key}`{closest(k, fields[key])}")
         elif key not in shared:
             if isinstance(value, dict):
-                problems.append(f"unknown section `{key}`{closest(key, stages)}; the stage sections are "
-                                f"{', '.join(stages)}")
+                problems.append(f"unknown section `{key}`{closest(key, sections)}; the stage sections are "
+                                f"{', '.join(sections)}")
             else:
-                problems.append(f"unknown top-level key `{key}`{closest(key, sorted(shared) + list(stages))}")
+                problems.append(f"unknown top-level key `{key}`{closest(key, sorted(shared) + list(sections))}")
     if problems:
         raise PipelineError(f"{yaml_path}: " + "; ".join(problems) + ". Top-level keys are the settings stages "
                             f"share (e.g. work_dir, target_model); each stage's other settings go in its section.")
 
 
-def _setting(data: dict, stages: dict, section: str, key: str) -> int | None:
+def _setting(data: dict, sections: Mapping[str, type], section: str, key: str) -> int | None:
     """A stage setting's value in this YAML: the section's, else the stage's default."""
     sec = data.get(section) if isinstance(data.get(section), dict) else {}
     if key in sec:
         return sec[key]
-    cls = stages.get(section)
-    f = {f.name: f for f in dataclasses.fields(cls)}.get(key) if cls is not None else None
+    cls = sections[section]
+    f = {f.name: f for f in dataclasses.fields(cls)}.get(key)
     return f.default if f is not None and f.default is not dataclasses.MISSING else None
 
 
-def check_lengths(data: dict, yaml_path: Path | str) -> None:
+def check_lengths(data: dict, yaml_path: Path | str, sections: Mapping[str, type]) -> None:
     """Refuse a YAML whose stage 00 answers may run longer than stages 01/04 keep.
 
     A turn generated to `generate.max_new_tokens` is truncated at `prepare.max_length` and
@@ -419,10 +401,9 @@ def check_lengths(data: dict, yaml_path: Path | str) -> None:
     gen = data.get("generate")
     if not isinstance(gen, dict) or gen.get("max_new_tokens") is None:
         return
-    stages = stage_configs()
     new = int(gen["max_new_tokens"])
     short = [(f"{s}.{k}", int(v)) for s, k in (("prepare", "max_length"), ("train", "max_seq_len"))
-             if (v := _setting(data, stages, s, k)) is not None and int(v) < new]
+             if (v := _setting(data, sections, s, k)) is not None and int(v) < new]
     if short:
         shown = ", ".join(f"{name} = {v}" for name, v in short)
         raise PipelineError(
@@ -432,16 +413,23 @@ def check_lengths(data: dict, yaml_path: Path | str) -> None:
             f"generate.max_new_tokens.")
 
 
-def build_config(cls, section: str, yaml_path: Path | str | None = None, overrides: dict | None = None):
-    """Shared YAML keys, then the YAML section, then `overrides` (CLI flags)."""
+def build_config(cls, section: str, yaml_path: Path | str | None = None, overrides: dict | None = None, *,
+                 sections: Mapping[str, type] | None = None):
+    """Shared YAML keys, then the YAML section, then `overrides` (CLI flags).
+
+    `sections`: every stage's config class by its YAML section (eagle3/stages/configs.py
+    `STAGE_CONFIGS`), required with a YAML file: the whole file is checked against them."""
     names = {f.name for f in dataclasses.fields(cls)}
     values: dict[str, Any] = {}
     where: dict[str, str] = {}  # key -> where its value came from, for messages
     if yaml_path is not None:
+        if sections is None:
+            raise TypeError("build_config: a YAML file is checked against every stage's fields; pass "
+                            "sections=STAGE_CONFIGS (eagle3/stages/configs.py)")
         data = load_yaml(yaml_path)
-        check_yaml_keys(data, yaml_path)
-        check_lengths(data, yaml_path)
-        top = {k: v for k, v in data.items() if k in names and k not in STAGE}
+        check_yaml_keys(data, yaml_path, sections)
+        check_lengths(data, yaml_path, sections)
+        top = {k: v for k, v in data.items() if k in names and k not in sections}
         values.update(top)
         where.update({k: f"{yaml_path} (top level)" for k in top})
         sec = data.get(section) or {}

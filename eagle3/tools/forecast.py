@@ -23,14 +23,19 @@ squares; the laws, the interval arithmetic and how to read the report are in
 docs/FORECAST.md. The fit and the report are pure functions (`fit_law`,
 `Fit.predict`, `Fit.tokens_for`, `build_report`); `run_forecast` runs the fractions.
 Writes nothing besides the fraction work dirs; logs, never prints.
+
+The command line is here too (`NAME`, `add_parser`, `run`: the subcommand protocol of
+eagle3/tools/diagnose/__init__.py, which prints the report): exit status 1 when the check
+(the fit on the smaller fractions against the largest run) lands outside its interval.
 """
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from eagle3.artifacts.manifest import record_of, stage_run
 from eagle3.artifacts.store import HiddenStateStore
@@ -39,6 +44,7 @@ from eagle3.artifacts.vocab_map import load_mapping
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.data import Batching, EpochPlan, nested_share
 from eagle3.stages.s04_train.loss_positions import count_loss_positions
@@ -561,7 +567,7 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
         raise PipelineError(f"--fit-upto {fit_upto} is outside (0, 1]: the largest fraction the check fits on.")
     wd = WorkDir(work_dir)
     overrides = {"work_dir": str(wd.root), "target_model": target_model, "device": device}
-    base = build_config(TrainConfig, "train", config, overrides)
+    base = build_config(TrainConfig, "train", config, overrides, sections=STAGE_CONFIGS)
     if base.init_from:
         raise PipelineError(f"train.init_from = {base.init_from}: the forecast trains from scratch (a fine-tune's "
                             f"data need depends on its start); remove init_from from {config}.")
@@ -612,3 +618,38 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
             "tokens": int(per_sample[trainable].sum())}
     return build_report(points, target_al=target_al, K=K, law=law, fit_upto=fit_upto,
                         tokens_per_conversation=full["tokens"] / len(trainable), full=full)
+
+
+# =========================================================================== the `diagnose forecast` command
+
+NAME = "forecast"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(NAME, help="train on nested fractions of the data and forecast the training tokens "
+                                  "that reach a target acceptance (docs/FORECAST.md)")
+    p.add_argument("--work-dir", required=True, help="work dir with stages 01-03 done (its fraction runs go to "
+                                                     "WORK/forecast/)")
+    p.add_argument("--target-al", type=float, required=True, help="held-out expected accept length to reach "
+                                                                  "(e.g. a deployment's break-even)")
+    p.add_argument("--config", help="the YAML file of the run: its train section is the full run's settings")
+    p.add_argument("--target-model", help="target model folder (default: the config's target_model)")
+    p.add_argument("--fractions", default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
+                   help="fractions of the train split, comma-separated (default %(default)s)")
+    p.add_argument("--fit-upto", type=float, default=DEFAULT_FIT_UPTO,
+                   help="the check fits on the fractions up to this one and predicts the largest (default "
+                        "%(default)s)")
+    p.add_argument("--law", choices=tuple(LAWS), default=DEFAULT_LAW,
+                   help="the law fitted (default %(default)s; docs/FORECAST.md compares them)")
+    p.add_argument("--max-steps", type=int, help="the full run's steps (default: train.max_steps, or its epochs' "
+                                                 "steps); a fraction f runs round(f * this)")
+    p.add_argument("--warmup-steps", type=int, help="the full run's warmup steps (default: train.warmup_steps)")
+    p.add_argument("--device", help="stage 04's --device (default: the config's)")
+    return p
+
+
+def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    r = run_forecast(a.work_dir, target_al=a.target_al, config=a.config, target_model=a.target_model,
+                     fractions=parse_fractions(a.fractions), fit_upto=a.fit_upto,
+                     law=a.law, max_steps=a.max_steps, warmup_steps=a.warmup_steps, device=a.device)
+    return r, format_report(r), (1 if r["chosen"].get("check", {}).get("inside") is False else 0)

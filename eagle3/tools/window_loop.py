@@ -40,6 +40,7 @@ from eagle3.artifacts.workdir import REPO_ROOT, WorkDir
 from eagle3.core.config import build_config
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import log_to_file, setup_logging
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s02_extract.config import ExtractConfig
 
 log = logging.getLogger("eagle3.window_loop")
@@ -98,7 +99,7 @@ def written_since(path: Path, stamp_at_start: tuple | None) -> bool:
 
 def run_loop(args) -> int:
     overrides = {"work_dir": args.work_dir, "disk_budget": args.disk_budget}
-    cfg = build_config(ExtractConfig, "extract", args.config, overrides)
+    cfg = build_config(ExtractConfig, "extract", args.config, overrides, sections=STAGE_CONFIGS)
     if cfg.disk_budget is None:
         raise PipelineError("the window loop needs a disk budget: pass --disk-budget (e.g. 2TB) or set "
                             "extract.disk_budget in the config.")

@@ -1,4 +1,4 @@
-"""The demo's closing summary (eagle3/tools/demo.py) on fabricated stage results: it judges the
+"""The demo's closing summary (eagle3/demo/summary.py) on fabricated stage results: it judges the
 run by what it measured and leaves out what was not measured. No engine; about 2 s.
 (tests/e2e/test_pipeline_e2e.py reads the summary of a real run.)"""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 from eagle3.artifacts.manifest import write_manifest
 from eagle3.artifacts.records import EvaluateRecord, GenerateRecord, PrepareRecord, TrainRecord, VocabRecord
 from eagle3.artifacts.workdir import WorkDir
-from eagle3.tools.demo import served_lines, summary_text, verdict_lines
+from eagle3.demo.summary import served_lines, summary_text, verdict_lines
 
 
 def results(**over) -> dict:

@@ -23,6 +23,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.serving.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, load_drafter_dir,
                                        save_drafter_dir)
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
                                                 timing_problems)
@@ -368,7 +369,7 @@ def test_config_validation():
     assert EvaluateConfig(work_dir=Path("w"), target_model="t").temperature == [0.0, 0.7]
     from eagle3.core.config import build_config
 
-    cfg = build_config(EvaluateConfig, "evaluate", ROOT / "configs" / "tiny-llama.yaml")
+    cfg = build_config(EvaluateConfig, "evaluate", ROOT / "configs" / "tiny-llama.yaml", sections=STAGE_CONFIGS)
     assert cfg.num_speculative_tokens == 3 and cfg.num_prompts is None and cfg.timed_passes == 2
     assert cfg.temperature == [0.0, 0.7] and cfg.timing_prompts == 16
 

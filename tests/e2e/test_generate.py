@@ -43,7 +43,7 @@ def demo_records(n: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def tok():
-    from eagle3.tools.tiny import build_tokenizer
+    from eagle3.demo.tiny import build_tokenizer
 
     return build_tokenizer()
 

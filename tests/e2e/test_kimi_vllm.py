@@ -1,6 +1,6 @@
 """The tiny Kimi-K2.5 target through vLLM's own `KimiK25ForConditionalGeneration` on CPU.
 
-The tiny `kimi_k25` target (eagle3/tools/tiny.py: the tiny DeepSeek-V3's weights and
+The tiny `kimi_k25` target (eagle3/demo/tiny.py: the tiny DeepSeek-V3's weights and
 config nested as Kimi-K2.5 nests them, `text_config` and `language_model.*` weight names)
 runs stages 00-05 with vLLM's CPU build wherever a stage runs vLLM: stage 00 generates the
 answers, stage 02 extracts with the vllm backend (vLLM's Kimi class hands the aux capture

@@ -20,6 +20,7 @@ from fixtures import DEMO_CHATS, ROOT, run_stages
 
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
+from eagle3.stages.configs import STAGE_CONFIGS
 
 CONFIG = ROOT / "configs" / "tiny-llama.yaml"
 # Reduced from the demo (150 target steps, 120 drafter steps, 77 prompts x 64 tokens).
@@ -33,7 +34,7 @@ def write_prompt_file(path: Path) -> Path:
     """Questions of three of the demo's topics, new draws (seeded), both record shapes."""
     import random
 
-    from eagle3.tools import synthetic_chats
+    from eagle3.demo import synthetic_chats
 
     rng = random.Random(7)
     rows = []
@@ -48,14 +49,15 @@ def write_prompt_file(path: Path) -> Path:
 
 def stage_config(cls, section: str, work: Path, target: Path, **overrides):
     """The shipped demo config with this test's work dir, target and reduced sizes."""
-    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides})
+    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides},
+                        sections=STAGE_CONFIGS)
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
-    from eagle3.tools.tiny import build_tiny_target
+    from eagle3.demo.tiny import build_tiny_target
 
     root = tmp_path_factory.mktemp("e2e")
     target = build_tiny_target("llama", root / "target", train_steps=TARGET_STEPS)
@@ -163,7 +165,7 @@ def test_rerun_does_nothing(demo_run):
 
 
 def test_demo_summary(demo_run):
-    from eagle3.tools.demo import summary_text
+    from eagle3.demo.summary import summary_text
 
     wd, _, r = demo_run
     text = summary_text(wd.root, elapsed_s=125)

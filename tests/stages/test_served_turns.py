@@ -32,7 +32,7 @@ from eagle3.target.loss_mask import assistant_suffix
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The tiny Llama's template (eagle3/tools/tiny.py) with a thinking history rule: an earlier
+# The tiny Llama's template (eagle3/demo/tiny.py) with a thinking history rule: an earlier
 # assistant turn is `<think></think>` + its answer and the generation prompt opens `<think>`.
 # `final_keeps`: the conversation's final message, when an assistant turn, keeps its reasoning
 # (the template the issue tried; Qwen3's keeps it after the last user turn); `kimi`: every
@@ -72,7 +72,7 @@ def make_target(path: Path, template: str | None = None, thinking_tokens: bool =
     config, in a folder stages 00 and 01 load as the target (no weights: the engine is scripted)."""
     from transformers import LlamaConfig
 
-    from eagle3.tools.tiny import build_tokenizer, padded_vocab
+    from eagle3.demo.tiny import build_tokenizer, padded_vocab
 
     tok = build_tokenizer()
     if thinking_tokens:
@@ -232,7 +232,7 @@ def test_turns_a_conversation_never_reached_are_a_warning_with_their_share_and_r
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_stages_00_and_01_on_kimi_k25s_template_and_ids(thinking, tmp_path):
-    """Kimi-K2.5's rules and special-token ids (eagle3/tools/kimi_k25_tokenizer.py): the
+    """Kimi-K2.5's rules and special-token ids (eagle3/demo/kimi_k25_tokenizer.py): the
     switch reaches every prompt, `<|im_end|>` and `[EOS]` stop the target, and each turn is
     masked token by token after the history the server gives it: thinking, the second turn
     is a sample of its own after `<think></think>` + the first answer; instant, the history

@@ -1,4 +1,4 @@
-"""eagle3.tools.targets: the real target built from a registry package, and tied embeddings
+"""eagle3.demo.targets: the real target built from a registry package, and tied embeddings
 (no lm_head.weight tensor) through stages 02, 04 and 05 on a tiny tied target.
 
 Cost: ~80 s on 2 shared cores. The fetch/sha/idempotence tests run in milliseconds on
@@ -17,8 +17,8 @@ import torch
 from fixtures import DEMO_CHATS, ROOT, run_stages
 
 from eagle3.core.errors import PipelineError
-from eagle3.tools import targets
-from eagle3.tools.targets import SOURCE_FILE, TargetSpec
+from eagle3.demo import targets
+from eagle3.demo.targets import SOURCE_FILE, TargetSpec
 
 
 def fake_spec(payload: bytes, sha: str | None = None) -> TargetSpec:

@@ -1,6 +1,6 @@
 """Stages 00, 01 and 06 refuse a tokenizer that is not the one the target ships.
 
-The target is the Kimi-K2.5 stand-in (eagle3/tools/kimi_k25_tokenizer.py, real special-token
+The target is the Kimi-K2.5 stand-in (eagle3/demo/kimi_k25_tokenizer.py, real special-token
 ids, tokenizer_config.json's `added_tokens_decoder` as the real target ships it). The bad
 copy reproduces what transformers 5.4.0 and 5.5.0-5.5.3 built from Kimi-K2.5's files
 (transformers issue #45356, PR #45359; docs/KIMI_K25.md "Tokenizer"): a generic fast
@@ -24,7 +24,7 @@ from eagle3.stages.s00_generate.run import generate_responses
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s01_prepare.run import prepare_dataset
 from eagle3.artifacts.workdir import WorkDir
-from eagle3.tools.kimi_k25_tokenizer import FIRST_SPECIAL_ID, SPECIAL_TOKENS
+from eagle3.demo.kimi_k25_tokenizer import FIRST_SPECIAL_ID, SPECIAL_TOKENS
 from fixtures import save_kimi_k25_target
 
 VERSION = __import__("transformers").__version__

@@ -7,8 +7,10 @@ from pathlib import Path
 import pytest
 
 from eagle3.core.cli import make_parser
-from eagle3.core.config import allowed_text, build_config, check_yaml_keys, identity_params, load_yaml, stage_configs
+from eagle3.core.config import allowed_text, build_config, check_yaml_keys, identity_params, load_yaml
+from eagle3.core.stages import STAGES
 from eagle3.core.errors import PipelineError
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s01_prepare.config import PrepareConfig
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s03_vocab.config import VocabConfig
@@ -21,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def from_flags(cls, section: str, argv: list[str]):
     """The config a stage's script builds from these flags (eagle3/core/cli.py `run_stage`)."""
     args = make_parser(cls, None).parse_args(argv)
-    return build_config(cls, section, args.config, {f.name: getattr(args, f.name) for f in fields(cls)})
+    return build_config(cls, section, args.config, {f.name: getattr(args, f.name) for f in fields(cls)},
+                        sections=STAGE_CONFIGS)
 
 
 def test_yaml_shared_keys_section_and_flags(tmp_path):
@@ -30,7 +33,7 @@ def test_yaml_shared_keys_section_and_flags(tmp_path):
                  "vocab:\n  draft_vocab_size: 64\n")
     cfg = from_flags(PrepareConfig, "prepare", ["--config", str(y), "--max-length", "200", "--strict"])
     assert cfg.data == ["a.jsonl"] and cfg.max_length == 200 and cfg.strict and cfg.work_dir == Path("w")
-    v = build_config(VocabConfig, "vocab", y)
+    v = build_config(VocabConfig, "vocab", y, sections=STAGE_CONFIGS)
     assert v.draft_vocab_size == 64 and v.target_model == "t"
     # knobs that do not change the output stay out of the manifest's identity
     assert "num_workers" not in identity_params(cfg) and "force" not in identity_params(cfg)
@@ -40,10 +43,10 @@ def test_unknown_key_and_bad_value_are_named(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("work_dir: w\ntarget_model: t\nprepare:\n  data: a.jsonl\n  max_lenght: 100\n")
     with pytest.raises(PipelineError, match=r"unknown key\(s\) \['max_lenght'\] in section `prepare`"):
-        build_config(PrepareConfig, "prepare", y)
+        build_config(PrepareConfig, "prepare", y, sections=STAGE_CONFIGS)
     y.write_text("work_dir: w\ntarget_model: t\nprepare:\n  data: a.jsonl\n  max_length: lots\n")
     with pytest.raises(PipelineError, match=r"`max_length` = 'lots' is not a valid"):
-        build_config(PrepareConfig, "prepare", y)
+        build_config(PrepareConfig, "prepare", y, sections=STAGE_CONFIGS)
     with pytest.raises(PipelineError, match=r"missing required setting\(s\) \['target_model'\].*--target-model"):
         build_config(PrepareConfig, "prepare", None, {"work_dir": "w", "data": "a.jsonl"})
 
@@ -62,29 +65,36 @@ def test_misspelt_top_level_key_and_section_are_refused_with_the_closest_name(tm
     # A misspelt `vocab:` section used to be ignored: stage 03 then built the default 32000.
     y.write_text("work_dir: w\ntarget_model: t\nvocabb:\n  draft_vocab_size: 64\n")
     with pytest.raises(PipelineError, match=r"unknown section `vocabb` \(did you mean `vocab`\?\)"):
-        build_config(VocabConfig, "vocab", y)
+        build_config(VocabConfig, "vocab", y, sections=STAGE_CONFIGS)
     y.write_text("work_dir: w\ntarget_modle: t\nvocab:\n  draft_vocab_size: 64\n")
     with pytest.raises(PipelineError, match=r"unknown top-level key `target_modle` \(did you mean `target_model`\?\)"):
-        build_config(VocabConfig, "vocab", y)
+        build_config(VocabConfig, "vocab", y, sections=STAGE_CONFIGS)
     # a typo in another stage's section is caught by any stage, before its work
     y.write_text("work_dir: w\ntarget_model: t\nvocab:\n  draft_vocab_size: 64\ntrain:\n  ttt_step: 3\n")
     with pytest.raises(PipelineError, match=r"\['ttt_step'\] in section `train` \(did you mean `ttt_steps`\?\)"):
-        build_config(VocabConfig, "vocab", y)
+        build_config(VocabConfig, "vocab", y, sections=STAGE_CONFIGS)
     y.write_text("work_dir: w\ntarget_model: t\nvocab: 64\n")
     with pytest.raises(PipelineError, match=r"section `vocab` must be a mapping"):
-        build_config(VocabConfig, "vocab", y)
+        build_config(VocabConfig, "vocab", y, sections=STAGE_CONFIGS)
     # a key that some stage reads is fine at the top level (here: prepare's max_length)
     y.write_text("work_dir: w\ntarget_model: t\nmax_length: 64\nvocab:\n  draft_vocab_size: 64\n")
-    assert build_config(VocabConfig, "vocab", y).draft_vocab_size == 64
+    assert build_config(VocabConfig, "vocab", y, sections=STAGE_CONFIGS).draft_vocab_size == 64
 
 
 def test_every_registered_stage_and_every_shipped_config_is_valid():
-    classes = stage_configs()
-    assert list(classes) == ["generate", "prepare", "extract", "vocab", "train", "export", "evaluate"]
-    assert classes["prepare"] is PrepareConfig and classes["vocab"] is VocabConfig
-    assert all(c is not None for s, c in classes.items() if s != "generate")  # generate: being added
+    assert list(STAGE_CONFIGS) == [s.key for s in STAGES]  # one config class per registry stage, in order
+    assert STAGE_CONFIGS["prepare"] is PrepareConfig and STAGE_CONFIGS["vocab"] is VocabConfig
     for p in sorted((ROOT / "configs").glob("*.yaml")):
-        check_yaml_keys(load_yaml(p), p)  # raises on any unknown key
+        check_yaml_keys(load_yaml(p), p, STAGE_CONFIGS)  # raises on any unknown key
+
+
+def test_a_yaml_file_is_never_read_without_every_stage_s_fields(tmp_path):
+    # Without the map, a key of another stage's section could not be checked: refuse, do not skip.
+    y = tmp_path / "c.yaml"
+    y.write_text("work_dir: w\ntarget_model: t\n")
+    with pytest.raises(TypeError, match="sections=STAGE_CONFIGS"):
+        build_config(VocabConfig, "vocab", y)
+    assert build_config(VocabConfig, "vocab", None, {"work_dir": "w", "target_model": "t"}).draft_vocab_size > 0
 
 
 @pytest.mark.parametrize("flag, value, message", [
@@ -104,14 +114,14 @@ def test_choices_and_ranges_in_a_yaml_name_the_file_and_section(tmp_path):
     y.write_text("work_dir: w\ntarget_model: t\nprepare:\n  data: a.jsonl\n  eval_fraction: 1.0\n")
     with pytest.raises(PipelineError, match=rf"{y} \[prepare\]: `eval_fraction` = 1.0 is not allowed; "
                                             r"it must be in \[0.0, 1.0\)"):
-        build_config(PrepareConfig, "prepare", y)
+        build_config(PrepareConfig, "prepare", y, sections=STAGE_CONFIGS)
     y.write_text("work_dir: w\ntarget_model: t\ntrain:\n  precision: fp16\n")
     with pytest.raises(PipelineError, match=r"\[train\]: `precision` = 'fp16' is not allowed \(did you mean "
                                             r"`bf16`\?\); it must be one of auto, bf16, fp32"):
-        build_config(TrainConfig, "train", y)
+        build_config(TrainConfig, "train", y, sections=STAGE_CONFIGS)
     # the edges themselves are allowed; None stays allowed for optional fields
     y.write_text("work_dir: w\ntarget_model: t\nprepare:\n  data: a.jsonl\n  eval_fraction: 0.0\n  max_length: 8\n")
-    assert build_config(PrepareConfig, "prepare", y).max_length == 8
+    assert build_config(PrepareConfig, "prepare", y, sections=STAGE_CONFIGS).max_length == 8
     assert build_config(EvaluateConfig, "evaluate", None, {"work_dir": "w", "target_model": "t",
                                                            "num_prompts": "none"}).num_prompts is None
 
@@ -144,12 +154,13 @@ def test_one_dtype_spelling_whatever_the_yaml_says(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("work_dir: w\ntarget_model: t\nexport:\n  dtype: bf16\nextract:\n  dtype: fp16\n"
                  "generate:\n  data: a.jsonl\n  dtype: float32\n")
-    assert build_config(ExportConfig, "export", y).dtype == "bfloat16"  # stored, and recorded, in the long form
-    assert build_config(ExtractConfig, "extract", y).dtype == "float16"
-    assert build_config(GenerateConfig, "generate", y, {"dtype": "fp32"}).dtype == "float32"
-    assert identity_params(build_config(ExportConfig, "export", y))["dtype"] in DTYPES
+    # stored, and recorded, in the long form
+    assert build_config(ExportConfig, "export", y, sections=STAGE_CONFIGS).dtype == "bfloat16"
+    assert build_config(ExtractConfig, "extract", y, sections=STAGE_CONFIGS).dtype == "float16"
+    assert build_config(GenerateConfig, "generate", y, {"dtype": "fp32"}, sections=STAGE_CONFIGS).dtype == "float32"
+    assert identity_params(build_config(ExportConfig, "export", y, sections=STAGE_CONFIGS))["dtype"] in DTYPES
     with pytest.raises(PipelineError, match=r"`dtype` = 'bf61' is not allowed \(did you mean `bf16`\?\)"):
-        build_config(ExtractConfig, "extract", y, {"dtype": "bf61"})
+        build_config(ExtractConfig, "extract", y, {"dtype": "bf61"}, sections=STAGE_CONFIGS)
     # the shared fields come from one base: every stage config has them, declared once
     for cls in (PrepareConfig, VocabConfig, ExtractConfig, GenerateConfig, ExportConfig):
         assert issubclass(cls, StageConfig), cls
@@ -215,7 +226,7 @@ def test_values_of_the_wrong_kind_are_refused_naming_the_file_key_and_fix(tmp_pa
                  else f"work_dir: w\n{name}: {yaml_value}\n")
     where = r"\[train\]" if section else r"\(top level\)"
     with pytest.raises(PipelineError, match=rf"{y} {where}: {message}"):
-        build_config(TrainConfig, "train", y)
+        build_config(TrainConfig, "train", y, sections=STAGE_CONFIGS)
 
 
 def test_wrong_kinds_in_lists_and_mappings_and_on_the_command_line_are_refused(tmp_path):
@@ -226,14 +237,14 @@ def test_wrong_kinds_in_lists_and_mappings_and_on_the_command_line_are_refused(t
     with pytest.raises(PipelineError, match=r"`aux_layers` item 2 \(True\) is a boolean, but `aux_layers` takes a "
                                             r"whole number; write a list of whole numbers, e.g. `aux_layers: "
                                             r"\[2, 30, 58\]` \(--aux-layers 2,30,58"):
-        build_config(ExtractConfig, "extract", y)
+        build_config(ExtractConfig, "extract", y, sections=STAGE_CONFIGS)
     y.write_text("work_dir: w\ntarget_model: t\nextract:\n  aux_layers: 30\n")
     with pytest.raises(PipelineError, match=r"`aux_layers` = 30 is a number, but `aux_layers` takes a list"):
-        build_config(ExtractConfig, "extract", y)
+        build_config(ExtractConfig, "extract", y, sections=STAGE_CONFIGS)
     y.write_text("work_dir: w\ntarget_model: t\ngenerate:\n  data: a.jsonl\n  chat_template_kwargs: [thinking]\n")
     with pytest.raises(PipelineError, match=r"\[generate\]: `chat_template_kwargs` = \['thinking'\] is a list, but "
                                             r"`chat_template_kwargs` takes a mapping"):
-        build_config(GenerateConfig, "generate", y)
+        build_config(GenerateConfig, "generate", y, sections=STAGE_CONFIGS)
     # a flag's text that is not a number names the flag
     with pytest.raises(PipelineError, match=r"command line: `learning_rate` = 'true' is not a valid value: "
                                             r"`learning_rate` takes a number \(--learning-rate\)"):
@@ -247,13 +258,15 @@ def test_values_of_the_right_kind_still_pass(tmp_path):
     y.write_text("work_dir: w\ntarget_model: 2024\nextract:\n  aux_layers: '2, 30, 58'\n  window: 3.0\n"
                  "generate:\n  data: [a.jsonl, b.jsonl]\n  chat_template_kwargs: {thinking: false}\n  top_p: 1\n"
                  "  enforce_eager: 1\n")
-    ext = build_config(ExtractConfig, "extract", y)
+    ext = build_config(ExtractConfig, "extract", y, sections=STAGE_CONFIGS)
     assert ext.aux_layers == [2, 30, 58] and ext.window == 3 and type(ext.window) is int
     assert ext.target_model == "2024" and ext.work_dir == Path("w")
-    gen = build_config(GenerateConfig, "generate", y, {"chat_template_kwargs": '{"thinking": true}'})
+    gen = build_config(GenerateConfig, "generate", y, {"chat_template_kwargs": '{"thinking": true}'},
+                       sections=STAGE_CONFIGS)
     assert gen.data == ["a.jsonl", "b.jsonl"] and gen.top_p == 1.0 and type(gen.top_p) is float
     assert gen.enforce_eager is True and gen.chat_template_kwargs == {"thinking": True}
-    assert build_config(GenerateConfig, "generate", y).chat_template_kwargs == {"thinking": False}
+    assert (build_config(GenerateConfig, "generate", y, sections=STAGE_CONFIGS).chat_template_kwargs
+            == {"thinking": False})
 
 
 def test_fields_added_later_enter_the_identity_only_when_set_otherwise():

@@ -15,6 +15,7 @@ import pytest
 from eagle3.core.config import StageConfig, build_config, identity_params
 from eagle3.core.errors import PipelineError
 from eagle3.engines.config import EngineConfig, EngineSettings
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s00_generate.config import GenerateConfig
 from eagle3.stages.s02_extract.config import ExtractConfig
 from eagle3.stages.s06_evaluate.config import EvaluateConfig
@@ -135,11 +136,12 @@ def test_every_config_file_still_builds_the_engine_stages(yaml_path):
     """The YAML keys stay the field names: each configs/*.yaml builds stages 00, 02 and 06."""
     for stage, cls in STAGES.items():
         overrides = {"work_dir": "w", "target_model": "some/target", **REQUIRED[stage]}
-        cfg = build_config(cls, stage, yaml_path, overrides)
+        cfg = build_config(cls, stage, yaml_path, overrides, sections=STAGE_CONFIGS)
         assert cfg.engine_config().model == "some/target"
 
 
 def test_the_smollm2_engine_settings_reach_the_engine():
-    cfg = build_config(GenerateConfig, "generate", ROOT / "configs" / "smollm2-135m.yaml", {"work_dir": "w"})
+    cfg = build_config(GenerateConfig, "generate", ROOT / "configs" / "smollm2-135m.yaml", {"work_dir": "w"},
+                       sections=STAGE_CONFIGS)
     e = cfg.engine_config()
     assert e.kv_cache_gib == 4 and e.engine_in_process is True

@@ -1,4 +1,4 @@
-"""The Kimi-K2.5 stand-in (eagle3/tools/kimi_k25_tokenizer.py): the real tokenizer's special-token
+"""The Kimi-K2.5 stand-in (eagle3/demo/kimi_k25_tokenizer.py): the real tokenizer's special-token
 ids, and its chat template's rules, each rendered as text and compared in full. Built once
 (a few seconds)."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fixtures import kimi_k25_tokenizer
 
-from eagle3.tools.kimi_k25_tokenizer import EOS_ID, FIRST_SPECIAL_ID, SPECIAL_IDS, VOCAB_SIZE
+from eagle3.demo.kimi_k25_tokenizer import EOS_ID, FIRST_SPECIAL_ID, SPECIAL_IDS, VOCAB_SIZE
 
 U, A, S, M, E = "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>", "<|im_end|>"
 

@@ -14,21 +14,28 @@ The packages by concept, each importing only those named after it (and itself):
                 record and its log file), a layer of its own above the artifacts
     engines/    vLLM: core, artifacts, target, drafter, serving, engines
     stages/     a stage: what engines may import, engines, and its own package; never another stage
-    tools/      may import anything; nothing else imports a tool
+                (stages/configs.py, every stage's config class by YAML section, imports each
+                stage's config.py and nothing else of theirs; no stage imports it)
+    demo/       the demo's targets, chats and summary, the tests' and benchmarks' inputs: everything
+                above but the tools and core/cli.py; nothing else of ours imports it
+    tools/      the operator's commands: anything but the demo; nothing else imports a tool
 
 so the packages form no cycle (the rules themselves are checked for one), and no module imports
 one of ours inside a function, so every link between modules shows at the top of the file. The
-stage folders, the registry and the numbered scripts agree.
+stage folders, the registry and the numbered scripts agree, and each script imports its stage's
+config and entry function by name.
 """
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
 import pytest
 
 from eagle3.core.stages import STAGES
+from eagle3.stages.configs import STAGE_CONFIGS
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "eagle3"
@@ -45,10 +52,15 @@ ALLOWED: dict[str, set[str]] = {
     "core.cli": {"core", "artifacts", "core.cli"},
     "engines": LOWER | {"engines"},
     "stages": LOWER | {"engines"},
+    "demo": LOWER | {"engines", "stages", "demo"},
     "tools": LOWER | {"core.cli", "engines", "stages", "tools"},
 }
 # What core/ keeps: plumbing every layer may use, no artifact, model or engine in it.
 CORE_MODULES = {"__init__", "batching", "cli", "config", "errors", "logs", "readable", "stages"}
+# eagle3/tools/ and eagle3/demo/ split by audience: an operator's commands for runs on real
+# targets, and what the demo, the tests and the benchmarks build (each __init__.py says more).
+TOOLS = {"__init__", "check_stores", "diagnose", "forecast", "parity", "window_loop"}
+DEMO = {"__init__", "kimi_k25_tokenizer", "summary", "synthetic_chats", "targets", "tiny"}
 
 
 def module_name(path: Path, root: Path = ROOT) -> str:
@@ -83,11 +95,18 @@ def layer(module: str) -> tuple[str, str]:
     return kind, ".".join(parts[:3]) if kind == "stages" and len(parts) > 2 else ""
 
 
+# The map of section -> config class (what a YAML file is checked against) and what it may import.
+STAGE_CONFIGS_MODULE = "eagle3.stages.configs"
+STAGE_CONFIG = re.compile(r"eagle3\.stages\.s\d\d_\w+\.config")
+
+
 def allowed(importer: str, imported: str) -> bool:
     kind, stage = layer(importer)
     to_kind, to_stage = layer(imported)
     if kind not in ALLOWED:
         return kind == ""  # eagle3/__init__.py; a package not in ALLOWED breaks every rule
+    if importer == STAGE_CONFIGS_MODULE and to_kind == "stages":
+        return bool(STAGE_CONFIG.fullmatch(imported))
     if kind == "stages" and to_kind == "stages":
         return to_stage == stage
     return to_kind in ALLOWED[kind]
@@ -152,13 +171,38 @@ def test_the_packages_are_the_concepts():
     assert kept == CORE_MODULES, f"eagle3/core/ holds {sorted(kept - CORE_MODULES)}: give each its concept's package"
 
 
+def package_contents(package: Path) -> set[str]:
+    """The modules (by stem) and subpackages of a package."""
+    return ({path.stem for path in package.glob("*.py")}
+            | {path.name for path in package.iterdir() if (path / "__init__.py").is_file()})
+
+
+def test_operator_tools_and_the_demo_are_split_by_audience():
+    assert package_contents(PACKAGE / "tools") == TOOLS, "eagle3/tools/ is the operator's commands; the demo's " \
+                                                        "targets, chats and summary go in eagle3/demo/"
+    assert package_contents(PACKAGE / "demo") == DEMO, "eagle3/demo/ is what the demo and the tests build"
+    # the import rules: the tools never import the demo, and the library imports neither
+    assert "demo" not in ALLOWED["tools"]
+    assert [k for k, v in ALLOWED.items() if "tools" in v and k != "tools"] == []
+    assert [k for k, v in ALLOWED.items() if "demo" in v and k != "demo"] == []
+    # the forecast has one home; `diagnose forecast` is its command
+    assert sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*forecast*")) == ["eagle3/tools/forecast.py"]
+
+
 def test_the_checker_sees_a_sideways_import(tmp_path):
     # The rules above pass vacuously if the parser missed imports: feed it known cases.
     assert not allowed("eagle3.stages.s05_export.run", "eagle3.stages.s02_extract.run")
     assert not allowed("eagle3.drafter.model", "eagle3.stages.s03_vocab.run")
     assert not allowed("eagle3.engines.vllm_engine", "eagle3.stages.s06_evaluate.engine")
-    assert not allowed("eagle3.stages.s04_train.run", "eagle3.tools.demo")
+    assert not allowed("eagle3.stages.s04_train.run", "eagle3.demo.summary")
+    assert not allowed("eagle3.tools.window_loop", "eagle3.demo.tiny")
+    assert not allowed("eagle3.serving.model_card", "eagle3.demo.summary")
+    assert not allowed("eagle3.demo.tiny", "eagle3.tools.diagnose")
+    assert allowed("eagle3.demo.summary", "eagle3.stages.s06_evaluate.report")
     assert allowed("eagle3.stages.s04_train.run", "eagle3.stages.s04_train.data")
+    assert allowed("eagle3.stages.configs", "eagle3.stages.s04_train.config")
+    assert not allowed("eagle3.stages.configs", "eagle3.stages.s04_train.run")
+    assert not allowed("eagle3.stages.s04_train.run", "eagle3.stages.configs")
     assert allowed("eagle3.tools.forecast", "eagle3.stages.s04_train.run")
     # between the concepts: downwards only
     assert not allowed("eagle3.core.config", "eagle3.artifacts.workdir")
@@ -191,18 +235,82 @@ def test_the_checker_fails_on_a_bad_import(tmp_path):
         "artifacts", "serving", "artifacts"]
 
 
+def stage_package(stage) -> str:
+    """'eagle3.stages.s04_train': a stage's package, named by its number and key."""
+    return f"eagle3.stages.s{stage.number}_{stage.key}"
+
+
 def test_the_stage_folders_are_the_registry_in_order():
     folders = sorted(p.name for p in (PACKAGE / "stages").iterdir() if (p / "__init__.py").is_file())
-    assert folders == [s.package.rsplit(".", 1)[1] for s in STAGES]
+    assert folders == [stage_package(s).rsplit(".", 1)[1] for s in STAGES]
     for i, s in enumerate(STAGES):
-        assert s.package.endswith(f".s{i:02d}_{s.package.rsplit('_', 1)[1]}") and s.number == f"{i:02d}"
-        assert s.folder.startswith(s.number) and s.script.startswith(s.number)
+        assert s.number == f"{i:02d}" and s.folder.startswith(s.number) and s.script.startswith(s.number)
+
+
+# The stages that start vLLM: its spawned workers re-import the main module, so their scripts
+# import the stage only under `if __name__ == "__main__":`.
+STARTS_VLLM = {"generate", "extract", "evaluate"}
+
+
+def script_imports(path: Path) -> dict[str, tuple[set[str], bool]]:
+    """module -> (names imported from it, whether under `if __name__ == "__main__":`) in a script."""
+    tree = ast.parse(path.read_text())
+    guarded = {id(sub) for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+               for sub in ast.walk(node)}
+    return {node.module: ({alias.name for alias in node.names}, id(node) in guarded)
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+
+
+def runs_its_stage(path: Path, stage) -> list[str]:
+    """What a numbered script lacks to follow it to its stage's code by import, or []."""
+    package = stage_package(stage)
+    imports = script_imports(path)
+    problems = [f"does not import from {package}.{part}" for part in ("config", "run")
+                if f"{package}.{part}" not in imports]
+    if problems:
+        return problems
+    config_names, entry_names = imports[f"{package}.config"][0], imports[f"{package}.run"][0]
+    if STAGE_CONFIGS[stage.key].__name__ not in config_names:
+        problems.append(f"does not import {STAGE_CONFIGS[stage.key].__name__} from {package}.config")
+    calls = [[ast.literal_eval(arg) if isinstance(arg, ast.Constant) else ast.unparse(arg) for arg in node.args[:3]]
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_stage"]
+    config_name = STAGE_CONFIGS[stage.key].__name__
+    if len(calls) != 1 or calls[0][:2] != [config_name, stage.key] or calls[0][2] not in entry_names:
+        problems.append(f"does not call run_stage({config_name}, \"{stage.key}\", <an entry imported from "
+                        f"{package}.run>, ...) once")
+    if stage.key in STARTS_VLLM:
+        problems += [f"imports {module} outside `if __name__ == \"__main__\":`, where vLLM's workers re-import it"
+                     for module, (_, guarded) in imports.items() if module.startswith("eagle3") and not guarded]
+    return problems
 
 
 @pytest.mark.parametrize("stage", STAGES, ids=[s.key for s in STAGES])
-def test_each_stage_has_its_config_its_entry_and_its_script(stage):
-    cfg = stage.config_type()
-    assert cfg.__module__ == f"{stage.package}.config"
-    assert callable(stage.entry_function())
-    script = (ROOT / stage.script).read_text()
-    assert re.search(rf'stage_main\("{stage.key}"', script), f"{stage.script} does not start stage {stage.key!r}"
+def test_each_script_imports_its_stage_s_config_and_entry(stage):
+    assert STAGE_CONFIGS[stage.key].__module__ == f"{stage_package(stage)}.config"
+    problems = runs_its_stage(ROOT / stage.script, stage)
+    assert not problems, f"{stage.script}: " + "; ".join(problems)
+    entry_names = script_imports(ROOT / stage.script)[f"{stage_package(stage)}.run"][0]
+    run_module = importlib.import_module(f"{stage_package(stage)}.run")
+    assert all(callable(getattr(run_module, name)) for name in entry_names)
+
+
+def test_the_script_check_sees_a_name_string(tmp_path):
+    # The registry's old way in: a key string and an importlib lookup; the check must refuse it.
+    script = tmp_path / "04_train_drafter.py"
+    script.write_text('from eagle3.core.cli import stage_main\n\nif __name__ == "__main__":\n'
+                      '    stage_main("train", __doc__)\n')
+    train = next(s for s in STAGES if s.key == "train")
+    assert runs_its_stage(script, train) == ["does not import from eagle3.stages.s04_train.config",
+                                             "does not import from eagle3.stages.s04_train.run"]
+    # and a vLLM stage's script that imports its stage at the top is refused
+    script.write_text("from eagle3.core.cli import run_stage\nfrom eagle3.stages.configs import STAGE_CONFIGS\n"
+                      "from eagle3.stages.s02_extract.config import ExtractConfig\n"
+                      "from eagle3.stages.s02_extract.run import extract_hidden_states\n\n"
+                      'if __name__ == "__main__":\n'
+                      '    run_stage(ExtractConfig, "extract", extract_hidden_states, __doc__,\n'
+                      '              sections=STAGE_CONFIGS)\n')
+    extract = next(s for s in STAGES if s.key == "extract")
+    assert [problem.split(" outside")[0] for problem in runs_its_stage(script, extract)] == [
+        "imports eagle3.core.cli", "imports eagle3.stages.configs", "imports eagle3.stages.s02_extract.config",
+        "imports eagle3.stages.s02_extract.run"]

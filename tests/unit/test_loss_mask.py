@@ -247,7 +247,7 @@ def _thinking_turns(tok, reasonings, answers, end, close):
 
 @pytest.mark.parametrize("thinking", [True, False])
 def test_kimi_k25_turns_after_dropped_reasoning_are_samples_of_their_own(thinking):
-    """Kimi-K2.5's rules (eagle3/tools/kimi_k25_tokenizer.py): an earlier turn is served as
+    """Kimi-K2.5's rules (eagle3/demo/kimi_k25_tokenizer.py): an earlier turn is served as
     `<think></think>` + its answer. Thinking, turn 2 is trained after that history, token
     by token, in a sample of its own; instant (`thinking=false`), the history is served as
     generated and the conversation stays one sample."""

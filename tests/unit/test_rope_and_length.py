@@ -15,6 +15,7 @@ from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig, rope_cos_sin, rope_inv_freq
 from eagle3.drafter.shape import drafter_config_for_target
 from eagle3.serving.drafter_io import hf_config_from_drafter_config
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.target.info import read_target_info
 
@@ -97,7 +98,7 @@ def test_a_config_whose_answers_outrun_training_is_refused(tmp_path):
     y = _yaml(tmp_path, "work_dir: w\ntarget_model: t\ngenerate:\n  max_new_tokens: 8192\n"
                         "prepare:\n  max_length: 4096\ntrain:\n  max_seq_len: 4096\n  batch_tokens: 8192\n")
     with pytest.raises(PipelineError) as e:
-        build_config(TrainConfig, "train", y)
+        build_config(TrainConfig, "train", y, sections=STAGE_CONFIGS)
     msg = str(e.value)
     assert "generate.max_new_tokens = 8192 exceeds prepare.max_length = 4096, train.max_seq_len = 4096" in msg
     assert str(y) in msg and "raise prepare.max_length and train.max_seq_len to at least 8192" in msg
@@ -105,10 +106,10 @@ def test_a_config_whose_answers_outrun_training_is_refused(tmp_path):
     y2 = _yaml(tmp_path, "work_dir: w\ntarget_model: t\ngenerate:\n  max_new_tokens: 3000\n"
                          "prepare:\n  max_length: 8192\n")
     with pytest.raises(PipelineError, match=r"train.max_seq_len = 2048"):
-        build_config(TrainConfig, "train", y2)
+        build_config(TrainConfig, "train", y2, sections=STAGE_CONFIGS)
     ok = _yaml(tmp_path, "work_dir: w\ntarget_model: t\ngenerate:\n  max_new_tokens: 1024\n"
                          "prepare:\n  max_length: 4096\ntrain:\n  max_seq_len: 4096\n  batch_tokens: 8192\n")
-    assert build_config(TrainConfig, "train", ok).max_seq_len == 4096
+    assert build_config(TrainConfig, "train", ok, sections=STAGE_CONFIGS).max_seq_len == 4096
 
 
 def test_the_k25_recipe_holds_a_thinking_turn_within_a_gpu():

@@ -13,7 +13,7 @@ import pytest
 from eagle3.stages.s06_evaluate.figures import MAX_PASS_DISAGREEMENT, paired_ratio_interval, run_figures, timing_figures
 from eagle3.stages.s06_evaluate.report import NO_VERDICT, card_table, report_lines, summarise
 from eagle3.stages.s06_evaluate.timing import Block, pass_segments, schedule, serve_blocks
-from eagle3.tools.demo import served_lines, verdict_lines
+from eagle3.demo.summary import served_lines, verdict_lines
 
 K = 3
 

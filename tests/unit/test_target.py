@@ -49,7 +49,7 @@ def test_reference_case_config_shape(tmp_path):
 def test_tiny_targets_are_deterministic_and_load(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from eagle3.tools.tiny import build_tiny_target
+    from eagle3.demo.tiny import build_tiny_target
 
     again = build_tiny_target("llama", tmp_path / "again")
     assert (again / "model.safetensors").read_bytes() == (tiny_llama / "model.safetensors").read_bytes()

@@ -2,7 +2,7 @@
 
 `summarise` gathers every run's figures (eagle3/stages/s06_evaluate/figures.py) into the dict
 written as WORK/06_evaluate/results.json; its keys of earlier versions are kept
-(eagle3/tools/demo.py reads them). `report_lines` is what the stage logs; `write_plot`
+(eagle3/demo/summary.py reads them). `report_lines` is what the stage logs; `write_plot`
 draws evaluate.png. Pure functions, except `write_plot`'s one file.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _batched_throughput(plain: dict, trained: dict, temperatures: list[float], s
 
 def summarise(runs: dict[str, dict], K: int, temperatures: list[float], expectation: dict, prompts: dict,
               settings: dict, engine: dict, teacher: dict) -> dict[str, Any]:
-    """results.json: every figure, the keys of earlier versions kept (eagle3/tools/demo.py reads them).
+    """results.json: every figure, the keys of earlier versions kept (eagle3/demo/summary.py reads them).
 
     `runs[name]` holds `acceptance` (list of `acceptance_figures`, one per temperature;
     the plain run: its greedy pass), `timing` (`timing_figures` or None), `init_s` and,

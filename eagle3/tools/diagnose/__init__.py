@@ -63,7 +63,8 @@ import sys
 
 from eagle3.core.errors import PipelineError
 from eagle3.core.logs import setup_logging
-from eagle3.tools.diagnose import compare_vocab, forecast, inspect, parity, probe_hidden, store_size, versions
+from eagle3.tools import forecast
+from eagle3.tools.diagnose import compare_vocab, inspect, parity, probe_hidden, store_size, versions
 
 SUBCOMMANDS = (inspect, parity, compare_vocab, probe_hidden, versions, store_size, forecast)  # the order --help lists
 

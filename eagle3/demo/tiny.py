@@ -1,6 +1,6 @@
 """Tiny targets built offline and deterministically, for the demo and the tests.
 
-    python -m eagle3.tools.tiny --kind llama --out work/targets/tiny-llama
+    python -m eagle3.demo.tiny --kind llama --out work/targets/tiny-llama
 
 builds a folder that loads like a hub checkpoint: `config.json`,
 `model.safetensors`, and a byte-level BPE tokenizer (trained here on the shipped

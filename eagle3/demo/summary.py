@@ -1,6 +1,6 @@
 """The demo's closing summary: what each stage produced, in one screen.
 
-    python -m eagle3.tools.demo --config configs/tiny-llama.yaml [--elapsed-s SECONDS]
+    python -m eagle3.demo.summary --config configs/tiny-llama.yaml [--elapsed-s SECONDS]
 
 Reads the records (eagle3/artifacts/records.py) of stages 00, 01, 03 and 04 (those that ran)
 and 06 of the config's work directory, stage 04's metrics.jsonl, stage 06's results.json and, when given, the

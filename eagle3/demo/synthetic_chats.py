@@ -1,6 +1,6 @@
 """Synthetic multi-turn chats: the demo's shipped set and the benchmarks' inputs.
 
-`python -m eagle3.tools.synthetic_chats` rewrites data/demo_chats.jsonl, the small chat
+`python -m eagle3.demo.synthetic_chats` rewrites data/demo_chats.jsonl, the small chat
 set the demo ships with (committed, so the demo never depends on this module);
 `bench/` generates larger sets with `write_jsonl`. Deterministic: seeded, no clock, no network.
 The conversations are synthetic and formulaic on purpose: a tiny target trained on
