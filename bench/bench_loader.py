@@ -170,7 +170,7 @@ def demo_steps(work: Path, target: str, steps: int) -> dict[int, float]:
             device = torch.device("cpu")
             src = train_run.read_inputs(cfg, WorkDir(wd))
             tr = train_run.Trainer(cfg, WorkDir(wd), src, device, init_distributed(device))
-            tr.prefetch = tr.start_prefetch()
+            tr.data.start_prefetch(tr.step, device)
             try:
                 tr.drafter.train()
                 tr.train_step()  # warm-up: first touches of the mapped files, allocator
@@ -179,8 +179,7 @@ def demo_steps(work: Path, target: str, steps: int) -> dict[int, float]:
                     tr.train_step()
                 out[prefetch] = (time.perf_counter() - t0) / steps
             finally:
-                if tr.prefetch:
-                    tr.prefetch.close()
+                tr.data.close()
     return out
 
 

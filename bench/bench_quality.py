@@ -134,7 +134,7 @@ def make_trainer(cfg: TrainConfig):
 
 def plan_figures(trainer) -> dict:
     """Samples and tokens per step of the run's plan (the same for both trainers)."""
-    lengths, L = trainer.lengths, trainer.cfg.max_seq_len
+    lengths, L = trainer.data.lengths, trainer.cfg.max_seq_len
     samples, tokens, padded = [], [], []
     for s in range(trainer.total):
         micro = trainer.micro_batches(s)
@@ -143,7 +143,7 @@ def plan_figures(trainer) -> dict:
         padded.append(sum(len(mb) * max(min(lengths[i], L) for i in mb) for mb in micro))  # SpecForge's collator
     return {"steps": trainer.total, "samples_per_step": statistics.mean(samples), "tokens": tokens,
             "tokens_per_step": statistics.mean(tokens), "padded_tokens_per_step": statistics.mean(padded),
-            "train_samples": len(trainer.plan.samples)}
+            "train_samples": len(trainer.data.plan.samples)}
 
 
 # --------------------------------------------------------------------------- ours
@@ -197,7 +197,7 @@ def save_peer_checkpoint(trainer, model_state: dict, final_eval: dict, path: Pat
     step = trainer.total
     ckpt = TrainCheckpoint(
         model=model_state, drafter_config=trainer.dcfg.to_dict(), aux_layers=list(trainer.store.aux_layers),
-        optimizer={}, scheduler={}, step=step, **trainer.data_position(step),
+        optimizer={}, scheduler={}, step=step, **trainer.data.position(step),
         batch_geometry=trainer.batch_geometry(), rounds_trained=0, rng=[],
         train_config=json.loads(json.dumps(trainer.src.params, default=str)), identity=trainer.src.identity,
         best={"expected_accept_length": final_eval["expected_accept_length"], "step": step}, eval=final_eval)
@@ -258,7 +258,7 @@ def train_specforge(cfg: TrainConfig, a: argparse.Namespace, precision: str, wd:
 
 def fit_specforge(sf, trainer, cfg: TrainConfig, settings: dict) -> dict:
     """SpecForge's steps on our plan; our stage 04's held-out evaluation of its weights at our eval steps."""
-    split, total = trainer.train_split, trainer.total
+    split, total = trainer.data.split, trainer.total
     eval_steps = {s for s in range(1, total + 1) if s % cfg.eval_every == 0 or s == total}
     step_s, teacher_s, evals, log = [], [], {}, []
     import specforge.algorithms.eagle3.model as sf_model
@@ -321,7 +321,7 @@ def train_speculators(cfg: TrainConfig, a: argparse.Namespace, precision: str, w
     settings = {**s.resolved(), "batch_tokens": cfg.batch_tokens, "grad_accum": cfg.grad_accum,
                 "store": str(trainer.store.dir.resolve())}
     peer = spec_bridge.SpeculatorsTrainer(s, trainer.dcfg, trainer.drafter.d2t, trainer.drafter.t2d,
-                                          trainer.train_split, steps, wd.root / "speculators_run")
+                                          trainer.data.split, steps, wd.root / "speculators_run")
     # Its teacher head is the target's lm_head rows its own loader picked by t2d: the rows ours reads.
     our_rows = load_lm_head(trainer.src.info, trainer.drafter.draft_ids())  # [V_d, H]
     if not torch.equal(peer.teacher_rows().float(), our_rows.float()):

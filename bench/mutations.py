@@ -136,7 +136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              'data = torch.load(path, map_location="cpu", weights_only=False, mmap=True)', TRAIN_CHECKPOINT),
     # the e2e config of tests/e2e/test_windows.py saves every step, which hides it
     Mutation("train: a round's end not forced to save", "eagle3/stages/s04_train/run.py",
-             "if is_best or candidate or self.step % cfg.save_every == 0 or end or round_end:",
+             "if is_best or candidate or self.step % cfg.save_every == 0 or end or part_end:",
              "if is_best or candidate or self.step % cfg.save_every == 0 or end:", WINDOWS_PROCESSES, "e2e"),
     # Both were caught only by tests/e2e/test_windows.py (two producers, a trainer) until the
     # producer's functions got unit tests of their own.

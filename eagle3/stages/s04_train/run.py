@@ -12,14 +12,16 @@ stage 03's mapping, and the target's embedding and draft-vocab lm_head rows
 Run: `python 04_train_drafter.py --config configs/tiny-llama.yaml`, or on 8 GPUs
 `torchrun --nproc-per-node 8 04_train_drafter.py --config configs/kimi-k2.5.yaml`.
 
-Over windows of the store (stage 02's --disk-budget) the train split comes round by round
-from eagle3/stages/s04_train/windows.py, which also deletes each round after the checkpoint
-that covers it; the schedule, optimizer and step counter span all rounds.
+The train data is one `DataSource` (eagle3/stages/s04_train/data_source.py): the store's
+whole train split, or, over windows of the store (stage 02's --disk-budget), the split
+round by round (eagle3/stages/s04_train/windows.py, which also deletes each round after the
+checkpoint that covers it); the schedule, optimizer and step counter span all rounds.
+`Trainer` never asks which.
 
 Reading order: `train_drafter` (the stage) -> `read_inputs` (checked inputs and the
 run's identity) -> `Trainer`: `__init__` builds the drafter, the frozen target
-weights, the optimizer and the schedule; `train_step` is one optimizer step;
-`evaluate` the held-out metrics; `state_dict`/`load_state_dict` what a checkpoint
+weights, the data source, the optimizer and the schedule; `train_step` is one optimizer
+step; `evaluate` the held-out metrics; `state_dict`/`load_state_dict` what a checkpoint
 holds; `fit` the loop; `finish` the manifest.
 """
 from __future__ import annotations
@@ -55,18 +57,16 @@ from eagle3.stages.s04_train.checkpoint import (latest_checkpoint, rng_states_of
                                                 set_rng_state)
 from eagle3.stages.s04_train.config import TrainConfig
 from eagle3.stages.s04_train.cuda_alloc import configure_cuda_allocator
-from eagle3.stages.s04_train.data import (Batching, EpochPlan, Prefetcher, load_batch, nested_share, noisy_aux,
-                                          to_device)
+from eagle3.stages.s04_train.data import Batching, load_batch, noisy_aux, to_device
+from eagle3.stages.s04_train.data_source import open_data_source
 from eagle3.stages.s04_train.distributed import Dist, barrier, close_distributed, init_distributed, wrap_ddp
 from eagle3.stages.s04_train.evaluation import evaluate_held_out
 from eagle3.stages.s04_train.finetune import InitReport, load_initial_drafter
-from eagle3.stages.s04_train.loss_positions import check_loss_positions, count_loss_positions
 from eagle3.stages.s04_train.memory import GIB, predict_peak
 from eagle3.stages.s04_train.metrics import MetricsLog, MetricSum, fmt
 from eagle3.stages.s04_train.summary import all_settings, end_of_run_lines, run_config
 from eagle3.stages.s04_train.target_mass import HeldOutMass
 from eagle3.stages.s04_train.target_layer_init import init_from_target_layer, init_head_from_target
-from eagle3.stages.s04_train.windows import Rounds, RoundSchedule, trainable_samples
 from eagle3.target.head import load_embedding, load_lm_head
 from eagle3.target.info import TargetInfo, read_target_info, validate_aux_layers
 
@@ -106,6 +106,26 @@ def lr_lambda(warmup: int, total: int, min_ratio: float):
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return f
+
+
+def optimizer_and_schedule(params: list[torch.nn.Parameter], cfg: TrainConfig, total: int,
+                           main: bool) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `params` and its warmup-then-cosine schedule over the run's `total` steps."""
+    opt = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    warmup, warning = warmup_plan(cfg.warmup_steps, cfg.warmup_ratio, total)
+    if warning and main:
+        log.warning("%s", warning)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total, cfg.min_lr_ratio))
+
+
+def move_schedule(opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
+    """Go on at `step` of this run's schedule (a resume under another process count): the
+    learning rate is the schedule's at `step`, as if the run had taken this count's steps."""
+    sched.last_epoch = step  # LambdaLR: after s steps, last_epoch is s and lr = base * f(s)
+    lrs = [base * f(step) for base, f in zip(sched.base_lrs, sched.lr_lambdas)]
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+    sched._last_lr = lrs  # what get_last_lr() reports until the next step
 
 
 def bf16_autocast_pays(device: torch.device) -> bool:
@@ -235,6 +255,28 @@ def frozen_target_weights(cfg: TrainConfig, info: TargetInfo, drafter: Eagle3Dra
     return embed.to(embed_dtype).to(device), lm_rows.to(dtype).to(device)
 
 
+def check_start_figures(start: dict, cfg: TrainConfig, draft_vocab: int, mapping: str | Path) -> None:
+    """Refuse a run whose held-out positions can train nothing, and a fine-tune (`--init-from`)
+    that starts above the uniform loss ln(V_d) (unless --allow-bad-start): `start`, the held-out
+    metrics before any update; `mapping`, where the token mapping came from."""
+    uniform = math.log(draft_vocab)
+    if start["num_valid"] == 0:
+        raise PipelineError(
+            f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
+            f"of {draft_vocab} tokens, or the loss mask is empty. Check the mapping "
+            f"({mapping}) against this target, and stage 01's loss mask.")
+    # ce_0, the cross-entropy, whatever --loss trains: tv's or lk's loss_0 never exceeds ln V
+    if cfg.init_from and not start["ce_0"] <= uniform:
+        msg = (f"the starting held-out cross-entropy ce_0 {start['ce_0']:.3f} of {cfg.init_from} is worse "
+               f"than uniform over the draft vocab (ln {draft_vocab} = {uniform:.3f}): its weights do not fit this "
+               f"data. Usual causes: an lm_head read under another token mapping (try --vocab-mode keep or remap; "
+               f"see the d2t comparison above) or other aux layer ids than the drafter was trained on. "
+               f"Pass --allow-bad-start to train anyway.")
+        if not cfg.allow_bad_start:
+            raise PipelineError(msg)
+        log.warning(msg)
+
+
 # -- the trainer ---------------------------------------------------------------------
 class Trainer:
     """One stage-04 run on this process: built from the checked inputs, driven by `fit`."""
@@ -264,19 +306,11 @@ class Trainer:
 
         # The schedule: optimizer steps of grad_accum micro-batches per process.
         self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
-        self.rounds: Rounds | None = None
-        plan = read_plan(wd.store())
-        if plan is not None:
-            self.setup_rounds(plan)
-        else:
-            self.setup_split()
+        self.data = open_data_source(cfg, wd, self.store, self.batching, d, t2d=self.drafter.t2d,
+                                     draft_vocab=self.dcfg.draft_vocab_size)
+        self.total = self.data.total
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                     betas=(0.9, 0.95))
-        warmup, warning = warmup_plan(cfg.warmup_steps, cfg.warmup_ratio, self.total)
-        if warning and d.main:
-            log.warning("%s", warning)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(warmup, self.total, cfg.min_lr_ratio))
+        self.opt, self.sched = optimizer_and_schedule(self.params, cfg, self.total, d.main)
 
         # Progress: with the weights, optimizer and RNG, what a checkpoint holds.
         self.step = 0
@@ -284,98 +318,15 @@ class Trainer:
         self.best: dict = {"expected_accept_length": -1.0, "step": None}
         self.last_eval: dict | None = None
         self.metrics: MetricsLog | None = None  # opened by fit, once the resumed step is known
-        self.prefetch: Prefetcher | None = None  # started by fit (--prefetch), from the resumed step
         self.new_window()
-
-    def setup_split(self) -> None:
-        """The whole train split in one store (no --disk-budget): today's schedule."""
-        cfg, d = self.cfg, self.d
-        self.train_split = self.store.split("train")
-        self.lengths = self.train_split.lengths()
-        # Before any step: a split where no position carries loss is refused, and samples
-        # without one stay out of the epochs (a row of them would step on no gradient).
-        self.loss_positions = count_loss_positions(self.train_split, self.drafter.t2d, cfg.max_seq_len,
-                                                   assistant_only=cfg.loss_on == "assistant")
-        if d.main:
-            log.info("train split: %s", self.loss_positions.summary(cfg.max_seq_len, self.dcfg.draft_vocab_size))
-        warning = check_loss_positions(self.loss_positions, max_seq_len=cfg.max_seq_len,
-                                       draft_vocab=self.dcfg.draft_vocab_size,
-                                       mapping_from=str(cfg.init_from or self.wd.d2t()))
-        if warning and d.main:
-            log.warning("%s", warning)
-        # Each epoch's step count comes from its own packing (data.py); counting every
-        # epoch the run reaches now stops an epoch too small for a step before training.
-        trained = nested_share(self.loss_positions.trainable(), cfg.train_fraction, cfg.seed)
-        if cfg.train_fraction < 1.0 and d.main:
-            log.info("--train-fraction %g: training on %d of the %d samples that carry loss", cfg.train_fraction,
-                     len(trained), len(self.loss_positions.trainable()))
-        self.plan = EpochPlan(self.lengths, self.batching, rank=d.rank, world=d.world, grad_accum=cfg.grad_accum,
-                              samples=trained)
-        if cfg.max_steps:
-            self.total = cfg.max_steps
-            self.plan.locate(self.total - 1)
-        else:
-            self.total = self.plan.steps_for_epochs(cfg.epochs)
-
-    def setup_rounds(self, plan) -> None:
-        """The train split in rounds of windows (stage 02's --disk-budget; windows.py)."""
-        cfg, d = self.cfg, self.d
-        if cfg.train_fraction < 1.0:
-            raise PipelineError("--train-fraction applies to a whole store; with stage 02's --disk-budget use a "
-                                "smaller stage 01 dataset instead.")
-        lengths, trainable = trainable_samples(self.wd, cfg.max_seq_len, assistant_only=cfg.loss_on == "assistant")
-        planned = sum(len(w["samples"]) for w in plan.windows)
-        if len(lengths) != planned:
-            raise PipelineError(f"{self.wd.store() / 'windows.json'} plans {planned} train samples, "
-                                f"{self.wd.dataset('train')} holds {len(lengths)}: rerun stage 02 with --force after "
-                                f"stage 01 changed.")
-        if not trainable.any():
-            raise PipelineError(f"no sample of {self.wd.dataset('train')} has a position that carries loss within "
-                                f"--max-seq-len {cfg.max_seq_len}; check stage 01's loss mask.")
-        self.plan = RoundSchedule(plan, lengths, trainable, self.batching, rank=d.rank, world=d.world,
-                                  grad_accum=cfg.grad_accum, epochs=cfg.epochs)
-        self.total = min(cfg.max_steps, self.plan.total) if cfg.max_steps else self.plan.total
-        self.rounds = Rounds(self.wd, self.store, self.plan, windows_dir=cfg.windows_dir, keep=cfg.keep_windows,
-                             wait_s=cfg.window_wait_s, rank=d.rank, world=d.world)
-        self.train_split = None
-        self.loss_positions = None
-        if d.main:
-            log.info("stage 04 over windows: %s; %d steps (%s per round), --epochs %d within each round",
-                     plan.summary(), self.total, self.plan.steps, cfg.epochs)
 
     # -- batches -----------------------------------------------------------------
     def micro_batches(self, step: int) -> list[list[int]]:
-        """This process's micro-batches (sample indices) of optimizer step `step`
-        (of the open round's split, over windows).
-
-        An epoch's order is a function of (seed, epoch) only and its step count that of
-        its own packing, so a resumed run reads what an unbroken one would have, and
-        no step is short of micro-batches (EpochPlan in data.py).
-        """
-        if self.rounds is not None:
-            return self.rounds.micro_batches(step)
-        return self.plan.micro_batches(step)
+        """This process's micro-batches (sample indices) of optimizer step `step` (data_source.py)."""
+        return self.data.micro_batches(step)
 
     def load(self, split, indices: list[int]) -> dict:
         return load_batch(split, indices, self.cfg.max_seq_len, packed=self.cfg.packing)
-
-    def start_prefetch(self) -> Prefetcher | None:
-        """The background loader of the train batches from this step on (None: --prefetch 0).
-        On a GPU an fp8 store's states cross as e4m3 codes and `forward` decodes them there,
-        except with --aux-noise, whose draws need the decoded states in the training thread. Over
-        windows (--disk-budget) the split changes from round to round: batches load here."""
-        if not self.cfg.prefetch or self.step >= self.total or self.rounds is not None:
-            return None
-        cuda = self.device.type == "cuda"
-        decode = not cuda or self.cfg.aux_noise > 0
-        return Prefetcher(lambda idx: load_batch(self.train_split, idx, self.cfg.max_seq_len, packed=self.cfg.packing,
-                                                 decode=decode),
-                          self.plan, start=self.step, total=self.total, depth=self.cfg.prefetch, pin=cuda,
-                          files=self.train_split.file_names)
-
-    def micro_batch(self, i: int, indices: list[int], split) -> dict:
-        """Micro-batch i of this step: from the prefetcher, or loaded here from `split`."""
-        return self.prefetch.get(self.step, i) if self.prefetch else self.load(split, indices)
 
     def forward(self, batch: dict):
         """The K-step unroll over one micro-batch -> TTTOutput (loss, metrics); held-out batches
@@ -411,10 +362,9 @@ class Trainer:
         the last checkpoint stay those of the last good step.
         """
         micro = self.micro_batches(self.step)
-        split = self.rounds.split if self.rounds is not None else self.train_split
         self.opt.zero_grad(set_to_none=True)
         for i, idx in enumerate(micro):
-            batch = self.training_view(self.micro_batch(i, idx, split))
+            batch = self.training_view(self.data.batch(self.step, i, idx))
             self.window_tokens += int(batch["attention_mask"].sum())
             # DDP all-reduces gradients during backward. Accumulating micro-batches needs
             # that once per step, so no_sync skips it on all but the last micro-batch.
@@ -468,24 +418,9 @@ class Trainer:
         start = self.evaluate()
         self.metrics.write("eval", 0, start)
         V = self.dcfg.draft_vocab_size
-        uniform = math.log(V)
         log.info(fmt("start", 0, self.total, start, self.ttt.num_steps,
-                     f" | ce_0 {start['ce_0']:.4f}, uniform ln({V}) = {uniform:.3f}"))
-        if start["num_valid"] == 0:
-            raise PipelineError(
-                f"no held-out position can be trained: the target's argmax is never in the draft vocabulary "
-                f"of {V} tokens, or the loss mask is empty. Check the mapping "
-                f"({self.cfg.init_from or self.wd.d2t()}) against this target, and stage 01's loss mask.")
-        # ce_0, the cross-entropy, whatever --loss trains: tv's or lk's loss_0 never exceeds ln V
-        if self.cfg.init_from and not start["ce_0"] <= uniform:
-            msg = (f"the starting held-out cross-entropy ce_0 {start['ce_0']:.3f} of {self.cfg.init_from} is worse "
-                   f"than uniform over the draft vocab (ln {V} = {uniform:.3f}): its weights do not fit this data. "
-                   f"Usual causes: an lm_head read under another token mapping (try --vocab-mode keep or remap; "
-                   f"see the d2t comparison above) or other aux layer ids than the drafter was trained on. "
-                   f"Pass --allow-bad-start to train anyway.")
-            if not self.cfg.allow_bad_start:
-                raise PipelineError(msg)
-            log.warning(msg)
+                     f" | ce_0 {start['ce_0']:.4f}, uniform ln({V}) = {math.log(V):.3f}"))
+        check_start_figures(start, self.cfg, V, mapping=self.cfg.init_from or self.wd.d2t())
         if self.cfg.init_from:
             # A fine-tune must never export something worse than its start: the starting
             # weights are the first candidate for best.pt, and a trained step replaces
@@ -519,8 +454,8 @@ class Trainer:
         return TrainCheckpoint(
             model=self.drafter.state_dict(), drafter_config=self.dcfg.to_dict(), aux_layers=self.store.aux_layers,
             optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step,
-            **self.data_position(self.step), batch_geometry=self.batch_geometry(),
-            rounds_trained=self.plan.rounds_done(self.step) if self.rounds is not None else 0, rng=rng,
+            **self.data.position(self.step), batch_geometry=self.batch_geometry(),
+            rounds_trained=self.data.rounds_trained(self.step), rng=rng,
             train_config=json.loads(json.dumps(self.src.params, default=str)), identity=self.src.identity,
             best=self.best, eval=evaluated)
 
@@ -530,53 +465,17 @@ class Trainer:
         return {"processes": self.d.world, "grad_accum": cfg.grad_accum, "batch_tokens": cfg.batch_tokens,
                 "max_seq_len": cfg.max_seq_len, "packing": cfg.packing}
 
-    def data_position(self, step: int) -> dict:
-        """Where the data stands after `step` steps (what a checkpoint records beside the
-        step): the epoch of the last step taken and how many of its steps are done, so
-        (0, 0) at the start and (e, its step count) when epoch e has just ended. Only
-        epochs already read are packed for it, never the next one."""
-        if self.rounds is not None:
-            return self.plan.position(step)
-        if step == 0:
-            return {"epoch": 0, "batch_in_epoch": 0}
-        epoch, b = self.plan.locate(step - 1)
-        return {"epoch": epoch, "batch_in_epoch": b + 1}
-
     def load_state_dict(self, ckpt: TrainCheckpoint) -> None:
         self.drafter.load_state_dict(ckpt.model)
         self.opt.load_state_dict(ckpt.optimizer)
         self.sched.load_state_dict(ckpt.scheduler)
         set_rng_state(ckpt.rng, self.d.rank, self.d.world, self.device)
         self.step, self.best = ckpt.step, ckpt.best
-        if self.rounds is not None:  # over windows another process count maps by rounds, or is refused
-            step = self.plan.resume_step(ckpt, self.wd.checkpoint(ckpt.step), self.d.world)
-            if step != ckpt.step:
-                self.move_schedule(step)
-                log.warning("the checkpoint at step %d was written by %d process(es), this run has %d: it covers "
-                            "%d round(s), so training goes on at step %d of %d, the start of round %d under this "
-                            "count (metrics.jsonl continues with this count's step numbers)", ckpt.step,
-                            ckpt.batch_geometry["processes"], self.d.world, ckpt.rounds_trained, step, self.total,
-                            ckpt.rounds_trained)
-                return
-        ours = self.data_position(self.step)
-        theirs = {"epoch": ckpt.epoch, "batch_in_epoch": ckpt.batch_in_epoch}
-        if theirs != ours:
-            # Another process count packs other steps (the count is not part of the
-            # identity): the same step number stands elsewhere in the data.
-            log.warning("the checkpoint at step %d records data position %s, this code's schedule puts step %d at "
-                        "%s: the rest of the run reads this schedule's batches, not the ones the interrupted run "
-                        "would have read (pass --force to train from scratch instead)", self.step, theirs,
-                        self.step, ours)
-
-    def move_schedule(self, step: int) -> None:
-        """Go on at `step` of this run's schedule (a resume under another process count): the
-        learning rate is the schedule's at `step`, as if the run had taken this count's steps."""
-        self.step = step
-        self.sched.last_epoch = step  # LambdaLR: after s steps, last_epoch is s and lr = base * f(s)
-        lrs = [base * f(step) for base, f in zip(self.sched.base_lrs, self.sched.lr_lambdas)]
-        for group, lr in zip(self.opt.param_groups, lrs):
-            group["lr"] = lr
-        self.sched._last_lr = lrs  # what get_last_lr() reports until the next step
+        # Another process count may go on at another step (over windows), or be refused.
+        step = self.data.resume_step(ckpt, self.wd.checkpoint(ckpt.step))
+        if step != ckpt.step:
+            self.step = step
+            move_schedule(self.opt, self.sched, step)
 
     def save(self, is_best: bool, evaluated: bool = False) -> None:
         """Write this step's checkpoint; it records the held-out metrics when it is the best or,
@@ -592,12 +491,7 @@ class Trainer:
     def resume(self) -> None:
         ckpt = latest_checkpoint(self.wd, self.src.identity)
         path = self.wd.checkpoint(ckpt.step) if ckpt is not None else None
-        if ckpt is not None and self.rounds is not None:
-            ckpt = self.plan.fill_unrecorded(ckpt, path, self.d.world)
-        if self.rounds is not None:
-            # First: progress.json follows the checkpoint (the record of what is trained) before
-            # anything is deleted, and before the run can stop (a refused resume, a missing round).
-            self.rounds.resumed(ckpt.rounds_trained if ckpt else 0, ckpt.step if ckpt else 0, path)
+        ckpt = self.data.resumed(ckpt, path)
         if ckpt is not None:
             self.load_state_dict(ckpt)
             self.resumed_from = ckpt.step
@@ -615,37 +509,36 @@ class Trainer:
             run_config=run_config(self.src.params, self.src.identity, self.src.inputs, self.dcfg.to_dict(),
                                   self.store.aux_layers, self.d.world, all_settings(cfg)) if self.d.main else None)
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", disable=not self.d.main)
-        self.prefetch = self.start_prefetch()
+        self.data.start_prefetch(self.step, self.device)
         try:
             if self.step == 0:
                 self.check_start()
             self.drafter.train()
             self.new_window()
             while self.step < self.total:
-                if self.rounds is not None and not self.rounds.ensure(self.step):
+                if not self.data.ready(self.step):
                     return None  # the next round is not extracted yet; its checkpoint is on disk
                 gnorm = self.train_step()
                 bar.update(1)
                 end = self.step == self.total
                 # The last step of a round is always saved: its folder is deleted only then.
-                round_end = self.rounds is not None and (self.rounds.is_end(self.step) or end)
+                part_end = self.data.ends_part(self.step)
                 if self.step % cfg.log_every == 0 or end:
                     self.log_train(gnorm)
                 evaluated = self.step % cfg.eval_every == 0 or end
                 is_best = evaluated and self.evaluate_and_track()
                 # --keep-evaluated N > 1: every evaluated step is saved, with its held-out metrics.
                 candidate = evaluated and cfg.keep_evaluated > 1
-                if is_best or candidate or self.step % cfg.save_every == 0 or end or round_end:
+                if is_best or candidate or self.step % cfg.save_every == 0 or end or part_end:
                     self.save(is_best, evaluated=candidate)
-                if round_end:
-                    self.rounds.covered(self.step, self.wd.checkpoint(self.step))
+                if part_end:
+                    self.data.covered(self.step, self.wd.checkpoint(self.step))
                 if cfg.stop_after is not None and cfg.stop_after <= self.step < self.total:
                     log.warning("--stop-after %d: stopping here as if killed; rerun without it to resume",
                                 cfg.stop_after)
                     return None
         finally:
-            if self.prefetch:  # also on KeyboardInterrupt: the loader thread stops
-                self.prefetch.close()
+            self.data.close()  # also on KeyboardInterrupt: the loader thread stops
             bar.close()
             self.metrics.close()
         return self.finish()
@@ -655,15 +548,10 @@ class Trainer:
         if not self.d.main:
             return None
         wd, best = self.wd, self.best
-        last_epoch = self.data_position(self.step)["epoch"]
         # With --init-from the starting weights are step 0's candidate (check_start).
         best_is_initial = best["step"] == 0
-        per = (self.plan.steps if self.rounds is not None else
-               [self.plan.steps_in(e) for e in range(last_epoch + 1)])
-        counts = {("steps_per_round" if self.rounds is not None else "steps_per_epoch"): per,
-                  "processes": self.d.world,
-                  "best_is_initial": best_is_initial, "final_eval": self.last_eval,
-                  "loss_positions": self.loss_positions.to_json() if self.loss_positions else None}
+        counts = {**self.data.counts(self.step), "processes": self.d.world, "best_is_initial": best_is_initial,
+                  "final_eval": self.last_eval}
         record = TrainRecord(
             ttt_steps=self.ttt.num_steps, aux_layer_ids=list(self.store.aux_layers), steps=self.step,
             best_step=best["step"], best_expected_accept_length=best["expected_accept_length"],

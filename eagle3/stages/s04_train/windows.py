@@ -3,8 +3,8 @@
 When stage 02 ran with `--disk-budget` (its plan `02_hidden_states/windows.json`, format
 in eagle3/artifacts/windows.py), the train split arrives round by round, each round a store
 folder of its own, and is deleted once trained. This module maps the run's global step
-to (round, step in round) and opens, checks and deletes the rounds' folders; `Trainer`
-(run.py) calls it. It reads stage 01's train split (lengths and loss masks: the schedule
+to (round, step in round) and opens, checks and deletes the rounds' folders;
+`RoundsOfWindows` (data_source.py) calls it for `Trainer` (run.py). It reads stage 01's train split (lengths and loss masks: the schedule
 is known before any window is extracted) and the rounds' folders; writes
 `windows/progress.json` and deletes rounds.
 
