@@ -60,7 +60,7 @@ def plain_engine(cfg, p, files):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from eagle3.stages.s02_extract.run import load_split
+    from eagle3.stages.s02_extract.inputs import load_split
     from eagle3.engines.vllm_engine import engine_kwargs
     from eagle3.stages.s02_extract.vllm_backend import extraction_engine
 
@@ -99,7 +99,8 @@ def compare(cfg, p, files, passes: int) -> dict[str, list[float]]:
     Both engines stay up (the idle one blocks on its queue), and passes alternate,
     so load from other processes on a shared machine hits all alike.
     """
-    from eagle3.stages.s02_extract.run import load_engine, write_files
+    from eagle3.stages.s02_extract.engine import load_engine
+    from eagle3.stages.s02_extract.write import write_files
 
     llm, plain_pass = plain_engine(cfg, p, files)
     backend, head = load_engine(cfg, p)
@@ -166,8 +167,9 @@ def main() -> None:
     from eagle3.artifacts import store
     from eagle3.stages.s02_extract.config import ExtractConfig
     from eagle3.artifacts.workdir import WorkDir
-    from eagle3.stages.s02_extract.run import (split_lengths, box_files, check_store_identity, plan_files, validate,
-                                               write_results)
+    from eagle3.stages.s02_extract.inputs import check_store_identity, split_lengths, validate
+    from eagle3.stages.s02_extract.plan import box_files, plan_files
+    from eagle3.stages.s02_extract.results import write_results
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root
 
 from fixtures import DEMO_CHATS, run_stages  # noqa: E402
 
-from eagle3.stages.s02_extract import run as extract_run  # noqa: E402
+from eagle3.stages.s02_extract import engine as extract_engine  # noqa: E402
 from eagle3.target import head as target_head  # noqa: E402
 from eagle3.demo.tiny import build_tiny_target  # noqa: E402
 
@@ -83,7 +83,7 @@ def no_model_load(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a model was loaded although the run should not need one")
 
-    monkeypatch.setattr(extract_run, "make_backend", boom)
+    monkeypatch.setattr(extract_engine, "make_backend", boom)
     monkeypatch.setattr(target_head.TargetHead, "load", classmethod(boom))
 
 

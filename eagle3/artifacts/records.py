@@ -63,7 +63,7 @@ class PrepareRecord:
 
 @dataclass(frozen=True)
 class ExtractRecord:
-    """Stage 02 (eagle3/stages/s02_extract/run.py `write_results`)."""
+    """Stage 02 (eagle3/stages/s02_extract/results.py `write_results`)."""
 
     STAGE: ClassVar[str] = "extract"
     target_model: str

@@ -9,7 +9,7 @@ A drafter folder (docs/CONVENTIONS.md §6) is
                         `norm_output`: eagle3/serving/engine_rules.py's module doc)
 
 `save_drafter_dir` writes one atomically (a temporary folder renamed into place) after
-holding it to both engines' rules (eagle3/serving/engine_rules.py); `load_drafter_dir` reads
+holding it to both engines' rules (eagle3/serving/drafter_check.py); `load_drafter_dir` reads
 ours and the common published variants (names prefixed with `model.`, `layers.0.`
 instead of `midlayer.`, the legacy `aux_norm_{low,mid,high}` for `fc_norm.{0,1,2}` with
 its `use_aux_norm` key, sharded safetensors with an index), normalising the names
@@ -33,9 +33,10 @@ from eagle3.artifacts.atomic import atomic_path
 from eagle3.core.config import dtype_name, torch_dtype
 from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig
+from eagle3.serving.drafter_check import Finding, TargetFacts, check_drafter, errors
 from eagle3.serving.engine_rules import (ARCHITECTURE, CAPTURE_TOPIC, D2T, EMBED_NAME, LEGACY_FC_NORM_KEY,
-                                         LEGACY_FC_NORM_NAMES, SHAPE_KEYS, T2D, Finding, TargetFacts, aux_layer_config,
-                                         check_drafter, errors, intended_layers, is_known_name, mla_drafter_reason)
+                                         LEGACY_FC_NORM_NAMES, SHAPE_KEYS, T2D, aux_layer_config, intended_layers,
+                                         is_known_name, mla_drafter_reason)
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,10 @@
 """What SGLang and vLLM do with an EAGLE-3 drafter folder: the one module that knows.
 
-Pure functions over a drafter's `config.json` (a dict) and its tensors (name ->
-tensor); no file I/O, no engine import. Export (eagle3/stages/s05_export/run.py), the drafter
-folder writer (eagle3/serving/drafter_io.py) and `python -m eagle3.tools.diagnose inspect` all
-judge a drafter with the same rules, so what export refuses is what inspect flags.
+The engines' rules as facts and pure functions over a drafter's `config.json` (a dict) and
+its tensor names: the layers each engine captures, what each loader does with a tensor name,
+the shapes convention 6 implies, the engine version table, yarn rope as served. No file I/O,
+no engine import, no torch. The checker that judges a drafter by these rules is
+eagle3/serving/drafter_check.py.
 
 Aux layer ids (docs/CONVENTIONS.md §1 and §7). Each engine reads them its own way:
 
@@ -46,7 +47,7 @@ nested = layers - 1. The nested ids then select the same layers under all three
 rules exactly when the first layer is 2 (nested first id 1); both vLLM runners read
 the top-level ids. Layer 1 would need a
 nested 0, which the DeepSeek rule does not shift (it would capture the embeddings);
-`check_drafter` says so for the target at hand: the one answer to "will every engine
+`drafter_check.check_drafter` says so for the target at hand: the one answer to "will every engine
 capture these layers", which the drafter folder's writer asks before it writes.
 
 Yarn rope as served: `served_yarn_attention_factor(engine, version, rope_scaling)` is the factor
@@ -88,9 +89,6 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-import torch
-
-from eagle3.artifacts.vocab_map import target_ids
 from eagle3.target.info import default_aux_layers
 
 # --------------------------------------------------------------------------- names
@@ -267,14 +265,16 @@ def yarn_reading_warnings(config: Mapping[str, Any], versions: Mapping[str, str 
             continue
         served = served_yarn_attention_factor(package, version, rs)
         if abs(served - trained) > 1e-6:
+            fixed_in = SGLANG_YARN_MSCALE_READ_FROM if package == SGLANG else minimum_version(package)
             out.append(f"{package} {version} scales this drafter's yarn rope by {served:.4f}, training used "
                        f"{trained:.4f}: every attention score {(served / trained) ** 2:.4f}x as sharp as trained "
                        f"(SGLang reads mscale / mscale_all_dim from {SGLANG_YARN_MSCALE_READ_FROM}); serve it with "
-                       f"{package} >= {SGLANG_YARN_MSCALE_READ_FROM if package == SGLANG else _minimum(package)}")
+                       f"{package} >= {fixed_in}")
     return out
 
 
-def _minimum(package: str) -> str:
+def minimum_version(package: str) -> str:
+    """The minimum version of `package` the pipeline's rules hold for (VERSION_RULES)."""
     return next(r.minimum for r in VERSION_RULES if r.package == package)
 
 
@@ -294,7 +294,8 @@ def aux_layer_config(layers: Iterable[int]) -> dict[str, Any]:
     }
 
 
-def _nested_ids(config: Mapping[str, Any]) -> list[int] | None:
+def nested_layer_ids(config: Mapping[str, Any]) -> list[int] | None:
+    """`eagle_config.eagle_aux_hidden_state_layer_ids` as ints (SGLang's ids), None when absent."""
     ec = config.get("eagle_config")
     if isinstance(ec, Mapping) and ec.get("eagle_aux_hidden_state_layer_ids") is not None:
         return [int(k) for k in ec["eagle_aux_hidden_state_layer_ids"]]
@@ -305,7 +306,7 @@ def captured_layers(rule: str, config: Mapping[str, Any], num_target_layers: int
     """The target layers (convention 1 ids, in config order) that `rule` captures for
     this drafter config; None when that depends on a target that was not given."""
     assert rule in RULES, f"unknown engine rule {rule!r}; one of {list(RULES)}"  # callers pass RULES' keys
-    nested = _nested_ids(config)
+    nested = nested_layer_ids(config)
     if rule == VLLM:
         top = config.get("eagle_aux_hidden_state_layer_ids")
         ids = [int(k) for k in top] if top else (nested or None)  # vLLM tests truthiness
@@ -337,7 +338,7 @@ def intended_layers(config: Mapping[str, Any], family: str | None = None) -> tup
     top = config.get("eagle_aux_hidden_state_layer_ids")
     if top:
         return [int(k) for k in top], "top-level eagle_aux_hidden_state_layer_ids"
-    nested = _nested_ids(config)
+    nested = nested_layer_ids(config)
     if nested is None:
         return None, "none in config.json (engines use [2, N//2, N-3])"
     if nested and nested[0] == 1 or family == "llama":
@@ -415,26 +416,6 @@ def layer_range_problems(layers: list[int], num_target_layers: int | None) -> li
     return out
 
 
-# --------------------------------------------------------------------------- findings
-
-@dataclass(frozen=True)
-class Finding:
-    """One judgement about a drafter. `level`: error (fails or silently misbehaves in
-    `engine`), warning (works, but worth fixing), info."""
-
-    level: str  # "error" | "warning" | "info"
-    engine: str  # "vllm" | "sglang" | "both" | "pipeline"
-    topic: str
-    message: str
-
-    def line(self) -> str:
-        return f"{self.level.upper():7s} [{self.engine}] {self.topic}: {self.message}"
-
-
-def errors(findings: Iterable[Finding]) -> list[Finding]:
-    return [f for f in findings if f.level == "error"]
-
-
 # --------------------------------------------------------------------------- tensor names per engine
 
 _VLLM_TO_CANON = {**{f"model.{n}": n for n in WEIGHT_NAMES if n != "lm_head.weight"},
@@ -486,32 +467,33 @@ def sglang_name(raw: str) -> tuple[str, str | None]:
     return "ignore", None
 
 
-# --------------------------------------------------------------------------- the checks
+# --------------------------------------------------------------------------- convention 6 shapes
 
-def _int(config: Mapping[str, Any], key: str) -> int | None:
+def config_int(config: Mapping[str, Any], key: str) -> int | None:
+    """config[key] as an int, None when absent or not a number (a bool is not one)."""
     v = config.get(key)
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def implied_head_dim(config: Mapping[str, Any]) -> int | None:
     """head_dim as both engines take it: explicit, else hidden_size // num_attention_heads."""
-    hd = _int(config, "head_dim")
+    hd = config_int(config, "head_dim")
     if hd:
         return hd
-    H, nh = _int(config, "hidden_size"), _int(config, "num_attention_heads")
+    H, nh = config_int(config, "hidden_size"), config_int(config, "num_attention_heads")
     return H // nh if H and nh else None
 
 
 def expected_shapes(config: Mapping[str, Any], num_aux: int) -> dict[str, tuple[int, ...]]:
     """Convention 6 shapes for this config (num_aux: how many aux layers fc fuses)."""
-    H = _int(config, "hidden_size") or 0
-    nh = _int(config, "num_attention_heads") or 0
-    nkv = _int(config, "num_key_value_heads") or nh
+    H = config_int(config, "hidden_size") or 0
+    nh = config_int(config, "num_attention_heads") or 0
+    nkv = config_int(config, "num_key_value_heads") or nh
     D = implied_head_dim(config) or 0
-    inter = _int(config, "intermediate_size") or 0
-    Ht = _int(config, "target_hidden_size") or H
-    V = _int(config, "vocab_size") or 0
-    Vd = _int(config, "draft_vocab_size") or V
+    inter = config_int(config, "intermediate_size") or 0
+    Ht = config_int(config, "target_hidden_size") or H
+    V = config_int(config, "vocab_size") or 0
+    Vd = config_int(config, "draft_vocab_size") or V
     return {
         "fc.weight": (H, num_aux * Ht),
         "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
@@ -526,332 +508,3 @@ def expected_shapes(config: Mapping[str, Any], num_aux: int) -> dict[str, tuple[
         EMBED_NAME: (V, Ht), D2T: (Vd,), T2D: (V,),
         **{name: (Ht,) for name in fc_norm_names(num_aux)},
     }
-
-
-@dataclass(frozen=True)
-class TargetFacts:
-    """What the checks need to know about the target (from eagle3.target.info.TargetInfo)."""
-
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    family: str
-    source: str = "target"
-
-    @classmethod
-    def from_info(cls, info) -> "TargetFacts":
-        return cls(info.num_layers, info.hidden_size, info.vocab_size, info.max_position_embeddings,
-                   target_family(info.architecture, info.text_config.get("model_type", info.model_type)),
-                   info.source)
-
-
-def d2t_summary(d2t: torch.Tensor, vocab_size: int | None) -> dict[str, Any]:
-    """Sanity of a d2t: target ids `i + d2t[i]` unique, ascending, in range."""
-    ids = target_ids(d2t)
-    out: dict[str, Any] = {"size": int(d2t.numel()), "dtype": str(d2t.dtype).replace("torch.", "")}
-    if ids.numel() == 0:
-        return {**out, "duplicates": 0, "ascending": True, "out_of_range": 0}
-    out["duplicates"] = int(ids.numel() - torch.unique(ids).numel())
-    out["ascending"] = bool((ids[1:] > ids[:-1]).all())
-    out["min_target_id"], out["max_target_id"] = int(ids.min()), int(ids.max())
-    lo_bad = int((ids < 0).sum())
-    hi_bad = int((ids >= vocab_size).sum()) if vocab_size else 0
-    out["out_of_range"] = lo_bad + hi_bad
-    out["identity"] = bool((d2t == 0).all())
-    return out
-
-
-def check_drafter(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
-                  target: TargetFacts | None = None, *, pipeline_format: bool = True) -> list[Finding]:
-    """Judge a drafter (config.json dict + tensors under their on-disk names) against
-    both engines' rules and, when given, the target. `pipeline_format`: also hold it to
-    this pipeline's own format (bf16, explicit head_dim, ascending d2t, t2d present)."""
-    c = _Check(config, tensors, target, pipeline_format)
-    if c.config_keys():  # the rest needs the sizes
-        c.tensor_names()
-        c.shapes()
-        c.aux_count()
-        c.fc_norm()
-        c.vocab_mapping()
-    c.layer_ids()
-    c.against_target()
-    return c.findings
-
-
-class _Check:
-    """The sections of `check_drafter`, sharing what earlier sections worked out."""
-
-    def __init__(self, config, tensors, target, pipeline_format):
-        self.cfg, self.t, self.target, self.strict = config, tensors, target, pipeline_format
-        self.findings: list[Finding] = []
-        self.H = _int(config, "hidden_size")
-        self.V = _int(config, "vocab_size")
-        self.Vd = _int(config, "draft_vocab_size") or self.V
-        self.Ht = _int(config, "target_hidden_size") or self.H
-        self.vllm_loaded: dict[str, str] = {}  # canonical name -> on-disk name, per engine
-        self.sgl_loaded: dict[str, str] = {}
-        self.num_aux: int | None = None
-
-    def add(self, level: str, engine: str, topic: str, message: str) -> None:
-        self.findings.append(Finding(level, engine, topic, message))
-
-    @property
-    def loaded(self) -> dict[str, str]:
-        return {**self.sgl_loaded, **self.vllm_loaded}
-
-    def config_keys(self) -> bool:
-        cfg, add = self.cfg, self.add
-        archs = list(cfg.get("architectures") or [])
-        arch = archs[0] if archs else None
-        if arch is None:
-            add("error", "both", "config", "no `architectures`; write [\"LlamaForCausalLMEagle3\"]")
-        else:
-            vllm_arch = arch if arch.startswith("Eagle3") or arch.endswith("Eagle3") else f"Eagle3{arch}"
-            if vllm_arch not in VLLM_LLAMA_EAGLE3_ARCHS:
-                add("error", "vllm", "config", f"architecture {arch!r} (vLLM resolves it to {vllm_arch!r}) is not "
-                    f"vLLM's Llama EAGLE-3 drafter; this format needs {ARCHITECTURE!r}")
-            if arch not in SGLANG_LLAMA_EAGLE3_ARCHS:
-                add("error", "sglang", "config", f"architecture {arch!r}: SGLang's llama_eagle3.py registers only "
-                    f"{ARCHITECTURE!r}")
-        if cfg.get("model_type") != "llama":
-            add("error", "both", "config", f"model_type = {cfg.get('model_type')!r}; both engines build the "
-                f"config with transformers' AutoConfig, which needs \"llama\" for this architecture")
-        nl = _int(cfg, "num_hidden_layers")
-        if nl != 1:
-            add("error", "pipeline", "config", f"num_hidden_layers = {nl}; this format is one decoder layer "
-                f"(`midlayer`), and the engines would expect tensors for {nl} layers")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            add("error", "both", "config", f"hidden_act = {act!r}; the drafter's MLP is SiLU-gated")
-        for key in VARIANT_KEYS:
-            if cfg.get(key):
-                add("error", "both", "config", f"{key} = {cfg[key]!r}: vLLM's llama_eagle3 honours it, SGLang's "
-                    f"(and this pipeline's model) does not, so the engines would run different networks")
-        if cfg.get("tie_word_embeddings"):
-            add("error", "sglang", "config", "tie_word_embeddings is true: SGLang then uses embed_tokens (the "
-                "target's full-vocab embedding) as lm_head and ignores this drafter's lm_head and d2t")
-
-        H, nh = self.H, _int(cfg, "num_attention_heads")
-        if not H or not nh or self.V is None:
-            add("error", "both", "config", "hidden_size, num_attention_heads and vocab_size (the target's "
-                "vocabulary) must be set")
-            return False
-        if _int(cfg, "draft_vocab_size") is None:
-            add("warning", "both", "config", f"no draft_vocab_size: both engines take vocab_size ({self.V}) and "
-                f"SGLang loads the target's lm_head instead of this drafter's")
-        if _int(cfg, "head_dim") is None:
-            implied = H // nh
-            q = next((t for n, t in self.t.items() if n.endswith("self_attn.q_proj.weight")), None)
-            actual = q.shape[0] // nh if q is not None and q.shape[0] % nh == 0 else None
-            if actual is not None and actual != implied:
-                add("error", "both", "config", f"no head_dim, so both engines use hidden_size / "
-                    f"num_attention_heads = {implied}, but q_proj has {q.shape[0]} rows = {nh} heads x {actual}; "
-                    f"write \"head_dim\": {actual}")
-            elif self.strict:
-                add("warning", "pipeline", "config", f"no explicit head_dim (engines use {H} / {nh} = {implied}); "
-                    f"this format writes it")
-        return True
-
-    def tensor_names(self) -> None:
-        add = self.add
-        vllm_rejected: list[str] = []
-        for raw in self.t:
-            status, canon = vllm_name(raw)
-            if status == "reject":
-                vllm_rejected.append(raw)
-            elif status == "load" and canon:
-                self.vllm_loaded[canon] = raw
-            elif status == "ignore":
-                add("info", "vllm", "tensors", f"{raw!r} is ignored by vLLM")
-            status, canon = sglang_name(raw)
-            if status == "ignore":
-                layer0 = raw.startswith(("layers.", "model.layers."))
-                add("error" if layer0 or raw.endswith("lm_head.weight") else "warning", "sglang", "tensors",
-                    f"{raw!r} is ignored silently by SGLang" + (" (it only knows `midlayer.*`)" if layer0 else ""))
-            elif status == "load" and canon:
-                self.sgl_loaded[canon] = raw
-            if self.strict and not is_known_name(raw):
-                add("warning", "pipeline", "tensors", f"{raw!r} is not a name of this format (convention 6)")
-        if vllm_rejected:
-            prefixed = any(r.startswith("model.") for r in vllm_rejected)
-            shown = ", ".join(repr(r) for r in vllm_rejected[:4]) + (", ..." if len(vllm_rejected) > 4 else "")
-            add("error", "vllm", "tensors", f"{len(vllm_rejected)} tensor(s) are no parameter of vLLM's drafter "
-                f"({shown}): loading raises ValueError"
-                + (" (vLLM prepends \"model.\" itself; store names unprefixed)" if prefixed else ""))
-        for engine, loaded in ((VLLM, self.vllm_loaded), (SGLANG, self.sgl_loaded)):
-            if engine == VLLM and vllm_rejected:
-                continue  # vLLM fails on the rejected names before anything could stay uninitialised
-            missing = [n for n in WEIGHT_NAMES if n not in loaded]
-            if "lm_head.weight" in missing and not _int(self.cfg, "draft_vocab_size"):
-                missing.remove("lm_head.weight")  # both engines then use the target's lm_head
-            if missing:
-                add("error", engine, "tensors", f"no tensor loads into {missing}: the engine runs with those "
-                    f"weights uninitialised, without an error")
-        if EMBED_NAME in self.loaded:
-            add("info", "both", "tensors", "embed_tokens is included: the engines use it instead of the target's "
-                "embedding (vLLM shares the target's only when identical)")
-
-    def shapes(self) -> None:
-        fc_raw = self.loaded.get("fc.weight")
-        fc = self.t[fc_raw] if fc_raw else None
-        if fc is not None and fc.dim() == 2 and fc.shape[1] % self.Ht == 0:
-            self.num_aux = fc.shape[1] // self.Ht
-        elif fc is not None:
-            self.add("error", "both", "tensors", f"fc.weight has shape {tuple(fc.shape)}; its input width must be "
-                     f"a multiple of target_hidden_size = {self.Ht}")
-        want = expected_shapes(self.cfg, self.num_aux or 3)
-        for canon, raw in self.loaded.items():
-            if canon in want and tuple(self.t[raw].shape) != want[canon]:
-                self.add("error", "both", "tensors", f"{raw} has shape {tuple(self.t[raw].shape)}, config.json "
-                         f"implies {want[canon]}")
-        if self.strict:
-            dtypes = sorted({str(self.t[r].dtype).replace("torch.", "") for c, r in self.loaded.items()
-                             if c not in (D2T, T2D)})
-            if dtypes and dtypes != ["bfloat16"]:
-                self.add("warning", "pipeline", "tensors", f"weights are {dtypes}, this format writes bfloat16 "
-                         f"(the engines cast to the serving dtype)")
-
-    def aux_count(self) -> None:
-        ec = self.cfg.get("eagle_config") if isinstance(self.cfg.get("eagle_config"), Mapping) else {}
-        if ec.get("use_aux_hidden_state") is False:
-            self.add("error", "both", "layers", "eagle_config.use_aux_hidden_state is false: vLLM then drops fc and "
-                     "feeds the drafter one hidden state; this is not an EAGLE-3 drafter")
-        if self.num_aux is None:
-            return
-        # Both engines size fc alike: vLLM 0.32's llama_eagle3, and SGLang's from 0.5.12 on (read
-        # in the 0.5.12, 0.5.13, 0.5.16 and 0.5.23 wheels), so four aux layers serve in both.
-        nested = _nested_ids(self.cfg)
-        served_aux = _int(self.cfg, "num_aux_hidden_states") or (len(nested) if nested else 3)
-        if served_aux != self.num_aux:
-            self.add("error", "both", "layers", f"fc fuses {self.num_aux} aux states but the engines size fc for "
-                     f"{served_aux} (num_aux_hidden_states, else the nested id count, else 3)")
-
-    def fc_norm(self) -> None:
-        """EAGLE 3.1's norms (module doc): the config keys against the `fc_norm.{i}` tensors."""
-        cfg, add = self.cfg, self.add
-        on, legacy = bool(cfg.get("fc_norm")), bool(cfg.get(LEGACY_FC_NORM_KEY))
-        present = sorted({int(m.group(1)) for canon in self.loaded if (m := FC_NORM_PATTERN.fullmatch(canon))})
-        n = self.num_aux or 3
-        if legacy and not on:
-            add("error", "vllm", "config", f"{LEGACY_FC_NORM_KEY} = true (the legacy spelling of fc_norm): "
-                f"SGLang reads it, vLLM reads only `fc_norm` and runs without the aux-layer norms; write "
-                f"\"fc_norm\": true")
-        if (on or legacy) and present != list(range(n)):
-            missing = [name for i, name in enumerate(fc_norm_names(n)) if i not in present]
-            extra = [i for i in present if i >= n]
-            if missing:
-                add("error", "both", "tensors", f"fc_norm is on but {missing} are missing: the engine keeps those "
-                    f"norms at their initial weight (ones), not as trained, without an error")
-            if extra:
-                add("error", "both", "tensors", f"fc_norm.{extra} beyond the {n} aux layers fc fuses: vLLM has no "
-                    f"such parameter and loading raises; SGLang drops them")
-        elif present and not (on or legacy):
-            add("error", "both", "config", f"the file holds {len(present)} fc_norm tensor(s) but config.json does "
-                f"not set \"fc_norm\": true: vLLM then has no such parameter and loading raises, SGLang drops "
-                f"them silently and runs without the trained norms")
-        if on or legacy or cfg.get("norm_output"):
-            first = SHAPE_FIRST_VERSIONS["eagle3.1"]
-            add("info", "both", "shape", f"EAGLE 3.1 (fc_norm {on or legacy}, norm_output "
-                f"{bool(cfg.get('norm_output'))}): served by vLLM >= {first['vllm']} and SGLang >= {first['sglang']}")
-
-    def vocab_mapping(self) -> None:
-        add, V, Vd = self.add, self.V, self.Vd
-        d2t_raw = self.loaded.get(D2T)
-        if d2t_raw is None:
-            if Vd != V:
-                add("error", "both", "d2t", f"no d2t while draft_vocab_size {Vd} != vocab_size {V}: vLLM maps "
-                    f"draft id i to target id i (identity) and SGLang has no hot-token map, silently")
-            return
-        d2t = self.t[d2t_raw]
-        if Vd == V:
-            add("error", "vllm", "d2t", f"d2t is present while draft_vocab_size == vocab_size ({V}): vLLM then "
-                f"has no draft_id_to_target_id parameter and loading raises; drop d2t")
-        s = d2t_summary(d2t, V)
-        if d2t.dtype != torch.int64:
-            add("error" if d2t.dtype.is_floating_point else "warning", "both", "d2t",
-                f"d2t is {s['dtype']}; engines expect int64 offsets")
-        if s["out_of_range"]:
-            add("error", "both", "d2t", f"{s['out_of_range']} target id(s) i + d2t[i] outside [0, {V}): the "
-                f"engines index out of bounds")
-        if s["duplicates"]:
-            add("error", "both", "d2t", f"{s['duplicates']} duplicate target id(s) among i + d2t[i]: two draft "
-                f"rows map to one token and vLLM's scatter keeps only one of them")
-        if not s["ascending"] and not s["duplicates"] and self.strict:
-            add("warning", "pipeline", "d2t", "target ids i + d2t[i] are not ascending (convention 2 sorts them)")
-        t2d_raw = self.loaded.get(T2D) or next((r for r in self.t if sglang_name(r)[1] == T2D), None)
-        if t2d_raw is not None and not s["out_of_range"]:
-            t2d = self.t[t2d_raw]
-            ids = target_ids(d2t)
-            if t2d.shape != (V,) or t2d.dtype != torch.bool or int(t2d.sum()) != d2t.numel() \
-                    or not bool(t2d[ids].all()):
-                add("warning", "pipeline", "t2d", "t2d disagrees with d2t (both engines ignore t2d, but this "
-                    "pipeline's loader and fine-tuning read it)")
-        elif t2d_raw is None and self.strict:
-            add("info", "pipeline", "t2d", "no t2d (both engines ignore it; this format writes it)")
-
-    def layer_ids(self) -> None:
-        cfg, target = self.cfg, self.target
-        layers, where = intended_layers(cfg, target.family if target else None)
-        N = target.num_layers if target else None
-        if layers is not None:
-            for p in layer_range_problems(layers, N):
-                self.add("error", "both", "layers", f"{where} = {layers}: {p}")
-        ref = layers if layers is not None else (default_aux_layers(N) if N else None)
-        for rule in rules_for(target.family if target else None):
-            got = captured_layers(rule, cfg, N)
-            if got is None or ref is None or got == ref:
-                continue
-            # Without a target we cannot tell whether the DeepSeek rule applies at all; on a
-            # DeepSeek/Kimi target the "+ 1 always" rule is that of SGLang releases below the
-            # supported minimum (before PR #25454): a warning, so a K2.5 drafter's [2, 30, 58] passes.
-            old_sglang = target is not None and target.family == "deepseek" and rule == SGLANG
-            if target is None:
-                level = "warning" if rule == SGLANG_DEEPSEEK else "error"
-            else:
-                level = "warning" if old_sglang else "error"
-            label = "SGLang before PR #25454 (releases before 0.5.13)" if old_sglang else RULES[rule].split(":")[0]
-            why = ""
-            if rule == SGLANG_DEEPSEEK:
-                why = (" (that rule adds one only when the first nested id is 1, i.e. the first layer is 2"
-                       + ("; layer 1 needs nested id 0, which it never shifts" if ref and ref[0] == 1 else "") + ")")
-            self.add(level, VLLM if rule in (VLLM, VLLM_V2) else SGLANG, CAPTURE_TOPIC,
-                     f"{label} captures {got}, but the drafter was trained on {ref} ({where}){why}"
-                     + ("" if target else "; pass --target-config to know whether this rule applies")
-                     + (f"; serve with SGLang >= {SGLANG_DEEPSEEK_RULE_FROM} (the supported minimum, "
-                        f"{_minimum('sglang')}, is later)" if old_sglang else ""))
-        if layers is None:
-            self.add("warning", "both", "layers", "config.json names no aux layers; both engines use "
-                     "[2, N//2, N-3] of the target, which must be what the drafter was trained on")
-        elif cfg.get("eagle_aux_hidden_state_layer_ids") and _nested_ids(cfg) is None and target is None:
-            # With a target, the comparison above already says whether SGLang's fallback matches.
-            self.add("warning", "sglang", "layers", "only top-level ids: SGLang reads only eagle_config's and "
-                     "falls back to [2, N//2, N-3]; write eagle_config.eagle_aux_hidden_state_layer_ids = ids - 1")
-        elif not cfg.get("eagle_aux_hidden_state_layer_ids") and target is None:
-            # With a target, the comparison above already says what V2's fallback captures.
-            self.add("warning", "vllm", "layers", f"only nested eagle_config ids: vLLM's V2 model runner (the GPU "
-                     f"default since 0.32) never reads them and captures [2, N//2, N-3] of the target, while V1 "
-                     f"takes them as-is; write top-level eagle_aux_hidden_state_layer_ids = {layers}")
-
-    def against_target(self) -> None:
-        add, target = self.add, self.target
-        mpe = _int(self.cfg, "max_position_embeddings")
-        if target is None:
-            if mpe is None:
-                add("warning", "both", "config", "no max_position_embeddings (engines default to 2048/8192)")
-            return
-        if mpe is None or mpe < target.max_position_embeddings:
-            add("error", "sglang", "config", f"max_position_embeddings = {mpe} < the target's "
-                f"{target.max_position_embeddings}: SGLang refuses a draft with a shorter context (unless "
-                f"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1); write at least the target's")
-            add("info", "vllm", "config", "vLLM 0.32 raises the draft's max_position_embeddings to the target's "
-                "max_model_len itself (config/speculative.py)")
-        if self.V is not None and self.V != target.vocab_size:
-            add("error", "both", "config", f"vocab_size = {self.V}, the target's is {target.vocab_size}: vLLM "
-                f"scatters draft logits into vocab_size columns and the target verifies {target.vocab_size}")
-        if self.Ht is not None and self.Ht != target.hidden_size:
-            add("error", "both", "config", f"target_hidden_size = {self.Ht} (hidden_size when absent) but the "
-                f"target's hidden size is {target.hidden_size}: fc cannot read its aux states")
-        if self.H is not None and self.H != target.hidden_size and EMBED_NAME not in self.loaded:
-            add("error", "both", "config", f"hidden_size {self.H} != the target's {target.hidden_size} and no "
-                f"embed_tokens: the engines share the target's embedding, of the wrong width")

@@ -46,7 +46,7 @@ def test_stage_02_refuses_an_empty_train_split_before_loading_the_target(tmp_pat
     prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(chats(tmp_path / "c.jsonl"))],
                                   num_workers=1))
     loaded = []
-    monkeypatch.setattr("eagle3.stages.s02_extract.run.load_engine", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr("eagle3.stages.s02_extract.write.load_engine", lambda *a, **k: loaded.append(1))
     with pytest.raises(PipelineError) as e:
         extract_hidden_states(extract_cfg(wd, tiny_llama))
     msg = str(e.value)
@@ -86,7 +86,7 @@ def test_stage_02_refuses_a_store_whose_every_train_sample_is_nan(tmp_path, nan_
 
 
 def test_stage_02_warns_when_most_of_a_split_is_rejected(caplog):
-    from eagle3.stages.s02_extract.run import _refuse_or_warn_rejected
+    from eagle3.stages.s02_extract.results import _refuse_or_warn_rejected
 
     cfg = ExtractConfig(work_dir=Path("w"), target_model="t")
     counts = {"train_samples": 10, "train_rejected_nonfinite": 6, "eval_samples": 2, "eval_rejected_nonfinite": 0}

@@ -20,8 +20,9 @@ from eagle3.artifacts.manifest import read_manifest, read_record, record_of
 from eagle3.artifacts.store import HiddenStateStore
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
-from eagle3.stages.s02_extract import run as run_mod
+from eagle3.stages.s02_extract import engine as extract_engine
 from eagle3.stages.s02_extract.config import ExtractConfig
+from eagle3.stages.s02_extract.plan import box_files, plan_files
 from eagle3.stages.s02_extract.run import extract_hidden_states
 
 N_CHATS = 40
@@ -290,8 +291,8 @@ def test_kill_and_resume_equals_unbroken_run(prepared, hf_store, tiny_targets, t
            "--target-model", str(tiny_targets["llama"]), "--backend", "hf", "--samples-per-file", "4"]
     d = WorkDir(wd).store()
     kill_after_entries(cmd, d)
-    n_plan = len(run_mod.plan_files({s: len(HiddenStateStore.open(WorkDir(hf_store["llama"]), needed_by="t")
-                                            .split(s)) for s in ("train", "eval")}, 4))
+    n_plan = len(plan_files({s: len(HiddenStateStore.open(WorkDir(hf_store["llama"]), needed_by="t")
+                                    .split(s)) for s in ("train", "eval")}, 4))
     assert len(list(d.glob("*-0*.json"))) < n_plan, "killed too late to test a resume"
     assert not (WorkDir(wd).manifest("extract")).exists()
     extract_hidden_states(cfg_for(wd, tiny_targets["llama"]))
@@ -334,7 +335,7 @@ def test_two_shards_combine_into_one_run(prepared, hf_store, tiny_targets, tmp_p
     d0, d1 = WorkDir(boxes[0]).store(), WorkDir(boxes[1]).store()
     for f in d1.glob("*-0*"):
         shutil.copy2(f, d0 / f.name)
-    monkeypatch.setattr(run_mod, "make_backend", lambda *a, **k: pytest.fail("no model should be needed"))
+    monkeypatch.setattr(extract_engine, "make_backend", lambda *a, **k: pytest.fail("no model should be needed"))
     m = extract_hidden_states(cfg_for(boxes[0], tiny_targets["llama"]))
     assert record_of(m).complete and m.counts["files_present"] == m.counts["files_expected"]
     assert store_files(boxes[0]) == store_files(hf_store["llama"])
@@ -347,10 +348,10 @@ def test_data_parallel_workers_write_the_same_store(prepared, hf_store, tiny_tar
 
 
 def test_plan_is_deterministic_and_partitioned():
-    plan = run_mod.plan_files({"train": 10, "eval": 3}, 4)
+    plan = plan_files({"train": 10, "eval": 3}, 4)
     assert [(f.split, f.file_no, f.first, f.count) for f in plan] == [
         ("train", 0, 0, 4), ("train", 1, 4, 4), ("train", 2, 8, 2), ("eval", 0, 0, 3)]
-    parts = [run_mod.box_files(plan, 3, i) for i in range(3)]
+    parts = [box_files(plan, 3, i) for i in range(3)]
     assert sorted((f for p in parts for f in p), key=plan.index) == plan
     assert not set(parts[0]) & set(parts[1])
 

@@ -119,12 +119,13 @@ def test_rerun_with_the_other_encoding_is_refused_until_force(stores, tiny_llama
 
 def test_stage02_refuses_a_too_small_disk_before_the_engine_loads(stores, prepared, tiny_llama, tmp_path,
                                                                    monkeypatch, no_model_load):
-    from eagle3.stages.s02_extract import run as run_mod
+    from eagle3.stages.s02_extract.inputs import split_lengths
+    from eagle3.stages.s02_extract.plan import plan_files
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
     wd = fresh_wd(prepared, tmp_path / "wd")
-    lengths = {s: run_mod.split_lengths(WorkDir(wd), s) for s in ("train", "eval")}
-    plan = run_mod.plan_files({s: len(v) for s, v in lengths.items()}, 4)
+    lengths = {s: split_lengths(WorkDir(wd), s) for s in ("train", "eval")}
+    plan = plan_files({s: len(v) for s, v in lengths.items()}, 4)
     files = [(f.count, int(lengths[f.split][f.first:f.first + f.count].sum())) for f in plan]
     need = store.bytes_to_write(files, 256, 3, "fp8")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: DiskUsage(10 ** 12, 0, need - 1))
@@ -165,7 +166,7 @@ def test_fp8_kill_and_resume_equals_unbroken_run(prepared, stores, tiny_llama, t
 
 
 def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path, monkeypatch):
-    from eagle3.stages.s02_extract import run as run_mod
+    from eagle3.stages.s02_extract import engine as extract_engine
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
     boxes = [fresh_wd(prepared, tmp_path / f"box{i}") for i in range(2)]
@@ -174,7 +175,7 @@ def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path,
     d0, d1 = WorkDir(boxes[0]).store(), WorkDir(boxes[1]).store()
     for f in d1.glob("*-0*"):
         shutil.copy2(f, d0 / f.name)
-    monkeypatch.setattr(run_mod, "make_backend", lambda *a, **k: pytest.fail("no model should be needed"))
+    monkeypatch.setattr(extract_engine, "make_backend", lambda *a, **k: pytest.fail("no model should be needed"))
     m = extract_hidden_states(cfg_for(boxes[0], tiny_llama, store_dtype="fp8"))
     assert record_of(m).complete and m.counts["files_present"] == m.counts["files_expected"]
     assert store_files(boxes[0]) == store_files(stores["fp8"])

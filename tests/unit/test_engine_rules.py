@@ -1,4 +1,5 @@
-"""The aux-layer translation per engine rule, and the engines' tensor-name rules."""
+"""The aux-layer translation per engine rule, the engines' tensor-name rules (engine_rules.py), and the
+drafter checker that holds a drafter to them (drafter_check.py)."""
 from __future__ import annotations
 
 import math
@@ -6,6 +7,8 @@ import math
 import pytest
 import torch
 
+from eagle3.artifacts.vocab_map import target_ids
+from eagle3.serving.drafter_check import TargetFacts, check_drafter, d2t_summary, errors
 from eagle3.serving import engine_rules as er
 from eagle3.target.info import default_aux_layers
 
@@ -56,12 +59,12 @@ def test_published_kimi_style_config_per_runner():
     # without a target, inspect warns that the runners disagree
     cfg, t = _drafter()
     cfg = {k: v for k, v in cfg.items() if k != "eagle_aux_hidden_state_layer_ids"}
-    msgs = [f.message for f in er.check_drafter(cfg, t) if f.level == "warning" and f.engine == "vllm"]
+    msgs = [f.message for f in check_drafter(cfg, t) if f.level == "warning" and f.engine == "vllm"]
     assert any("V2 model runner" in m and "[2, 4, 5]" in m for m in msgs)
     # with a target, V1 (nested as-is) and V2 (default [2, 4, 5] for 8 layers) are judged apart
-    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
-                            family="llama")
-    bad = er.errors(er.check_drafter(cfg, t, target))
+    target = TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                         family="llama")
+    bad = errors(check_drafter(cfg, t, target))
     assert len(bad) == 1 and bad[0].message.startswith("vLLM V1 runner") and "captures [1, 3, 4]" in bad[0].message
 
 
@@ -90,9 +93,9 @@ def test_sglang_deepseek_rule_adds_one_only_when_first_id_is_1():
 def capture_problems(layers: list[int], family: str | None, num_layers: int = 61) -> list[str]:
     """The layer-capture errors `check_drafter` finds in the config the pipeline writes for
     `layers` (its one answer to "will every engine capture these layers"); family None: no target."""
-    target = None if family is None else er.TargetFacts(num_layers=num_layers, hidden_size=64, vocab_size=100,
-                                                        max_position_embeddings=4096, family=family)
-    return [f.message for f in er.check_drafter(er.aux_layer_config(layers), {}, target)
+    target = None if family is None else TargetFacts(num_layers=num_layers, hidden_size=64, vocab_size=100,
+                                                     max_position_embeddings=4096, family=family)
+    return [f.message for f in check_drafter(er.aux_layer_config(layers), {}, target)
             if f.topic == er.CAPTURE_TOPIC and f.level == "error"]
 
 
@@ -180,29 +183,29 @@ def _drafter(H=64, nh=1, nkv=1, D=64, inter=128, V=100, Vd=16, layers=(2, 4, 5))
 
 def test_clean_synthetic_drafter_has_no_errors_or_warnings():
     cfg, t = _drafter()
-    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
-                            family="llama")
-    assert [f for f in er.check_drafter(cfg, t, target) if f.level != "info"] == []
+    target = TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                         family="llama")
+    assert [f for f in check_drafter(cfg, t, target) if f.level != "info"] == []
 
 
 def test_four_aux_layers_serve_in_both_engines_and_a_count_that_disagrees_with_fc_is_an_error():
     # vLLM 0.32 and SGLang from 0.5.12 on size fc by num_aux_hidden_states, else the nested id
-    # count, else 3 (engine_rules `aux_count`); an earlier check held SGLang to exactly three.
+    # count, else 3 (drafter_check `aux_count`); an earlier check held SGLang to exactly three.
     cfg, t = _drafter(layers=(1, 2, 4, 5))
-    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
-                            family="llama")
-    assert er.errors(er.check_drafter(cfg, t, target)) == []
+    target = TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                         family="llama")
+    assert errors(check_drafter(cfg, t, target)) == []
     cfg["num_aux_hidden_states"] = 3
-    bad = er.errors(er.check_drafter(cfg, t, target))
+    bad = errors(check_drafter(cfg, t, target))
     assert [(f.engine, f.topic) for f in bad] == [("both", "layers")], bad
     assert "fc fuses 4 aux states" in bad[0].message and "num_aux_hidden_states" in bad[0].message
 
 
 def test_deepseek_target_with_layers_starting_at_3_is_an_error():
     cfg, t = _drafter(layers=(3, 4, 5))
-    target = er.TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
-                            family="deepseek")
-    bad = er.errors(er.check_drafter(cfg, t, target))
+    target = TargetFacts(num_layers=8, hidden_size=64, vocab_size=100, max_position_embeddings=4096,
+                         family="deepseek")
+    bad = errors(check_drafter(cfg, t, target))
     assert len(bad) == 1 and "captures [2, 3, 4]" in bad[0].message
 
 
@@ -210,14 +213,14 @@ def test_d2t_with_equal_vocabs_is_refused_by_vllm():
     cfg, t = _drafter(V=16, Vd=16)
     t["d2t"] = torch.zeros(16, dtype=torch.int64)
     t["t2d"] = torch.ones(16, dtype=torch.bool)
-    bad = er.errors(er.check_drafter(cfg, t))
+    bad = errors(check_drafter(cfg, t))
     assert [f.engine for f in bad] == ["vllm"] and "drop d2t" in bad[0].message
 
 
 def test_d2t_summary():
-    s = er.d2t_summary(torch.tensor([0, 0, 1, -1]), 10)  # ids 0, 1, 3, 2
+    s = d2t_summary(torch.tensor([0, 0, 1, -1]), 10)  # ids 0, 1, 3, 2
     assert s["duplicates"] == 0 and not s["ascending"] and s["out_of_range"] == 0
-    s = er.d2t_summary(torch.tensor([5, 5, 8]), 10)  # ids 5, 6, 10
+    s = d2t_summary(torch.tensor([5, 5, 8]), 10)  # ids 5, 6, 10
     assert s["out_of_range"] == 1 and s["ascending"]
 
 
@@ -225,14 +228,14 @@ LLAMA_8 = dict(num_layers=8, hidden_size=64, vocab_size=100, max_position_embedd
 
 
 def _errors_on(cfg, t, topic, **target):
-    return [f.message for f in er.errors(er.check_drafter(cfg, t, er.TargetFacts(**{**LLAMA_8, **target})))
+    return [f.message for f in errors(check_drafter(cfg, t, TargetFacts(**{**LLAMA_8, **target})))
             if f.topic == topic]
 
 
 def test_d2t_pointing_outside_the_target_vocab_is_an_error():
     for bad_id in (100, -1):  # one past the last id; below the first
         cfg, t = _drafter()
-        ids = er.target_ids(t["d2t"]).clone()
+        ids = target_ids(t["d2t"]).clone()
         ids[-1 if bad_id >= 0 else 0] = bad_id
         t["d2t"] = ids - torch.arange(16)
         msgs = _errors_on(cfg, t, "d2t")
@@ -241,7 +244,7 @@ def test_d2t_pointing_outside_the_target_vocab_is_an_error():
 
 def test_two_draft_rows_mapping_to_one_target_id_is_an_error():
     cfg, t = _drafter()
-    ids = er.target_ids(t["d2t"]).clone()
+    ids = target_ids(t["d2t"]).clone()
     ids[1] = ids[0]
     t["d2t"] = ids - torch.arange(16)
     (msg,) = _errors_on(cfg, t, "d2t")
@@ -269,11 +272,11 @@ def test_a_hidden_size_other_than_the_targets_is_an_error_for_fc_and_for_the_sha
 
 def test_a_context_shorter_than_the_targets_is_an_sglang_error():
     cfg, t = _drafter()
-    target = er.TargetFacts(**{**LLAMA_8, "max_position_embeddings": 8192})
-    bad = er.errors(er.check_drafter(cfg, t, target))
+    target = TargetFacts(**{**LLAMA_8, "max_position_embeddings": 8192})
+    bad = errors(check_drafter(cfg, t, target))
     assert [f.engine for f in bad] == ["sglang"]
     assert bad[0].message.startswith("max_position_embeddings = 4096 < the target's 8192: SGLang refuses")
-    assert not er.errors(er.check_drafter(cfg, t, er.TargetFacts(**{**LLAMA_8, "max_position_embeddings": 4096})))
+    assert not errors(check_drafter(cfg, t, TargetFacts(**{**LLAMA_8, "max_position_embeddings": 4096})))
 
 
 # -- EAGLE 3.1 (docs/CONVENTIONS.md §6 and §8) ------------------------------------------------
@@ -287,7 +290,7 @@ def _eagle31(**extra):
 
 def test_an_eagle31_drafter_is_clean_for_both_engines_and_says_which_releases_serve_it():
     cfg, t = _eagle31()
-    findings = er.check_drafter(cfg, t, er.TargetFacts(**LLAMA_8))
+    findings = check_drafter(cfg, t, TargetFacts(**LLAMA_8))
     assert [f for f in findings if f.level != "info"] == []
     (shape,) = [f for f in findings if f.topic == "shape"]
     assert shape.message == ("EAGLE 3.1 (fc_norm True, norm_output True): served by vLLM >= 0.22.0 and "
@@ -295,8 +298,8 @@ def test_an_eagle31_drafter_is_clean_for_both_engines_and_says_which_releases_se
     # norm_output alone adds no tensor and is read by both engines as well
     cfg, t = _drafter()
     cfg["norm_output"] = True
-    assert [f.level for f in er.check_drafter(cfg, t) if f.topic == "shape"] == ["info"]
-    assert not er.errors(er.check_drafter(cfg, t))
+    assert [f.level for f in check_drafter(cfg, t) if f.topic == "shape"] == ["info"]
+    assert not errors(check_drafter(cfg, t))
 
 
 def test_fc_norm_names_per_engine():
@@ -314,20 +317,20 @@ def test_fc_norm_names_per_engine():
 def test_fc_norm_tensors_and_config_must_agree():
     cfg, t = _eagle31()
     del t["fc_norm.1.weight"]
-    (msg,) = [f.message for f in er.errors(er.check_drafter(cfg, t))]
+    (msg,) = [f.message for f in errors(check_drafter(cfg, t))]
     assert msg.startswith("fc_norm is on but ['fc_norm.1.weight'] are missing: the engine keeps those norms at "
                           "their initial weight (ones)")
     cfg, t = _eagle31()
     del cfg["fc_norm"]  # tensors without the switch: vLLM has no parameter, SGLang drops them
-    bad = er.errors(er.check_drafter(cfg, t))
+    bad = errors(check_drafter(cfg, t))
     assert [f.engine for f in bad] == ["both"] and 'does not set "fc_norm": true' in bad[0].message
     cfg, t = _eagle31()
     t["fc_norm.3.weight"] = torch.ones(64, dtype=torch.bfloat16)
-    assert any("beyond the 3 aux layers" in f.message for f in er.errors(er.check_drafter(cfg, t)))
+    assert any("beyond the 3 aux layers" in f.message for f in errors(check_drafter(cfg, t)))
     cfg, t = _eagle31()
     t["fc_norm.0.weight"] = torch.ones(32, dtype=torch.bfloat16)
     assert any(f.message.startswith("fc_norm.0.weight has shape (32,), config.json implies (64,)")
-               for f in er.errors(er.check_drafter(cfg, t)))
+               for f in errors(check_drafter(cfg, t)))
 
 
 def test_the_legacy_spelling_is_an_sglang_only_drafter():
@@ -336,7 +339,7 @@ def test_the_legacy_spelling_is_an_sglang_only_drafter():
     cfg["use_aux_norm"] = True
     legacy = dict(zip(er.fc_norm_names(3), er.LEGACY_FC_NORM_NAMES))
     t = {legacy.get(n, n): v for n, v in t.items()}
-    bad = er.errors(er.check_drafter(cfg, t))
+    bad = errors(check_drafter(cfg, t))
     assert sorted(f.engine for f in bad) == ["vllm", "vllm"]  # its names and its key: SGLang reads both
     assert any("vLLM reads only `fc_norm`" in f.message for f in bad)
 
@@ -349,7 +352,7 @@ def test_every_supported_engine_serves_every_drafter_shape():
     assert set(er.SHAPE_FIRST_VERSIONS) | {"eagle3"} == set(SHAPES)
     for shape, first in er.SHAPE_FIRST_VERSIONS.items():
         for package, version in first.items():
-            assert Version(er._minimum(package)) >= Version(version), (shape, package)
+            assert Version(er.minimum_version(package)) >= Version(version), (shape, package)
 
 
 # -- yarn rope as served (docs/KIMI_K25.md, "Rope and length as served") ---------------------

@@ -21,9 +21,10 @@ The packages by concept, each importing only those named after it (and itself):
     tools/      the operator's commands: anything but the demo; nothing else imports a tool
 
 so the packages form no cycle (the rules themselves are checked for one), and no module imports
-one of ours inside a function, so every link between modules shows at the top of the file. The
-stage folders, the registry and the numbered scripts agree, and each script imports its stage's
-config and entry function by name.
+one of ours inside a function, so every link between modules shows at the top of the file. Nor do
+the modules themselves import each other in a circle, inside a package either: a reader following
+a call never comes back to the module it started from. The stage folders, the registry and the
+numbered scripts agree, and each script imports its stage's config and entry function by name.
 """
 from __future__ import annotations
 
@@ -142,6 +143,26 @@ def cycle(graph: dict[str, set[str]]) -> list[str]:
     return []
 
 
+def module_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Each module under root/eagle3 -> the modules of ours it imports, at the top or inside a
+    function. `from eagle3.x import y` imports eagle3.x.y when y is a module, else eagle3.x.
+    Not seen: relative imports (test_every_import_follows_the_layers refuses them) and modules
+    named by a string at run time (`importlib.import_module(f"...")`, the stage registry's)."""
+    modules = {module_name(p, root): p for p in (root / "eagle3").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names if alias.name in modules}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module in modules:
+                submodules = {f"{node.module}.{alias.name}" for alias in node.names} & modules.keys()
+                imported |= submodules or {node.module}
+                if len(submodules) < len(node.names):  # names defined in the package itself too
+                    imported.add(node.module)
+    return graph
+
+
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
@@ -158,6 +179,14 @@ def test_no_import_of_ours_hides_inside_a_function():
     hidden = [f"{p.relative_to(ROOT)}:{line} imports {imp}"
               for p in MODULES for imp, line, inside in our_imports(p) if inside]
     assert not hidden, "move these imports to the top of their module:\n" + "\n".join(hidden)
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    # Within a package too (the layers above allow any import inside one): two modules that
+    # need each other share steps that belong in a third module both import.
+    circle = cycle(module_graph())
+    assert not circle, ("these modules import each other in a circle; move what they share into a module "
+                        "of its own:\n" + " -> ".join(circle))
 
 
 def test_the_packages_are_the_concepts():
@@ -233,6 +262,24 @@ def test_the_checker_fails_on_a_bad_import(tmp_path):
     # and a rule table with a loop in it is caught
     assert cycle({"core": {"core"}, "artifacts": {"core", "serving"}, "serving": {"artifacts"}}) == [
         "artifacts", "serving", "artifacts"]
+
+
+def test_the_module_graph_sees_a_circle_through_a_submodule_and_a_function(tmp_path):
+    # A circle of three: a package's submodule named in `from ... import`, a plain `import`,
+    # and an import inside a function; plus a name imported from a package's __init__.py.
+    for rel, text in {"eagle3/__init__.py": "",
+                      "eagle3/stage/__init__.py": "VALUE = 1\n",
+                      "eagle3/stage/run.py": "from eagle3.stage import steps, VALUE\n",
+                      "eagle3/stage/steps.py": "import eagle3.stage.results\n",
+                      "eagle3/stage/results.py": "def write():\n    from eagle3.stage.run import VALUE\n",
+                      "eagle3/stage/alone.py": "import json\nfrom eagle3.stage.steps import x\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    graph = module_graph(tmp_path)
+    assert graph["eagle3.stage.run"] == {"eagle3.stage", "eagle3.stage.steps"}
+    assert graph["eagle3.stage.alone"] == {"eagle3.stage.steps"}
+    assert cycle(graph) == ["eagle3.stage.steps", "eagle3.stage.results", "eagle3.stage.run",
+                            "eagle3.stage.steps"]
 
 
 def stage_package(stage) -> str:

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3.artifacts import store
+from eagle3.artifacts.store import format as store_format
 from eagle3.core.errors import PipelineError
 
 H, A = 32, 3
@@ -203,7 +204,7 @@ def test_reader_verifies_each_file_once_before_its_first_read(tmp_path, monkeypa
     _, entry, path, (ids, _, _, _) = _build(tmp_path, [4, 5], store_dtype=store_dtype)
     calls = []
     real = store.buffer_checksum
-    monkeypatch.setattr(store, "buffer_checksum", lambda buf: calls.append(1) or real(buf))
+    monkeypatch.setattr(store_format, "buffer_checksum", lambda buf: calls.append(1) or real(buf))
     split = _reader(tmp_path, [entry], 2, store_dtype).split("train")  # lazy: nothing hashed at open
     assert calls == []
     assert split[0].input_ids.tolist() == ids[0].tolist() and split[1].input_ids.tolist() == ids[1].tolist()

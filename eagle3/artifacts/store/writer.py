@@ -1,6 +1,6 @@
 """The store's write side: stage 02's partial files, their finalization, the index.
 
-Stage 02 (eagle3/stages/s02_extract/run.py) and its backends (the hf backend and, inside
+Stage 02 (eagle3/stages/s02_extract/write.py) and its backends (the hf backend and, inside
 vLLM's worker process, the project's KV connector) call these; the layout they write
 is eagle3/artifacts/store/format.py's. A file is created at its final size as a bf16
 partial file (`create_partial_file`), the backends write each sample's states at its
@@ -160,7 +160,7 @@ def bytes_to_write(files: Sequence[tuple[int, int]], hidden_size: int, num_aux: 
     """Free bytes stage 02 needs to write `files` ((samples, tokens) of each) in `store_dtype`.
 
     Their sizes, plus for fp8 the bf16 partial files that exist beside them while they are
-    written: per engine one being filled and one being finalized (eagle3/stages/s02_extract/run.py
+    written: per engine one being filled and one being finalized (eagle3/stages/s02_extract/write.py
     finalizes a file while the engine fills the next), the largest ones counted.
     """
     total = sum(file_bytes(S, T, hidden_size, num_aux, store_dtype) for S, T in files)

@@ -35,7 +35,7 @@ reason and the likely fix. Dropping more than half of the records is a warning, 
 is any assistant turn of the input left ungenerated (a conversation ended early): the
 share of input turns not generated, by reason, and the fix.
 
-Work plan (as stage 02's, eagle3/stages/s02_extract/run.py): the input records are cut into chunks
+Work plan (as stage 02's, eagle3/stages/s02_extract/plan.py): the input records are cut into chunks
 of `chunk_size`; box `shard_index` of `num_shards` takes every `num_shards`-th chunk,
 and its `data_parallel_size` engines split those. A chunk's turns are generated in
 rounds (eagle3/stages/s00_generate/conversation.py) and the chunk is written atomically once all

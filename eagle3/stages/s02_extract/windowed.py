@@ -45,22 +45,24 @@ from eagle3.artifacts.manifest import Manifest, already_complete, read_manifest,
 from eagle3.artifacts.workdir import SPLITS
 from eagle3.core.errors import PipelineError
 from eagle3.stages.s02_extract.config import ExtractConfig
-# run.py dispatches here under --disk-budget and this module uses its steps: a module
-# reference (resolved at call time), so either may be imported first.
-from eagle3.stages.s02_extract import run as _run
+from eagle3.stages.s02_extract.engine import load_engine
+from eagle3.stages.s02_extract.inputs import Prepared, check_store_identity, load_split, split_lengths, validate
+from eagle3.stages.s02_extract.plan import plan_files
+from eagle3.stages.s02_extract.results import store_intact, write_results
+from eagle3.stages.s02_extract.write import file_complete, write_files
 
 log = logging.getLogger(__name__)
 
 
-def window_plan(cfg: ExtractConfig, p: _run.Prepared) -> windows.WindowPlan:
-    lengths = {s: _run.split_lengths(p.wd, s).tolist() for s in SPLITS}
+def window_plan(cfg: ExtractConfig, p: Prepared) -> windows.WindowPlan:
+    lengths = {s: split_lengths(p.wd, s).tolist() for s in SPLITS}
     return windows.make_plan(lengths["train"], lengths["eval"], disk_budget=windows.parse_bytes(cfg.disk_budget),
                              seed=cfg.window_seed, passes=cfg.extraction_passes,
                              windows_in_budget=cfg.windows_in_budget, spf=cfg.samples_per_file,
                              H=p.info.hidden_size, A=len(p.aux_layers), dtype=cfg.store_dtype)
 
 
-def held_out_prepared(p: _run.Prepared, plan: windows.WindowPlan) -> _run.Prepared:
+def held_out_prepared(p: Prepared, plan: windows.WindowPlan) -> Prepared:
     """The store folder's own identity: the held-out split only, under this window plan."""
     ident = {**p.identity, "num_samples": {"train": 0, "eval": p.num_samples["eval"]},
              "window_plan": plan.fingerprint}
@@ -69,7 +71,7 @@ def held_out_prepared(p: _run.Prepared, plan: windows.WindowPlan) -> _run.Prepar
                                num_samples=ident["num_samples"])
 
 
-def round_prepared(main: _run.Prepared, plan: windows.WindowPlan, r: int) -> _run.Prepared:
+def round_prepared(main: Prepared, plan: windows.WindowPlan, r: int) -> Prepared:
     w = plan.window_of(r)
     ident = {**main.identity, "num_samples": {"train": len(w["samples"]), "eval": 0}, "round": r,
              "window": r % plan.num_windows}
@@ -80,13 +82,13 @@ def round_prepared(main: _run.Prepared, plan: windows.WindowPlan, r: int) -> _ru
 class _Engine:
     """The backend, loaded on first use and closed at the end."""
 
-    def __init__(self, cfg: ExtractConfig, p: "_run.Prepared"):
+    def __init__(self, cfg: ExtractConfig, p: Prepared):
         self.cfg, self.p, self.loaded = cfg, p, None
 
     def get(self):
         if self.loaded is None:
             t0 = time.perf_counter()
-            self.loaded = _run.load_engine(self.cfg, self.p)
+            self.loaded = load_engine(self.cfg, self.p)
             # Paid once per round on one box (the loop restarts stage 02 for each round).
             log.info("stage 02: engine (%s) loaded in %.1f s", self.cfg.backend, time.perf_counter() - t0)
         return self.loaded
@@ -96,25 +98,25 @@ class _Engine:
             self.loaded[0].close()
 
 
-def _extract(engine: _Engine, cfg: ExtractConfig, p: _run.Prepared, d, splits: dict, lengths: dict, what: str,
+def _extract(engine: _Engine, cfg: ExtractConfig, p: Prepared, d, splits: dict, lengths: dict, what: str,
              claim: claims.Claim) -> list:
     """Extract every file of `p`'s splits into folder d not yet complete there; the plan of files.
     `claim`: this run's claim on d (so every partial file in it is a dead writer's)."""
-    plan = _run.plan_files(p.num_samples, cfg.samples_per_file)
+    plan = plan_files(p.num_samples, cfg.samples_per_file)
     for spec in plan:  # leftovers of a killed run: never read, always redone
         store.remove_partial(d, spec.split, spec.file_no)
-    todo = [s for s in plan if not _run._file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
+    todo = [s for s in plan if not file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
     log.info("stage 02: %s: %d files, %d to do -> %s", what, len(plan), len(todo), d)
     if todo:
         sizes = [(s.count, sum(lengths[s.split][s.first:s.first + s.count])) for s in todo]
         store.require_free_space(d, sizes, p.info.hidden_size, len(p.aux_layers), cfg.store_dtype)
         backend, head = engine.get()
         with tqdm(total=sum(t for _, t in sizes), unit="tok", unit_scale=True, desc=what, smoothing=0.05) as bar:
-            _run.write_files(p, backend, head, todo, bar.update, store_dir=d, splits=splits, still_ours=claim.check)
+            write_files(p, backend, head, todo, bar.update, store_dir=d, splits=splits, still_ours=claim.check)
     return plan
 
 
-def _round_done(d, p: _run.Prepared, verify: bool) -> bool:
+def _round_done(d, p: Prepared, verify: bool) -> bool:
     done = windows.read_complete(d)
     return (done is not None and done.get("identity_hash") == p.identity_hash
             and windows.window_problem(d, verify_checksums=verify) is None)
@@ -186,7 +188,7 @@ def shard_rounds(rounds: int, num_shards: int, shard_index: int, trained: int) -
     return [round_no for round_no in range(rounds) if round_no % num_shards == shard_index and round_no >= trained]
 
 
-def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: _run.Prepared, wdir) -> list[int]:
+def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: Prepared, wdir) -> list[int]:
     trained = windows.read_progress(wdir)["trained_rounds"]
     if cfg.window is not None:
         if cfg.window >= plan.rounds:
@@ -236,7 +238,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
     if cfg.data_parallel_size > 1:
         raise PipelineError("--disk-budget with --data-parallel-size > 1 is not supported yet: run one engine per "
                             "box (tensor parallel), or several boxes with --num-shards.")
-    p = _run.validate(cfg)
+    p = validate(cfg)
     plan = window_plan(cfg, p)
     main = held_out_prepared(p, plan)
     d = p.wd.store()
@@ -253,18 +255,18 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
             if cfg.shard_index != 0:  # the identity and the plan, written alike by every box; not the held-out files
                 for name in (store.STORE_JSON, windows.PLAN_JSON):
                     (d / name).unlink(missing_ok=True)
-        _run.check_store_identity(main, cfg.force and cfg.shard_index == 0, store_claim)
+        check_store_identity(main, cfg.force and cfg.shard_index == 0, store_claim)
         windows.write_or_check_plan(d, plan)
         wdir.mkdir(parents=True, exist_ok=True)
         log.info("stage 02: window plan %s: %s", d / windows.PLAN_JSON, plan.summary())
         if store_claim is not None:  # the held-out split, once, kept for the whole run
             done = already_complete(p.wd, "extract", main.params, main.inputs, force=False,
-                                    intact=lambda m: _run.store_intact(d, m, verify_checksums=cfg.verify_checksums))
+                                    intact=lambda m: store_intact(d, m, verify_checksums=cfg.verify_checksums))
             if not done:
-                eval_files = _extract(engine, cfg, main, d, {"eval": _run.load_split(p.wd, "eval")},
-                                      {"eval": _run.split_lengths(p.wd, "eval").tolist()}, "held-out", store_claim)
+                eval_files = _extract(engine, cfg, main, d, {"eval": load_split(p.wd, "eval")},
+                                      {"eval": split_lengths(p.wd, "eval").tolist()}, "held-out", store_claim)
                 store_claim.check()
-                _run.write_results(cfg, main, eval_files)
+                write_results(cfg, main, eval_files)
         train = None
         for r in rounds_to_do(cfg, plan, main, wdir):
             rp = round_prepared(main, plan, r)
@@ -278,7 +280,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
                     log.info("stage 02: round %d was finished (or trained) while this run waited", r)
                     continue
                 if train is None:
-                    train, train_lengths = _run.load_split(p.wd, "train"), _run.split_lengths(p.wd, "train").tolist()
+                    train, train_lengths = load_split(p.wd, "train"), split_lengths(p.wd, "train").tolist()
                 _write_round(engine, cfg, plan, rp, rd, r, train, train_lengths, claim)
             finally:
                 claim.release()
@@ -290,7 +292,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
     return read_manifest(p.wd, "extract", needed_by="stage 02") if p.wd.manifest("extract").is_file() else None
 
 
-def _write_round(engine: _Engine, cfg: ExtractConfig, plan: windows.WindowPlan, rp: _run.Prepared, rd, r: int, train,
+def _write_round(engine: _Engine, cfg: ExtractConfig, plan: windows.WindowPlan, rp: Prepared, rd, r: int, train,
                  train_lengths: list[int], claim: claims.Claim) -> None:
     """Round r's files, index and, last, window.json, in its folder (claimed by this run)."""
     window = plan.window_of(r)

@@ -36,7 +36,8 @@ from eagle3.artifacts.atomic import atomic_path, write_json
 from eagle3.core.config import identity_params
 from eagle3.artifacts.dataset import load_token_freq
 from eagle3.serving.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, save_drafter_dir
-from eagle3.serving.engine_rules import CAPTURE_TOPIC, D2T, RULES, TargetFacts, captured_layers, d2t_summary, rules_for
+from eagle3.serving.drafter_check import TargetFacts, d2t_summary
+from eagle3.serving.engine_rules import CAPTURE_TOPIC, D2T, RULES, captured_layers, rules_for
 from eagle3.core.errors import PipelineError
 from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest,
                                        read_record, record_of, sha256_file, sha256_json, write_manifest)

@@ -17,9 +17,9 @@ from typing import Any
 
 from eagle3.drafter.shape import shape_name
 from eagle3.serving.drafter_io import drafter_config_from_hf_config, normalise_names, read_drafter_dir
-from eagle3.serving.engine_rules import (RULES, SHAPE_FIRST_VERSIONS, TargetFacts, captured_layers, check_drafter,
-                                         d2t_summary, errors, implied_head_dim, intended_layers, rules_for,
-                                         sglang_name, vllm_name)
+from eagle3.serving.drafter_check import TargetFacts, check_drafter, d2t_summary, errors
+from eagle3.serving.engine_rules import (RULES, SHAPE_FIRST_VERSIONS, captured_layers, implied_head_dim, intended_layers,
+                                         rules_for, sglang_name, vllm_name)
 from eagle3.target.info import read_target_info
 
 NAME = "inspect"

@@ -26,7 +26,7 @@ from eagle3.artifacts.manifest import read_record
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
 from eagle3.serving.drafter_io import CONFIG_NAME
-from eagle3.serving.engine_rules import TargetFacts
+from eagle3.serving.drafter_check import TargetFacts
 from eagle3.target.info import read_target_info
 from eagle3.tools.parity import check
 
