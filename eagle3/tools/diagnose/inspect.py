@@ -2,7 +2,7 @@
 
 Reads any drafter folder (ours, or a published one such as an SGLang-format drafter)
 through eagle3/serving/drafter_io.py `read_drafter_dir` and checks it with
-eagle3/serving/engine_rules.py: tensor names and shapes, d2t sanity, the layers each
+eagle3/serving/drafter_check.py against the engines' rules: tensor names and shapes, d2t sanity, the layers each
 engine (and each of vLLM's two model runners) captures, context length and
 tie_word_embeddings against a target. It names the drafter's shape (eagle3/drafter/shape.py:
 eagle3, or eagle3.1 with its `fc_norm` and `norm_output`) and the first engine releases that
