@@ -43,10 +43,10 @@ def prepare(work: Path, kind: str) -> tuple[Path, Path]:
     from eagle3.demo.tiny import build_tiny_target
 
     target = build_tiny_target(kind, work / "targets" / kind)
-    wd = work / f"wd-{kind}"
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(target), data=[str(ROOT / "data/demo_chats.jsonl")],
+    workdir = work / f"wd-{kind}"
+    prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(target), data=[str(ROOT / "data/demo_chats.jsonl")],
                                   max_length=512, eval_fraction=0.1, num_workers=1))
-    return target, wd
+    return target, workdir
 
 
 def _timed(fn) -> float:
@@ -66,7 +66,7 @@ def plain_engine(cfg, p, files):
 
     engine = cfg.engine_config(model=p.info.source, tensor_parallel_size=1, max_model_len=p.max_tokens + 1)
     llm = LLM(**engine_kwargs(extraction_engine(engine, cfg.batch_tokens)))
-    splits = {s: load_split(p.wd, s) for s in ("train", "eval")}
+    splits = {s: load_split(p.workdir, s) for s in ("train", "eval")}
     chunks = [[TokensPrompt(prompt_token_ids=[int(t) for t in x])
                for x in splits[f.split][f.first:f.first + f.count]["input_ids"]] for f in files]
     sp = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
@@ -128,14 +128,14 @@ def compare(cfg, p, files, passes: int) -> dict[str, list[float]]:
         llm.llm_engine.engine_core.shutdown()
 
 
-def read_throughput(wd: Path, batch_tokens: int, epochs: int = 3) -> tuple[float, int]:
+def read_throughput(workdir: Path, batch_tokens: int, epochs: int = 3) -> tuple[float, int]:
     """Tokens/s from the store into padded [B, T, 3H] batches, shuffled order; and the token count."""
     import random
 
     from eagle3.artifacts.store import HiddenStateStore, collate
     from eagle3.artifacts.workdir import WorkDir
 
-    split = HiddenStateStore.open(WorkDir(wd), needed_by="bench").split("train")
+    split = HiddenStateStore.open(WorkDir(workdir), needed_by="bench").split("train")
     lengths = split.lengths()
     order = list(range(len(split)))
     n_tok, t0 = 0, time.perf_counter()
@@ -173,22 +173,22 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(a.work or tmp)
-        target, wd = prepare(work, a.kind)
-        cfg = ExtractConfig(work_dir=wd, target_model=str(target), backend="vllm",
+        target, workdir = prepare(work, a.kind)
+        cfg = ExtractConfig(work_dir=workdir, target_model=str(target), backend="vllm",
                             samples_per_file=a.samples_per_file, batch_tokens=a.batch_tokens,
                             gpu_memory_utilization=0.3, enforce_eager=not a.compile, force=True)
         p = validate(cfg)
         check_store_identity(p, force=True)
         files = box_files(plan_files(p.num_samples, cfg.samples_per_file), 1, 0)
-        tokens = sum(int(split_lengths(p.wd, s).sum()) for s in ("train", "eval"))
+        tokens = sum(int(split_lengths(p.workdir, s).sum()) for s in ("train", "eval"))
 
         t = compare(cfg, p, files, a.passes)
         t_plain, t_extract = statistics.median(t["plain"]), statistics.median(t["extract"])
         ratios = sorted(e / q for e, q in zip(t["extract"], t["plain"]))
         ratios_engine = sorted(e / q for e, q in zip(t["engine_only"], t["plain"]))
         m = write_results(cfg, p, plan_files(p.num_samples, cfg.samples_per_file))
-        disk = sum(f.stat().st_size for f in WorkDir(wd).store().glob("*.safetensors"))
-        read_tps, read_tokens = read_throughput(wd, a.batch_tokens)
+        disk = sum(f.stat().st_size for f in WorkDir(workdir).store().glob("*.safetensors"))
+        read_tps, read_tokens = read_throughput(workdir, a.batch_tokens)
 
         print(f"\n== stage 02 benchmark: tiny {a.kind} (hidden {p.info.hidden_size}, {p.info.num_layers} layers, "
               f"vocab {p.info.vocab_size}), vLLM CPU build, aux layers {p.aux_layers}, "

@@ -80,15 +80,15 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
               extra04: list[str], temperature: float = 0.0) -> tuple[dict, dict, float]:
     """Stages (03,) 04, 05, 06 of one lever -> (stage 06 results, stage 04 manifest, stage 04 seconds)."""
     opts03, opts04 = LEVERS[name]
-    wd = out / name
-    wd.mkdir(parents=True, exist_ok=True)
+    workdir = out / name
+    workdir.mkdir(parents=True, exist_ok=True)
     for stage in SHARED + (() if opts03 else ("03_vocab",)):
-        link = wd / stage
+        link = workdir / stage
         if (base / stage).exists() and not link.exists():
             link.symlink_to((base / stage).resolve(), target_is_directory=True)
-    results = wd / "06_evaluate" / "results.json"
-    timing = wd / "bench_levers_04_seconds.txt"
-    common = ["--config", str(config), "--work-dir", str(wd)]
+    results = workdir / "06_evaluate" / "results.json"
+    timing = workdir / "bench_levers_04_seconds.txt"
+    common = ["--config", str(config), "--work-dir", str(workdir)]
     tm = ["--target-model", target] if target else []
     if not results.is_file():
         steps = ([("03", opts03)] if opts03 else []) + [("04", opts04 + extra04), ("05", []),
@@ -100,7 +100,7 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
                            cwd=ROOT, check=True)
             if number == "04":
                 timing.write_text(f"{time.perf_counter() - t0:.1f}\n")
-    train = json.loads((wd / "04_train" / "manifest.json").read_text())
+    train = json.loads((workdir / "04_train" / "manifest.json").read_text())
     seconds = float(timing.read_text()) if timing.is_file() else float("nan")
     return json.loads(results.read_text()), train, seconds
 

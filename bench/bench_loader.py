@@ -163,13 +163,13 @@ def demo_steps(work: Path, target: str, steps: int) -> dict[int, float]:
     out = {}
     with tempfile.TemporaryDirectory(prefix="bench-loader-demo-") as tmp:
         for prefetch in (0, 2):
-            wd = Path(tmp) / f"p{prefetch}"
+            workdir = Path(tmp) / f"p{prefetch}"
             for key in ("prepare", "extract", "vocab"):
-                shutil.copytree(WorkDir(work).stage_dir(key), WorkDir(wd).stage_dir(key))
-            cfg = TrainConfig(work_dir=wd, target_model=target, max_steps=steps + 1, prefetch=prefetch, **settings)
+                shutil.copytree(WorkDir(work).stage_dir(key), WorkDir(workdir).stage_dir(key))
+            cfg = TrainConfig(work_dir=workdir, target_model=target, max_steps=steps + 1, prefetch=prefetch, **settings)
             device = torch.device("cpu")
-            src = train_run.read_inputs(cfg, WorkDir(wd))
-            tr = train_run.Trainer(cfg, WorkDir(wd), src, device, init_distributed(device))
+            src = train_run.read_inputs(cfg, WorkDir(workdir))
+            tr = train_run.Trainer(cfg, WorkDir(workdir), src, device, init_distributed(device))
             tr.data.start_prefetch(tr.step, device)
             try:
                 tr.drafter.train()

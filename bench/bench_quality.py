@@ -90,16 +90,16 @@ def say(line: str = "") -> None:
 
 def scratch_work_dir(path: Path, base: WorkDir) -> WorkDir:
     """A work dir whose upstream stage folders are symlinks to `base`'s."""
-    wd = WorkDir(path)
+    workdir = WorkDir(path)
     path.mkdir(parents=True, exist_ok=True)
     for stage in UPSTREAM:
-        link, src = wd.stage_dir(stage), base.stage_dir(stage)
+        link, src = workdir.stage_dir(stage), base.stage_dir(stage)
         if src.exists() and not link.exists():
             link.symlink_to(src.resolve(), target_is_directory=True)
-    return wd
+    return workdir
 
 
-def run_stage(stage: str, wd: WorkDir, common: list[str], extra: list[str], logs: Path, name: str) -> float:
+def run_stage(stage: str, workdir: WorkDir, common: list[str], extra: list[str], logs: Path, name: str) -> float:
     """Run one numbered script on `wd`; its output goes to OUT/logs/NAME-NN.log. Seconds taken."""
     script = ROOT / WorkDir.script(stage)
     log_path = logs / f"{name}-{WorkDir.number(stage)}.log"
@@ -107,7 +107,7 @@ def run_stage(stage: str, wd: WorkDir, common: list[str], extra: list[str], logs
     if not env.get("VLLM_CPU_OMP_THREADS_BIND"):  # as scripts/demo.sh: every core to vLLM's model worker
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-    cmd = [sys.executable, str(script), *common, "--work-dir", str(wd.root), *extra]
+    cmd = [sys.executable, str(script), *common, "--work-dir", str(workdir.root), *extra]
     t0 = time.perf_counter()
     with open(log_path, "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
@@ -128,8 +128,8 @@ def make_trainer(cfg: TrainConfig):
     from eagle3.stages.s04_train.distributed import Dist
     from eagle3.stages.s04_train.run import Trainer, read_inputs
 
-    wd = WorkDir(cfg.work_dir)
-    return Trainer(cfg, wd, read_inputs(cfg, wd), torch.device("cpu"), Dist())
+    workdir = WorkDir(cfg.work_dir)
+    return Trainer(cfg, workdir, read_inputs(cfg, workdir), torch.device("cpu"), Dist())
 
 
 def plan_figures(trainer) -> dict:
@@ -149,11 +149,11 @@ def plan_figures(trainer) -> dict:
 # --------------------------------------------------------------------------- ours
 
 
-def our_figures(wd: WorkDir, plan: dict) -> dict:
+def our_figures(workdir: WorkDir, plan: dict) -> dict:
     """Stage 04's held-out curve and seconds per step (from metrics.jsonl), stage 05's exported step."""
     from eagle3.artifacts.train_outputs import read_train_metrics
 
-    rows = read_train_metrics(wd)
+    rows = read_train_metrics(workdir)
     evals = {r["step"]: r for r in rows if r["split"] == "eval" and r["step"] > 0}
     # A log line's tokens/s covers the steps since the previous line; an evaluation (and the
     # checkpoint after it) runs after a line is written, so it falls into the next window:
@@ -164,7 +164,7 @@ def our_figures(wd: WorkDir, plan: dict) -> dict:
         if not any(prev <= e < s for e in evals) and r.get("tokens_per_s"):
             per_step.append(sum(plan["tokens"][prev:s]) / r["tokens_per_s"] / (s - prev))
         prev = s
-    report = json.loads(wd.export_report("json").read_text())
+    report = json.loads(workdir.export_report("json").read_text())
     return {"evals": evals, "s_per_step": statistics.median(per_step) if per_step else None,
             "timed_windows": len(per_step), "exported_step": report["checkpoint"]["step"]}
 
@@ -196,7 +196,7 @@ def save_peer_checkpoint(trainer, model_state: dict, final_eval: dict, path: Pat
 
     step = trainer.total
     ckpt = TrainCheckpoint(
-        model=model_state, drafter_config=trainer.dcfg.to_dict(), aux_layers=list(trainer.store.aux_layers),
+        model=model_state, drafter_config=trainer.drafter_config.to_dict(), aux_layers=list(trainer.store.aux_layers),
         optimizer={}, scheduler={}, step=step, **trainer.data.position(step),
         batch_geometry=trainer.batch_geometry(), rounds_trained=0, rng=[],
         train_config=json.loads(json.dumps(trainer.src.params, default=str)), identity=trainer.src.identity,
@@ -207,14 +207,14 @@ def save_peer_checkpoint(trainer, model_state: dict, final_eval: dict, path: Pat
 # --------------------------------------------------------------------------- SpecForge
 
 
-def train_specforge(cfg: TrainConfig, a: argparse.Namespace, precision: str, wd: WorkDir, force: bool) -> dict:
+def train_specforge(cfg: TrainConfig, args: argparse.Namespace, precision: str, workdir: WorkDir, force: bool) -> dict:
     """SpecForge's training on our plan; writes its weights, a stage-04 checkpoint of the
     converted weights (for stage 05) and a summary; returns the summary."""
     from eagle3.target.head import load_embedding, load_lm_head
     from eagle3.drafter.model import Eagle3Drafter
 
-    summary_path, state_path, ckpt_path = (wd.root / "specforge_train.json", wd.root / "specforge_state.pt",
-                                           wd.root / "specforge_checkpoint.pt")
+    summary_path, state_path, ckpt_path = (workdir.root / "specforge_train.json", workdir.root / "specforge_state.pt",
+                                           workdir.root / "specforge_checkpoint.pt")
     trainer = make_trainer(cfg)
     s = bridge.SpecForgeSettings(target_model=cfg.target_model, ttt_steps=cfg.ttt_steps,
                                  learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
@@ -223,7 +223,7 @@ def train_specforge(cfg: TrainConfig, a: argparse.Namespace, precision: str, wd:
     settings = {**s.__dict__, "batch_tokens": cfg.batch_tokens, "grad_accum": cfg.grad_accum,
                 "store": str(trainer.store.dir.resolve())}
     info = trainer.src.info
-    sf = bridge.SpecForgeTrainer(s, trainer.dcfg, trainer.drafter.d2t, trainer.drafter.t2d, load_lm_head(info),
+    sf = bridge.SpecForgeTrainer(s, trainer.drafter_config, trainer.drafter.d2t, trainer.drafter.t2d, load_lm_head(info),
                                  accumulation_steps=cfg.grad_accum)
     old = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     if old and old.get("settings") == settings and state_path.is_file() and not force:
@@ -234,7 +234,7 @@ def train_specforge(cfg: TrainConfig, a: argparse.Namespace, precision: str, wd:
         summary = fit_specforge(sf, trainer, cfg, settings)
         torch.save(sf.saved_state(), state_path)
     # The conversion, checked logit for logit before anything is exported from it.
-    drafter = Eagle3Drafter(trainer.dcfg)
+    drafter = Eagle3Drafter(trainer.drafter_config)
     drafter.load_state_dict(bridge.to_export_state(sf.saved_state()))  # strict: the names are ours exactly
     split = trainer.store.split("eval")
     n = min(CHECK_SAMPLES, len(split))
@@ -303,25 +303,25 @@ def fit_specforge(sf, trainer, cfg: TrainConfig, settings: dict) -> dict:
 # --------------------------------------------------------------------------- speculators
 
 
-def train_speculators(cfg: TrainConfig, a: argparse.Namespace, precision: str, wd: WorkDir, force: bool) -> dict:
+def train_speculators(cfg: TrainConfig, args: argparse.Namespace, precision: str, workdir: WorkDir, force: bool) -> dict:
     """speculators' training on our plan; writes its weights, a stage-04 checkpoint of the
     converted weights (for stage 05) and a summary; returns the summary."""
     from eagle3.drafter.model import Eagle3Drafter
     from eagle3.target.head import load_embedding, load_lm_head
 
-    summary_path, state_path, ckpt_path = (wd.root / "speculators_train.json", wd.root / "speculators_state.pt",
-                                           wd.root / "speculators_checkpoint.pt")
+    summary_path, state_path, ckpt_path = (workdir.root / "speculators_train.json", workdir.root / "speculators_state.pt",
+                                           workdir.root / "speculators_checkpoint.pt")
     trainer = make_trainer(cfg)
     s = spec_bridge.SpeculatorsSettings(
         target_model=cfg.target_model, aux_layers=list(trainer.store.aux_layers), ttt_steps=cfg.ttt_steps,
         learning_rate=cfg.learning_rate, warmup_steps=cfg.warmup_steps, total_steps=trainer.total,
-        max_seq_len=cfg.max_seq_len, precision=precision, seed=cfg.seed, loss=a.peer_loss,
-        optimizer=a.peer_optimizer, scheduler=a.peer_scheduler, step_decay=a.peer_step_decay)
+        max_seq_len=cfg.max_seq_len, precision=precision, seed=cfg.seed, loss=args.peer_loss,
+        optimizer=args.peer_optimizer, scheduler=args.peer_scheduler, step_decay=args.peer_step_decay)
     steps = [[i for mb in trainer.micro_batches(step) for i in mb] for step in range(trainer.total)]
     settings = {**s.resolved(), "batch_tokens": cfg.batch_tokens, "grad_accum": cfg.grad_accum,
                 "store": str(trainer.store.dir.resolve())}
-    peer = spec_bridge.SpeculatorsTrainer(s, trainer.dcfg, trainer.drafter.d2t, trainer.drafter.t2d,
-                                          trainer.data.split, steps, wd.root / "speculators_run")
+    peer = spec_bridge.SpeculatorsTrainer(s, trainer.drafter_config, trainer.drafter.d2t, trainer.drafter.t2d,
+                                          trainer.data.split, steps, workdir.root / "speculators_run")
     # Its teacher head is the target's lm_head rows its own loader picked by t2d: the rows ours reads.
     our_rows = load_lm_head(trainer.src.info, trainer.drafter.draft_ids())  # [V_d, H]
     if not torch.equal(peer.teacher_rows().float(), our_rows.float()):
@@ -337,7 +337,7 @@ def train_speculators(cfg: TrainConfig, a: argparse.Namespace, precision: str, w
         summary = fit_speculators(peer, trainer, cfg, settings)
         torch.save(peer.saved_state(), state_path)
     # The conversion, checked logit for logit before anything is exported from it.
-    drafter = Eagle3Drafter(trainer.dcfg)
+    drafter = Eagle3Drafter(trainer.drafter_config)
     drafter.load_state_dict(spec_bridge.to_export_state(peer.saved_state()))  # strict: every name of ours, no other
     split = trainer.store.split("eval")
     check = spec_bridge.check_conversion(peer, drafter, load_embedding(trainer.src.info).float(), split,
@@ -392,8 +392,8 @@ def fit_speculators(peer, trainer, cfg: TrainConfig, settings: dict) -> dict:
 # --------------------------------------------------------------------------- the report
 
 
-def served_rows(wd: WorkDir) -> list[dict]:
-    r = json.loads(wd.evaluate_results().read_text())
+def served_rows(workdir: WorkDir) -> list[dict]:
+    r = json.loads(workdir.evaluate_results().read_text())
     return [{"temperature": row["temperature"], "L": row["trained"]["acceptance_length"],
              "ci95": row["trained"].get("ci95"), "per_position": row["trained"]["acceptance_per_position"],
              "prompts": r["prompts"].get("count") or r["prompts"].get("num_prompts")} for row in r["acceptance"]]

@@ -256,13 +256,13 @@ def quality(target: Path | None, chats: int, work: Path) -> list[str]:
                                   eval_fraction=0.0, num_workers=1))
     wds, rates = {}, {}
     for name in ENCODINGS:
-        wd = work / name
-        shutil.copytree(prep / "01_dataset", wd / "01_dataset")
+        workdir = work / name
+        shutil.copytree(prep / "01_dataset", workdir / "01_dataset")
         t0 = time.perf_counter()
-        m = extract_hidden_states(ExtractConfig(work_dir=wd, target_model=str(target), backend="hf",
+        m = extract_hidden_states(ExtractConfig(work_dir=workdir, target_model=str(target), backend="hf",
                                                 samples_per_file=64, store_dtype=name))
         rates[name] = (m.counts["train_tokens"] + m.counts["eval_tokens"]) / (time.perf_counter() - t0)
-        wds[name] = wd
+        wds[name] = workdir
     ref = store.HiddenStateStore.open(WorkDir(wds["bf16"]), needed_by="bench")
     f8 = store.HiddenStateStore.open(WorkDir(wds["fp8"]), needed_by="bench")
     info = read_target_info(str(target))
@@ -322,19 +322,19 @@ def served(config: Path, work: Path, formats: list[str]) -> list[str]:
     upstream = [s for s in ("generate", "prepare") if src.manifest(s).is_file()]  # configs without stage 00 too
     rows = []
     for name in formats:
-        wd = WorkDir(Path(f"{work}-store-{name}"))
+        workdir = WorkDir(Path(f"{work}-store-{name}"))
         for stage in upstream:
-            if not wd.stage_dir(stage).exists():
-                shutil.copytree(src.stage_dir(stage), wd.stage_dir(stage))
+            if not workdir.stage_dir(stage).exists():
+                shutil.copytree(src.stage_dir(stage), workdir.stage_dir(stage))
         times = {}
         for script, extra in (("02", ["--store-dtype", name]), ("03", []), ("04", []), ("05", []), ("06", [])):
             path = next(ROOT.glob(f"{script}_*.py"))
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, str(path), "--config", str(config), "--work-dir", str(wd.root), *extra],
+            subprocess.run([sys.executable, str(path), "--config", str(config), "--work-dir", str(workdir.root), *extra],
                            cwd=ROOT, check=True)
             times[script] = time.perf_counter() - t0
-        r = json.loads(wd.evaluate_results().read_text())
-        m02 = json.loads(wd.manifest("extract").read_text())
+        r = json.loads(workdir.evaluate_results().read_text())
+        m02 = json.loads(workdir.manifest("extract").read_text())
         rows.append((name, r, m02, times))
     K = load_yaml(config).get("evaluate", {}).get("num_speculative_tokens")
     out = [f"== served acceptance per store encoding ({config}, K={K}; stages 02-06 in {work}-store-*)",

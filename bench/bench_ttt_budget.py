@@ -44,19 +44,19 @@ from bench_levers import SHARED, report, run_lever, script  # noqa: E402
 
 def calibrate(K: int, base: Path, out: Path, config: Path, steps: int) -> float:
     """Stage 04's training tokens/s at ttt_steps K (median over log windows after the first)."""
-    wd = out / f"calib-ttt-{K}"
-    wd.mkdir(parents=True, exist_ok=True)
+    workdir = out / f"calib-ttt-{K}"
+    workdir.mkdir(parents=True, exist_ok=True)
     for stage in SHARED + ("03_vocab",):
-        link = wd / stage
+        link = workdir / stage
         if (base / stage).exists() and not link.exists():
             link.symlink_to((base / stage).resolve(), target_is_directory=True)
-    subprocess.run([sys.executable, str(script("04")), "--config", str(config), "--work-dir", str(wd),
+    subprocess.run([sys.executable, str(script("04")), "--config", str(config), "--work-dir", str(workdir),
                     "--ttt-steps", str(K), "--max-steps", str(steps), "--log-every", "4", "--eval-every", "100000",
                     "--save-every", "100000", "--force"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    rates = [json.loads(line).get("tokens_per_s") for line in (wd / "04_train" / "metrics.jsonl").open()]
+    rates = [json.loads(line).get("tokens_per_s") for line in (workdir / "04_train" / "metrics.jsonl").open()]
     rates = [r for r in rates if r]
     if len(rates) < 2:
-        raise SystemExit(f"{wd}/04_train/metrics.jsonl has {len(rates)} rate window(s); raise --calib-steps")
+        raise SystemExit(f"{workdir}/04_train/metrics.jsonl has {len(rates)} rate window(s); raise --calib-steps")
     return statistics.median(rates[1:])
 
 

@@ -65,13 +65,13 @@ def store_files(store_dir: Path) -> list[int]:
     return [p.stat().st_size for p in store_dir.rglob("*.safetensors")]
 
 
-def plan_steps(config: Path, wd: Path, budget: str, passes: int, epochs: int) -> int:
+def plan_steps(config: Path, workdir: Path, budget: str, passes: int, epochs: int) -> int:
     """Steps the windowed run will train with these passes and epochs: stage 02's window
     plan and stage 04's own round schedule, from stage 01's lengths."""
-    ex = build_config(ExtractConfig, "extract", str(config), {"work_dir": str(wd)}, sections=STAGE_CONFIGS)
-    tr = build_config(TrainConfig, "train", str(config), {"work_dir": str(wd), "epochs": epochs},
+    ex = build_config(ExtractConfig, "extract", str(config), {"work_dir": str(workdir)}, sections=STAGE_CONFIGS)
+    tr = build_config(TrainConfig, "train", str(config), {"work_dir": str(workdir), "epochs": epochs},
                       sections=STAGE_CONFIGS)
-    w = WorkDir(wd)
+    w = WorkDir(workdir)
     info = read_target_info(ex.target_model, ex.trust_remote_code)
     aux = ex.aux_layers if ex.aux_layers is not None else info.default_aux_layers()
     lengths = {s: [int(n) for n in load_split(w.dataset(s))["num_tokens"]] for s in SPLITS}
@@ -84,25 +84,25 @@ def plan_steps(config: Path, wd: Path, budget: str, passes: int, epochs: int) ->
                          epochs=epochs).total
 
 
-def run_variant(name: str, base: Path, wd: Path, config: Path, budget: str, passes: int, epochs: int,
+def run_variant(name: str, base: Path, workdir: Path, config: Path, budget: str, passes: int, epochs: int,
                 max_steps: int) -> dict:
-    wd.mkdir(parents=True, exist_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
     for stage in SHARED:
-        link = wd / stage
+        link = workdir / stage
         if not link.exists():
             link.symlink_to((base / stage).resolve(), target_is_directory=True)
-    results = wd / "06_evaluate" / "results.json"
-    record = wd / "bench_windows.json"
-    common = ["--config", str(config), "--work-dir", str(wd)]
+    results = workdir / "06_evaluate" / "results.json"
+    record = workdir / "bench_windows.json"
+    common = ["--config", str(config), "--work-dir", str(workdir)]
     if not results.is_file():
-        store = wd / "02_hidden_states"
+        store = workdir / "02_hidden_states"
         t0 = time.perf_counter()
         with PeakDisk([store]) as peak:
             subprocess.run([sys.executable, "-m", "eagle3.tools.window_loop", *common, "--disk-budget", budget,
                             "--extract-args", f"--extraction-passes {passes}",
                             "--train-args", f"--epochs {epochs} --max-steps {max_steps}"], cwd=ROOT, check=True)
         loop_s = time.perf_counter() - t0
-        rounds = [m.groups() for m in ROUND_LINE.finditer((wd / "logs" / "window_loop.log").read_text())]
+        rounds = [m.groups() for m in ROUND_LINE.finditer((workdir / "logs" / "window_loop.log").read_text())]
         record.write_text(json.dumps({
             "peak_bytes": peak.peak, "loop_s": loop_s, "rounds": len(rounds),
             "extract_s": sum(float(r[2]) for r in rounds), "train_s": sum(float(r[3]) for r in rounds),
@@ -112,7 +112,7 @@ def run_variant(name: str, base: Path, wd: Path, config: Path, budget: str, pass
             subprocess.run([sys.executable, str(script(number)), *common, *opts], cwd=ROOT, check=True)
     out = json.loads(record.read_text())
     out["results"] = json.loads(results.read_text())
-    out["train"] = json.loads((wd / "04_train" / "manifest.json").read_text())
+    out["train"] = json.loads((workdir / "04_train" / "manifest.json").read_text())
     return out
 
 

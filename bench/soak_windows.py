@@ -177,37 +177,37 @@ class Outcome:
         return self.planned - self.trained
 
 
-def final_weights(wd: WorkDir) -> dict:
-    info = json.loads(wd.latest_checkpoint().read_text())
-    return torch.load(wd.checkpoint(info["step"]), map_location="cpu", weights_only=True)["model"]
+def final_weights(workdir: WorkDir) -> dict:
+    info = json.loads(workdir.latest_checkpoint().read_text())
+    return torch.load(workdir.checkpoint(info["step"]), map_location="cpu", weights_only=True)["model"]
 
 
-def covered_rounds(wd: WorkDir) -> int:
+def covered_rounds(workdir: WorkDir) -> int:
     """The rounds the newest readable checkpoint covers (0 when none can be read)."""
-    steps = sorted((s for s in map(wd.checkpoint_step, wd.checkpoints().glob("step-*.pt")) if s is not None),
-                   reverse=True) if wd.checkpoints().is_dir() else []
+    steps = sorted((s for s in map(workdir.checkpoint_step, workdir.checkpoints().glob("step-*.pt")) if s is not None),
+                   reverse=True) if workdir.checkpoints().is_dir() else []
     for step in steps:
         try:
-            return read_checkpoint(wd.checkpoint(step)).rounds_trained or 0
+            return read_checkpoint(workdir.checkpoint(step)).rounds_trained or 0
         except Exception:  # noqa: BLE001 -- an unreadable file is skipped, as a resume skips it
             continue
     return 0
 
 
-def stopped_short(wd: WorkDir, planned: int, problem: str, notes: list[str] | None = None) -> Outcome:
+def stopped_short(workdir: WorkDir, planned: int, problem: str, notes: list[str] | None = None) -> Outcome:
     """A trial whose run did not complete: the rounds its checkpoints cover count as trained,
     the others as lost (the operator is left without them)."""
-    return Outcome(planned, covered_rounds(wd), [problem], list(notes or []))
+    return Outcome(planned, covered_rounds(workdir), [problem], list(notes or []))
 
 
-def check_run(wd: WorkDir, wdir: Path, reference: dict, *, one_count: bool) -> Outcome:
+def check_run(workdir: WorkDir, wdir: Path, reference: dict, *, one_count: bool) -> Outcome:
     """What the run trained, against the plan and the unbroken run (see the module docstring)."""
-    plan = windows.read_plan(wd.store())
+    plan = windows.read_plan(workdir.store())
     out = Outcome(planned=plan.rounds if plan else reference["rounds"])
-    if not wd.manifest("train").is_file():
-        out.problems.append(f"{wd.manifest('train')} missing: the run did not complete")
+    if not workdir.manifest("train").is_file():
+        out.problems.append(f"{workdir.manifest('train')} missing: the run did not complete")
         return out
-    last = read_checkpoint(wd.checkpoint(json.loads(wd.latest_checkpoint().read_text())["step"]))
+    last = read_checkpoint(workdir.checkpoint(json.loads(workdir.latest_checkpoint().read_text())["step"]))
     progress = windows.read_progress(wdir)
     if last.rounds_trained != out.planned or progress["trained_rounds"] != out.planned:
         out.problems.append(f"the last checkpoint covers {last.rounds_trained} round(s), progress.json says "
@@ -215,11 +215,11 @@ def check_run(wd: WorkDir, wdir: Path, reference: dict, *, one_count: bool) -> O
     left = windows.present_rounds(wdir)
     if left:
         out.problems.append(f"round folders {left} left in {wdir}")
-    counts = json.loads(wd.manifest("train").read_text())["counts"]
+    counts = json.loads(workdir.manifest("train").read_text())["counts"]
     trained = out.planned
     if one_count:
         per = counts["steps_per_round"]
-        steps = [json.loads(x)["step"] for x in wd.train_metrics().read_text().splitlines()
+        steps = [json.loads(x)["step"] for x in workdir.train_metrics().read_text().splitlines()
                  if json.loads(x)["split"] == "train"]
         seen = {s: steps.count(s) for s in set(steps)}
         starts = [sum(per[:r]) for r in range(len(per))]
@@ -228,7 +228,7 @@ def check_run(wd: WorkDir, wdir: Path, reference: dict, *, one_count: bool) -> O
         trained = len(whole)
         if trained != out.planned:
             out.problems.append(f"the metrics log holds every step once for rounds {whole} only")
-    a, b = final_weights(wd), reference["weights"]
+    a, b = final_weights(workdir), reference["weights"]
     differ = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
     if differ:  # some round went wrong, which one is unknown: none counts as verified
         out.problems.append(f"final weights differ from the unbroken run's ({differ[:3]})")
@@ -262,11 +262,11 @@ class Soak:
             key = key[:-1]
         if key in self._refs:
             return self._refs[key]
-        config, wd, d = self.new_run("reference-" + ("".join(map(str, key)) or "1"))
+        config, workdir, d = self.new_run("reference-" + ("".join(map(str, key)) or "1"))
         log = d / "log"
         t0 = time.monotonic()
         for r in range(64):
-            plan = windows.read_plan(wd.store())
+            plan = windows.read_plan(workdir.store())
             if plan is not None and r >= plan.rounds:
                 break
             assert run(extract_cmd(config, "--window", str(r)), log) == 0, f"reference: stage 02 round {r}: {log}"
@@ -276,10 +276,10 @@ class Soak:
             else:
                 res = torchrun(nproc, [WorkDir.script("train"), "--config", config], TIMEOUT_S, d / f"torchrun-{r}")
                 assert res.returncode == 0, f"reference: stage 04 round {r} on {nproc}: {res.stderr[-2000:]}"
-        plan = windows.read_plan(wd.store())
-        assert wd.manifest("train").is_file() and plan.rounds >= ROUNDS_WANTED, (plan.rounds, log)
-        ref = {"weights": final_weights(wd), "rounds": plan.rounds, "seconds": time.monotonic() - t0,
-               "steps_per_round": json.loads(wd.manifest("train").read_text())["counts"]["steps_per_round"]}
+        plan = windows.read_plan(workdir.store())
+        assert workdir.manifest("train").is_file() and plan.rounds >= ROUNDS_WANTED, (plan.rounds, log)
+        ref = {"weights": final_weights(workdir), "rounds": plan.rounds, "seconds": time.monotonic() - t0,
+               "steps_per_round": json.loads(workdir.manifest("train").read_text())["counts"]["steps_per_round"]}
         print(f"reference {key or '(1 process)'}: {plan.rounds} rounds, steps per round {ref['steps_per_round']}, "
               f"{ref['seconds']:.0f} s", flush=True)
         shutil.rmtree(d)
@@ -322,13 +322,13 @@ def kill_a_stage_at(config: Path, log: Path, delay: float) -> str:
 
 def scenario_kill(soak: Soak, rng: random.Random) -> Outcome:
     ref = soak.reference()
-    config, wd, d = soak.new_run("kill", save_every=rng.choice([1, 3, 1000]))
+    config, workdir, d = soak.new_run("kill", save_every=rng.choice([1, 3, 1000]))
     notes = []
     for _ in range(2):
         notes.append(kill_a_stage_at(config, d / "log", rng.uniform(0, ref["seconds"])))
     rc = loop_until_done(config, d / "log", tries=1)
-    out = check_run(wd, wd.store() / windows.WINDOWS_DIR, ref, one_count=True) if rc == 0 else stopped_short(
-        wd, ref["rounds"], f"the loop rerun exited {rc}: {d / 'log'}")
+    out = check_run(workdir, workdir.store() / windows.WINDOWS_DIR, ref, one_count=True) if rc == 0 else stopped_short(
+        workdir, ref["rounds"], f"the loop rerun exited {rc}: {d / 'log'}")
     out.notes = [f"killed: {', '.join(notes)}"]
     return out
 
@@ -340,7 +340,7 @@ def scenario_procs(soak: Soak, rng: random.Random) -> Outcome:
     # The unbroken run to compare with depends on where the count changed (known at the end);
     # torchrun's start makes a 2-process round about 1.5 times as long as a 1-process one.
     ref1 = soak.reference()
-    config, wd, d = soak.new_run("procs", save_every=rng.choice([1, 2, 1000]))
+    config, workdir, d = soak.new_run("procs", save_every=rng.choice([1, 2, 1000]))
     log = d / "log"
     proc = start(loop_cmd(config, 2), log)
     delay = rng.uniform(0.05, 1.0) * 1.5 * ref1["seconds"]
@@ -354,22 +354,22 @@ def scenario_procs(soak: Soak, rng: random.Random) -> Outcome:
     if rc != 0:
         fix = _FIX.findall(log.read_text())
         if not fix:
-            return stopped_short(wd, ref1["rounds"], f"1 process refused without the command that fixes it: {log}",
+            return stopped_short(workdir, ref1["rounds"], f"1 process refused without the command that fixes it: {log}",
                                  notes)
         nproc, stop = fix[-1]
         notes.append(f"1 process refused mid-round, ran the fix (--stop-after {stop} on {nproc})")
         res = torchrun(int(nproc), [WorkDir.script("train"), "--config", config, "--stop-after", stop], TIMEOUT_S,
                        d / "fix")
         if res.returncode != 0:
-            return stopped_short(wd, ref1["rounds"], f"the fix exited {res.returncode}: {res.stderr[-1000:]}", notes)
+            return stopped_short(workdir, ref1["rounds"], f"the fix exited {res.returncode}: {res.stderr[-1000:]}", notes)
         rc = run(loop_cmd(config, 1), log)
     if rc != 0:
-        return stopped_short(wd, ref1["rounds"], f"the 1-process loop exited {rc}: {log}", notes)
+        return stopped_short(workdir, ref1["rounds"], f"the 1-process loop exited {rc}: {log}", notes)
     # Which rounds 2 processes trained: the checkpoints' records (the 1-process run resumed at a round's end).
     twos = ref1["rounds"] if finished else _rounds_on_two(log)
     notes.append(f"rounds on 2 processes: {twos}")
     ref = soak.reference((2,) * twos)
-    out = check_run(wd, wd.store() / windows.WINDOWS_DIR, ref, one_count=twos == 0)
+    out = check_run(workdir, workdir.store() / windows.WINDOWS_DIR, ref, one_count=twos == 0)
     out.notes = notes
     return out
 
@@ -387,8 +387,8 @@ def scenario_ckpt(soak: Soak, rng: random.Random) -> Outcome:
     ref = soak.reference()
     # Even trials keep an older checkpoint to fall back to (save_every 2), odd ones only the
     # truncated one (1000: a checkpoint at each round's end only): each run meets both.
-    config, wd, d = soak.new_run("ckpt", save_every=(2, 1000)[soak.trial % 2])
-    log, wdir = d / "log", wd.store() / windows.WINDOWS_DIR
+    config, workdir, d = soak.new_run("ckpt", save_every=(2, 1000)[soak.trial % 2])
+    log, wdir = d / "log", workdir.store() / windows.WINDOWS_DIR
     covered = rng.randrange(1, ref["rounds"])  # kill once this many rounds are covered, at a random later time
     proc = start(loop_cmd(config), log)
     try:
@@ -398,8 +398,8 @@ def scenario_ckpt(soak: Soak, rng: random.Random) -> Outcome:
         time.sleep(rng.uniform(0, 0.5 * ref["seconds"] / ref["rounds"]))  # within the next round, mostly
     finally:
         kill_tree(proc)
-    info = json.loads(wd.latest_checkpoint().read_text())
-    newest = wd.checkpoint(info["step"])
+    info = json.loads(workdir.latest_checkpoint().read_text())
+    newest = workdir.checkpoint(info["step"])
     size = newest.stat().st_size
     with open(newest, "r+b") as f:
         f.truncate(size // 2)
@@ -417,8 +417,8 @@ def scenario_ckpt(soak: Soak, rng: random.Random) -> Outcome:
     elif "newest readable checkpoint; skipped" not in text:
         notes.append("no fallback logged")
     if rc != 0:
-        return stopped_short(wd, ref["rounds"], f"the rerun exited {rc}: {log}", notes)
-    out = check_run(wd, wdir, ref, one_count=True)
+        return stopped_short(workdir, ref["rounds"], f"the rerun exited {rc}: {log}", notes)
+    out = check_run(workdir, wdir, ref, one_count=True)
     rewound = re.findall(r"says (\d+) round\(s\) trained, but the checkpoint this run resumes \((\S+)\) covers (\d+)",
                          text)
     out.notes = notes + [f"progress {a} -> {c} (resumed {Path(b).name})" for a, b, c in rewound]
@@ -433,11 +433,11 @@ def _wait(procs: list[subprocess.Popen], deadline: float) -> None:
             kill_tree(p)
 
 
-def finish(wd: WorkDir, shared: Path, ref: dict, problems: list[str], notes: list[str],
+def finish(workdir: WorkDir, shared: Path, ref: dict, problems: list[str], notes: list[str],
            failure: str | None) -> Outcome:
     """A shared-folder trial's outcome: stopped short on `failure`, else checked; the problems
     seen along the way first."""
-    out = stopped_short(wd, ref["rounds"], failure, notes) if failure else check_run(wd, shared, ref, one_count=True)
+    out = stopped_short(workdir, ref["rounds"], failure, notes) if failure else check_run(workdir, shared, ref, one_count=True)
     out.problems = problems + out.problems
     out.notes = notes
     return out
@@ -445,7 +445,7 @@ def finish(wd: WorkDir, shared: Path, ref: dict, problems: list[str], notes: lis
 
 def scenario_claim(soak: Soak, rng: random.Random) -> Outcome:
     ref = soak.reference()
-    config, wd, d = soak.new_run("claim")
+    config, workdir, d = soak.new_run("claim")
     log, shared = d / "log", d / "shared"
     common = ["--windows-dir", str(shared)]
     producer = extract_cmd(config, *common, "--produce", "--wait-s", "300")
@@ -458,10 +458,10 @@ def scenario_claim(soak: Soak, rng: random.Random) -> Outcome:
     deadline = time.monotonic() + TIMEOUT_S
     try:
         while not (rd / ".claim.json").is_file():
-            if consumer is None and wd.manifest("extract").is_file():
+            if consumer is None and workdir.manifest("extract").is_file():
                 consumer = start(train_cmd(config, *common, "--window-wait-s", "300"), log)
             if first.poll() is not None or time.monotonic() > deadline:
-                return stopped_short(wd, ref["rounds"], f"the producer never claimed round {r}: {log}", notes)
+                return stopped_short(workdir, ref["rounds"], f"the producer never claimed round {r}: {log}", notes)
             time.sleep(0.005)
         time.sleep(rng.uniform(0, 0.5))
         if frozen:
@@ -485,7 +485,7 @@ def scenario_claim(soak: Soak, rng: random.Random) -> Outcome:
         if frozen:
             os.kill(first.pid, signal.SIGCONT)
         while consumer is None and first.poll() is None:
-            if wd.manifest("extract").is_file():
+            if workdir.manifest("extract").is_file():
                 consumer = start(train_cmd(config, *common, "--window-wait-s", "300"), log)
             time.sleep(0.05)
         if consumer is None:
@@ -497,13 +497,13 @@ def scenario_claim(soak: Soak, rng: random.Random) -> Outcome:
                 os.kill(p.pid, signal.SIGCONT)
                 kill_tree(p)
     failed = first.returncode != 0 or consumer.returncode != 0
-    return finish(wd, shared, ref, problems, notes,
+    return finish(workdir, shared, ref, problems, notes,
                   f"producer exited {first.returncode}, consumer {consumer.returncode}: {log}" if failed else None)
 
 
 def scenario_force(soak: Soak, rng: random.Random) -> Outcome:
     ref = soak.reference()
-    config, wd, d = soak.new_run("force")
+    config, workdir, d = soak.new_run("force")
     config_b, wd_b, _ = soak.new_run("force-box-b")
     log, shared = d / "log", d / "shared"
     common = ["--windows-dir", str(shared), "--produce", "--wait-s", "300", "--num-shards", "2"]
@@ -516,10 +516,10 @@ def scenario_force(soak: Soak, rng: random.Random) -> Outcome:
     t0 = time.monotonic()
     try:
         while time.monotonic() - t0 < delay or consumer is None:
-            if consumer is None and wd.manifest("extract").is_file():
+            if consumer is None and workdir.manifest("extract").is_file():
                 consumer = start(train_cmd(config, "--windows-dir", str(shared), "--window-wait-s", "300"), log)
             if time.monotonic() > deadline:
-                return stopped_short(wd, ref["rounds"], f"the held-out split never came: {log}")
+                return stopped_short(workdir, ref["rounds"], f"the held-out split never came: {log}")
             time.sleep(0.02)
         kill_tree(box_b)
         progress_before = (shared / windows.PROGRESS_JSON).is_file()
@@ -553,7 +553,7 @@ def scenario_force(soak: Soak, rng: random.Random) -> Outcome:
             if p is not None and p.poll() is None:
                 kill_tree(p)
     rcs = (box_a.returncode, b_force.returncode, consumer.returncode)
-    return finish(wd, shared, ref, problems, notes,
+    return finish(workdir, shared, ref, problems, notes,
                   f"exit statuses (box A, box B --force, consumer) {rcs}: {log}" if any(rcs) else None)
 
 

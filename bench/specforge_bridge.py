@@ -89,17 +89,17 @@ def use_reference_loss() -> None:
     eagle3_model.LogSoftmaxLoss = ReferenceLogSoftmaxLoss
 
 
-def hf_draft_config(dcfg):
+def hf_draft_config(drafter_config):
     """SpecForge's draft config (a LlamaConfig naming its EAGLE-3 class) of our drafter's shape."""
     from transformers import LlamaConfig
 
     return LlamaConfig(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, hidden_act="silu",
-                       hidden_size=dcfg.hidden_size, num_attention_heads=dcfg.num_attention_heads,
-                       num_key_value_heads=dcfg.num_key_value_heads, head_dim=dcfg.head_dim,
-                       intermediate_size=dcfg.intermediate_size, vocab_size=dcfg.target_vocab_size,
-                       draft_vocab_size=dcfg.draft_vocab_size, target_hidden_size=dcfg.target_hidden_size,
-                       max_position_embeddings=dcfg.max_position_embeddings, rms_norm_eps=dcfg.rms_norm_eps,
-                       rope_theta=dcfg.rope_theta, rope_scaling=dcfg.rope_scaling, tie_word_embeddings=False)
+                       hidden_size=drafter_config.hidden_size, num_attention_heads=drafter_config.num_attention_heads,
+                       num_key_value_heads=drafter_config.num_key_value_heads, head_dim=drafter_config.head_dim,
+                       intermediate_size=drafter_config.intermediate_size, vocab_size=drafter_config.target_vocab_size,
+                       draft_vocab_size=drafter_config.draft_vocab_size, target_hidden_size=drafter_config.target_hidden_size,
+                       max_position_embeddings=drafter_config.max_position_embeddings, rms_norm_eps=drafter_config.rms_norm_eps,
+                       rope_theta=drafter_config.rope_theta, rope_scaling=drafter_config.rope_scaling, tie_word_embeddings=False)
 
 
 PRECISIONS = {
@@ -127,7 +127,7 @@ class SpecForgeTrainer:
     """SpecForge's drafter, TTT model, strategy, backend and optimizer, built as its
     `build_eagle3_draft` / `build_eagle3_model` / `TrainerCore` do, for one process on CPU."""
 
-    def __init__(self, s: SpecForgeSettings, dcfg, d2t: torch.Tensor, t2d: torch.Tensor, lm_head: torch.Tensor,
+    def __init__(self, s: SpecForgeSettings, drafter_config, d2t: torch.Tensor, t2d: torch.Tensor, lm_head: torch.Tensor,
                  accumulation_steps: int = 1):
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
         from specforge.modeling.auto import AutoDraftModel
@@ -141,7 +141,7 @@ class SpecForgeTrainer:
         self.s = s
         self.dtype, self.autocast = PRECISIONS[s.precision]
         torch.manual_seed(s.seed)  # SpecForge's own initialisation (transformers' normal, std 0.02), seeded
-        draft = AutoDraftModel.from_config(hf_draft_config(dcfg), attention_backend="sdpa", torch_dtype=torch.float32)
+        draft = AutoDraftModel.from_config(hf_draft_config(drafter_config), attention_backend="sdpa", torch_dtype=torch.float32)
         draft.t2d.copy_(t2d)
         draft.d2t.copy_(d2t)
         draft.load_embedding(s.target_model, embedding_key="model.embed_tokens.weight")

@@ -134,15 +134,15 @@ def check_loss(spec: str) -> str:
     return spec
 
 
-def draft_layer_config(dcfg):
+def draft_layer_config(drafter_config):
     """speculators' transformer_layer_config (a LlamaConfig) of our drafter's shape."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(num_hidden_layers=1, hidden_act="silu", hidden_size=dcfg.hidden_size,
-                       num_attention_heads=dcfg.num_attention_heads, num_key_value_heads=dcfg.num_key_value_heads,
-                       head_dim=dcfg.head_dim, intermediate_size=dcfg.intermediate_size,
-                       vocab_size=dcfg.target_vocab_size, max_position_embeddings=dcfg.max_position_embeddings,
-                       rms_norm_eps=dcfg.rms_norm_eps, rope_theta=dcfg.rope_theta, rope_scaling=dcfg.rope_scaling,
+    return LlamaConfig(num_hidden_layers=1, hidden_act="silu", hidden_size=drafter_config.hidden_size,
+                       num_attention_heads=drafter_config.num_attention_heads, num_key_value_heads=drafter_config.num_key_value_heads,
+                       head_dim=drafter_config.head_dim, intermediate_size=drafter_config.intermediate_size,
+                       vocab_size=drafter_config.target_vocab_size, max_position_embeddings=drafter_config.max_position_embeddings,
+                       rms_norm_eps=drafter_config.rms_norm_eps, rope_theta=drafter_config.rope_theta, rope_scaling=drafter_config.rope_scaling,
                        attention_bias=False, mlp_bias=False, tie_word_embeddings=False)
 
 
@@ -235,7 +235,7 @@ class SpeculatorsTrainer:
     """speculators' drafter, TTT forward, losses, optimizers, schedulers and train loop,
     built as its `train/cli.py` `main` builds them, for one process on CPU."""
 
-    def __init__(self, s: SpeculatorsSettings, dcfg, d2t: torch.Tensor, t2d: torch.Tensor, split,
+    def __init__(self, s: SpeculatorsSettings, drafter_config, d2t: torch.Tensor, t2d: torch.Tensor, split,
                  steps: list[list[int]], run_dir: Path):
         """`steps[s]`: the sample indices of `split` that optimizer step s trains on."""
         import speculators.train.trainer as spec_trainer
@@ -246,10 +246,10 @@ class SpeculatorsTrainer:
 
         self.s, self.settings = s, s.resolved()
         self.dtype = PRECISIONS[s.precision]
-        self.dcfg = dcfg
+        self.drafter_config = drafter_config
         # Its set_seed, then its own initialisation (transformers' normal, std 0.02).
         torch.manual_seed(s.seed)
-        layer_cfg = draft_layer_config(dcfg)
+        layer_cfg = draft_layer_config(drafter_config)
         # Its loader logs (loguru) every file it opens; the teacher check in bench_quality.py
         # says whether it read the rows ours reads.
         from loguru import logger as loguru_logger
@@ -259,7 +259,7 @@ class SpeculatorsTrainer:
             model = Eagle3DraftModel.from_training_args(
                 verifier_config=layer_cfg, t2d=t2d.clone(), d2t=d2t.clone(), verifier_name_or_path=s.target_model,
                 target_layer_ids=list(s.aux_layers), draft_attn_impl=ATTN_IMPLEMENTATION,
-                draft_vocab_size=dcfg.draft_vocab_size, ttt_steps=s.ttt_steps, norm_before_residual=False,
+                draft_vocab_size=drafter_config.draft_vocab_size, ttt_steps=s.ttt_steps, norm_before_residual=False,
                 norm_before_fc=False, fc_norm=False, norm_output=False, embed_requires_grad=False)
         finally:
             loguru_logger.enable("speculators.utils.loading")
@@ -302,7 +302,7 @@ class SpeculatorsTrainer:
 
     def collate(self, items: list[dict]) -> dict:
         length = sum(max(int(x["lengths"][0]) - 1, 0) for x in items)  # shift_batch drops one token per sample
-        collate = self.collate_class(max_len=length, hidden_size=self.dcfg.hidden_size,
+        collate = self.collate_class(max_len=length, hidden_size=self.drafter_config.hidden_size,
                                      num_target_layers=len(self.s.aux_layers), dtype=self.dtype,
                                      preprocess=self.shift_batch)
         return collate(items)
@@ -365,7 +365,7 @@ class SpeculatorsTrainer:
         """Every TTT step's logits [T - 1, V_d] of one raw sample (`held_out_items`) from its
         own forward, fp32, rows t = 0..T-2 (its shift_batch drops the last hidden state)."""
         self.model.float().eval()
-        collate = self.collate_class(max_len=int(item["lengths"][0]) - 1, hidden_size=self.dcfg.hidden_size,
+        collate = self.collate_class(max_len=int(item["lengths"][0]) - 1, hidden_size=self.drafter_config.hidden_size,
                                      num_target_layers=len(self.s.aux_layers), dtype=torch.float32,
                                      preprocess=self.shift_batch)
         row = collate([item])

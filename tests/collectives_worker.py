@@ -215,11 +215,11 @@ def release(rank: int, local_rank: int, out: Path) -> dict:
     from eagle3.stages.s04_train.windows import Rounds, mapped_files
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    wd, wdir = WorkDir(out / "work"), out / "windows"
+    workdir, wdir = WorkDir(out / "work"), out / "windows"
     folder = wdir / windows.round_name(0)
     if rank == 0:
         write_round(wdir, 0)
-        save_checkpoint(wd, train_checkpoint({}, {}, step=4, rounds_trained=1), keep=2, is_best=False)
+        save_checkpoint(workdir, train_checkpoint({}, {}, step=4, rounds_trained=1), keep=2, is_best=False)
     dist.barrier()
 
     class Schedule:  # rounds of 4 steps
@@ -234,7 +234,7 @@ def release(rank: int, local_rank: int, out: Path) -> dict:
         def rounds_done(self, step):
             return step // 4
 
-    rounds = Rounds(wd, MAIN, Schedule(), windows_dir=str(wdir), keep=False, wait_s=10, rank=rank, world=2)
+    rounds = Rounds(workdir, MAIN, Schedule(), windows_dir=str(wdir), keep=False, wait_s=10, rank=rank, world=2)
     assert rounds.ensure(0)
     tokens = [rounds.split[i].num_tokens for i in (rank, 2 + rank)]  # a sample of each file: both mapped
     mapped_before = mapped_files(folder)
@@ -252,7 +252,7 @@ def release(rank: int, local_rank: int, out: Path) -> dict:
         return real_delete(wdir_, r)
 
     windows.delete_round = delete_round
-    rounds.covered(4, wd.checkpoint(4))
+    rounds.covered(4, workdir.checkpoint(4))
     dist.barrier()  # rank 1 stays alive (and would keep its mappings) until rank 0 has deleted
     return {"tokens": tokens, "mapped_before": len(mapped_before), **seen, "deleted": not folder.exists(),
             "progress": windows.read_progress(wdir)["trained_rounds"]}

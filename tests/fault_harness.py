@@ -95,8 +95,8 @@ def _rel(p: Path, d: Path) -> str:
 def _equal_files(names: Callable[[str], bool]):
     """Visible files selected by `names` must be byte-equal to the reference's."""
 
-    def check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
-        d, rd = wd.stage_dir(stage), ref.stage_dir(stage)
+    def check(workdir: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
+        d, rd = workdir.stage_dir(stage), ref.stage_dir(stage)
         bad = []
         got = {_rel(p, d) for p in visible_files(d) if names(_rel(p, d))}
         want = {_rel(p, rd) for p in visible_files(rd) if names(_rel(p, rd))}
@@ -119,11 +119,11 @@ def _not_volatile(rel: str) -> bool:
     return name not in ("manifest.json", "state.json", "export_report.json", "export_report.md", "README.md")
 
 
-def _train_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
+def _train_check(workdir: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
     import torch
 
     bad = []
-    d = wd.stage_dir(stage)
+    d = workdir.stage_dir(stage)
     for p in visible_files(d):
         try:
             if p.suffix == ".pt":
@@ -136,7 +136,7 @@ def _train_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[
         except Exception as e:  # noqa: BLE001 -- any failure to read is the finding
             bad.append(f"{p}: does not load ({type(e).__name__}: {str(e)[:80]})")
     if final:
-        mine, theirs = (json.loads(w.manifest(stage).read_text()) for w in (wd, ref))
+        mine, theirs = (json.loads(w.manifest(stage).read_text()) for w in (workdir, ref))
         a = torch.load(d / mine["record"]["best_checkpoint"], weights_only=True)["model"]
         b = torch.load(ref.stage_dir(stage) / theirs["record"]["best_checkpoint"], weights_only=True)["model"]
         if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a):
@@ -155,9 +155,9 @@ def _without_timings(x):
     return x
 
 
-def _evaluate_check(wd: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
+def _evaluate_check(workdir: WorkDir, ref: WorkDir, stage: str, *, final: bool) -> list[str]:
     bad = []
-    d = wd.stage_dir(stage)
+    d = workdir.stage_dir(stage)
     for p in visible_files(d):
         try:
             if p.suffix == ".json":
@@ -281,14 +281,14 @@ def trial(row: Row, config: Path, ref: Path, timing: Timing, work: Path, seed: i
         if killed:
             break
         delay /= 2
-    wd = WorkDir(work)
-    after_kill = row.check(wd, rwd, row.stage, final=False) + _manifest_problems(wd, row.stage)
+    workdir = WorkDir(work)
+    after_kill = row.check(workdir, rwd, row.stage, final=False) + _manifest_problems(workdir, row.stage)
     r = subprocess.run(command(row, config, work), cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=timeout)
     after_rerun = []
     if r.returncode == 0:
-        after_rerun = (row.check(wd, rwd, row.stage, final=True) + _manifest_problems(wd, row.stage, final=True)
-                       + _inputs_changed(wd, rwd, row.inputs))
+        after_rerun = (row.check(workdir, rwd, row.stage, final=True) + _manifest_problems(workdir, row.stage, final=True)
+                       + _inputs_changed(workdir, rwd, row.inputs))
     return Trial(row.stage, seed, round(killed_at, 2), killed, after_kill, r.returncode, after_rerun,
                  (r.stdout + r.stderr)[-3000:] if r.returncode else "")
 
@@ -299,10 +299,10 @@ def _run_and_kill(row: Row, config: Path, rwd: WorkDir, work: Path, delay: float
     after its folder appears. (killed, seconds from start to the kill or the end)."""
     if work.exists():
         shutil.rmtree(work)
-    wd = WorkDir(work)
+    workdir = WorkDir(work)
     for s in row.inputs:
-        shutil.copytree(rwd.stage_dir(s), wd.stage_dir(s))
-    d = wd.stage_dir(row.stage)
+        shutil.copytree(rwd.stage_dir(s), workdir.stage_dir(s))
+    d = workdir.stage_dir(row.stage)
     t0 = time.monotonic()
     proc = subprocess.Popen(command(row, config, work), cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
@@ -340,11 +340,11 @@ def _input_bytes(p: Path, rel: str) -> bytes:
     return (text[:begin] + text[end:]).encode() if 0 <= begin < end else data
 
 
-def _inputs_changed(wd: WorkDir, ref: WorkDir, stages: tuple[str, ...]) -> list[str]:
+def _inputs_changed(workdir: WorkDir, ref: WorkDir, stages: tuple[str, ...]) -> list[str]:
     """The upstream stages' folders (copied from the reference) must come out of the trial as they went in."""
     bad = []
     for s in stages:
-        d, rd = wd.stage_dir(s), ref.stage_dir(s)
+        d, rd = workdir.stage_dir(s), ref.stage_dir(s)
         mine = {_rel(p, d): _input_bytes(p, _rel(p, d)) for p in d.rglob("*") if p.is_file()}
         theirs = {_rel(p, rd): _input_bytes(p, _rel(p, rd)) for p in rd.rglob("*") if p.is_file()}
         if mine != theirs:
@@ -353,11 +353,11 @@ def _inputs_changed(wd: WorkDir, ref: WorkDir, stages: tuple[str, ...]) -> list[
     return bad
 
 
-def _manifest_problems(wd: WorkDir, stage: str, *, final: bool = False) -> list[str]:
+def _manifest_problems(workdir: WorkDir, stage: str, *, final: bool = False) -> list[str]:
     """A manifest that exists must be whole and describe files that are all there (after a rerun: must exist)."""
     from eagle3.artifacts.manifest import sha256_file
 
-    path = wd.manifest(stage)
+    path = workdir.manifest(stage)
     if not path.exists():
         return [f"{path}: missing after the rerun"] if final else []
     try:
@@ -366,7 +366,7 @@ def _manifest_problems(wd: WorkDir, stage: str, *, final: bool = False) -> list[
         return [f"{path}: partial manifest ({e})"]
     bad = []
     for rel, info in m["outputs"].items():
-        f = wd.stage_dir(stage) / rel
+        f = workdir.stage_dir(stage) / rel
         if not f.is_file() or f.stat().st_size != info["bytes"] or (info["sha256"] and sha256_file(f) != info["sha256"]):
             bad.append(f"{f}: does not match the manifest")
     return bad

@@ -54,14 +54,14 @@ def load_split(path: Path):
         return datasets.Dataset.from_dict({k: [] for k in split_features()}, features=split_features())
 
 
-def save_token_freq(wd: WorkDir, split: str, freq: np.ndarray) -> Path:
-    save_numpy(wd.token_freq(split), np.asarray(freq, dtype=np.int64))
-    return wd.token_freq(split)
+def save_token_freq(workdir: WorkDir, split: str, freq: np.ndarray) -> Path:
+    save_numpy(workdir.token_freq(split), np.asarray(freq, dtype=np.int64))
+    return workdir.token_freq(split)
 
 
-def load_token_freq(wd: WorkDir, split: str) -> np.ndarray:
+def load_token_freq(workdir: WorkDir, split: str) -> np.ndarray:
     """int64 [target_vocab] of `split`; callers check the width against their target."""
-    f = wd.token_freq(split)
+    f = workdir.token_freq(split)
     if not f.is_file():
         raise PipelineError(f"{f} does not exist; run `python {WorkDir.script('prepare')}` first.")
     return np.load(f)

@@ -90,7 +90,7 @@ class Manifest:
 
 
 def write_manifest(
-    wd: WorkDir,
+    workdir: WorkDir,
     stage: str,
     *,
     params: dict,
@@ -110,19 +110,19 @@ def write_manifest(
     (the hidden-state store keeps its own per-shard checksums).
     """
     assert record is None or type(record) is RECORDS[stage], (stage, type(record))
-    base = wd.stage_dir(stage)
+    base = workdir.stage_dir(stage)
     out = {}
     for f in _output_files(outputs):
         rel = f.relative_to(base).as_posix()
         out[rel] = {"bytes": f.stat().st_size, "sha256": sha256_file(f) if hash_outputs else None}
-    consumed, stale = _run.take(wd, stage)
+    consumed, stale = _run.take(workdir, stage)
     m = Manifest(
         stage=stage, params=params, inputs=inputs, counts=counts, outputs=out, extra=extra or {},
         record=None if record is None else asdict(record), consumed=consumed, stale=stale,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     )
-    write_json(wd.manifest(stage), m.to_json())
-    m.path = wd.manifest(stage)
+    write_json(workdir.manifest(stage), m.to_json())
+    m.path = workdir.manifest(stage)
     return m
 
 
@@ -137,9 +137,9 @@ def _load(path: Path) -> Manifest:
     return m
 
 
-def _outputs_intact(m: Manifest, base: Path) -> str | None:
+def _outputs_intact(manifest: Manifest, base: Path) -> str | None:
     """None when every recorded output exists with its recorded size, else the first problem."""
-    for rel, info in m.outputs.items():
+    for rel, info in manifest.outputs.items():
         f = base / rel
         if not f.is_file():
             return f"{f} is missing"
@@ -148,46 +148,46 @@ def _outputs_intact(m: Manifest, base: Path) -> str | None:
     return None
 
 
-def read_manifest(wd: WorkDir, stage: str, *, needed_by: str) -> Manifest:
+def read_manifest(workdir: WorkDir, stage: str, *, needed_by: str) -> Manifest:
     """Read and check the manifest of `stage` before a later stage uses its outputs."""
-    path = wd.manifest(stage)
-    fix = f"run `python {wd.script(stage)} --work-dir {wd.root}` (with your --config) first"
+    path = workdir.manifest(stage)
+    fix = f"run `python {workdir.script(stage)} --work-dir {workdir.root}` (with your --config) first"
     if not path.is_file():
         raise PipelineError(f"{needed_by} needs {path}, which does not exist: {fix}.")
     m = _load(path)
     if m.format_version != FORMAT_VERSION:
         raise PipelineError(
             f"{path} has format version {m.format_version}, this code reads {FORMAT_VERSION} (version 2 holds "
-            f"the stage's typed record, eagle3/artifacts/records.py): rerun `python {wd.script(stage)} --force`.")
-    problem = _outputs_intact(m, wd.stage_dir(stage))
+            f"the stage's typed record, eagle3/artifacts/records.py): rerun `python {workdir.script(stage)} --force`.")
+    problem = _outputs_intact(m, workdir.stage_dir(stage))
     if problem:
-        raise PipelineError(f"{needed_by}: {problem} ({path}); rerun `python {wd.script(stage)} --force`.")
-    check_fresh(wd, m, needed_by=needed_by)
-    _run.register(wd, stage, manifest_fingerprint(m))
+        raise PipelineError(f"{needed_by}: {problem} ({path}); rerun `python {workdir.script(stage)} --force`.")
+    check_fresh(workdir, m, needed_by=needed_by)
+    _run.register(workdir, stage, manifest_fingerprint(m))
     return m
 
 
-def record_of(m: Manifest) -> Record:
+def record_of(manifest: Manifest) -> Record:
     """The typed record of a manifest already read (`read_manifest`, `already_complete`, a
     stage's own return value); refused, naming the manifest and the rerun, when it has none
     or its fields are not its class's."""
-    return record_from_json(m.stage, m.record, m.path)
+    return record_from_json(manifest.stage, manifest.record, manifest.path)
 
 
-def read_record(wd: WorkDir, stage: str, *, needed_by: str) -> Record:
+def read_record(workdir: WorkDir, stage: str, *, needed_by: str) -> Record:
     """`read_manifest` (existence, version, outputs, staleness), then its typed record:
     the one way a stage or tool reads another stage's facts."""
-    return record_of(read_manifest(wd, stage, needed_by=needed_by))
+    return record_of(read_manifest(workdir, stage, needed_by=needed_by))
 
 
-def manifest_fingerprint(m: Manifest) -> str:
+def manifest_fingerprint(manifest: Manifest) -> str:
     """The identity a downstream stage records for this input."""
-    return sha256_json({k: v for k, v in m.to_json().items() if k != "created"})
+    return sha256_json({k: v for k, v in manifest.to_json().items() if k != "created"})
 
 
-def completed(wd: WorkDir, stage: str, params: dict, inputs: dict) -> Manifest | None:
+def completed(workdir: WorkDir, stage: str, params: dict, inputs: dict) -> Manifest | None:
     """The existing manifest if the stage already ran with these params and inputs."""
-    path = wd.manifest(stage)
+    path = workdir.manifest(stage)
     if not path.is_file():
         return None
     try:
@@ -196,24 +196,24 @@ def completed(wd: WorkDir, stage: str, params: dict, inputs: dict) -> Manifest |
         return None
     if m.format_version != FORMAT_VERSION or m.params != _jsonable(params) or m.inputs != _jsonable(inputs):
         return None
-    if _outputs_intact(m, wd.stage_dir(stage)):
+    if _outputs_intact(m, workdir.stage_dir(stage)):
         return None
-    _run.take(wd, stage)  # the stage ends here without a new manifest: its reads are done
+    _run.take(workdir, stage)  # the stage ends here without a new manifest: its reads are done
     return m
 
 
-def already_complete(wd: WorkDir, stage: str, params: dict, inputs: dict, *, force: bool,
+def already_complete(workdir: WorkDir, stage: str, params: dict, inputs: dict, *, force: bool,
                      intact: Callable[[Manifest], bool] | None = None) -> Manifest | None:
     """`completed(...)` unless `force`, saying so in the log: every stage's first check.
 
     `intact(manifest)`: the stage's own check that what the manifest lists is still whole
     and finished (a store's checksums, a drafter folder's files); False means redo.
     """
-    done = completed(wd, stage, params, inputs)
+    done = completed(workdir, stage, params, inputs)
     if done is None or force or (intact is not None and not intact(done)):
         return None
     log.info("stage %s already complete with these inputs (%s); nothing to do. Pass --force to redo it.",
-             wd.number(stage), done.path)
+             workdir.number(stage), done.path)
     return done
 
 
@@ -248,16 +248,16 @@ class _StageRun:
         self.reads: dict[Path, dict[str, str]] = {}
         self.stale: dict[Path, list[str]] = {}
 
-    def register(self, wd: WorkDir, stage: str, fingerprint: str) -> None:
-        self.reads.setdefault(wd.root.resolve(), {})[stage] = fingerprint
+    def register(self, workdir: WorkDir, stage: str, fingerprint: str) -> None:
+        self.reads.setdefault(workdir.root.resolve(), {})[stage] = fingerprint
 
-    def note_stale(self, wd: WorkDir, line: str) -> None:
-        lines = self.stale.setdefault(wd.root.resolve(), [])
+    def note_stale(self, workdir: WorkDir, line: str) -> None:
+        lines = self.stale.setdefault(workdir.root.resolve(), [])
         if line not in lines:
             lines.append(line)
 
-    def take(self, wd: WorkDir, stage: str) -> tuple[dict[str, str], list[str]]:
-        key = wd.root.resolve()
+    def take(self, workdir: WorkDir, stage: str) -> tuple[dict[str, str], list[str]]:
+        key = workdir.root.resolve()
         reads, stale = self.reads.pop(key, {}), self.stale.pop(key, [])
         return {s: fp for s, fp in sorted(reads.items()) if _order(s) < _order(stage)}, stale
 
@@ -285,8 +285,8 @@ class StaleLink:
     why: str  # "rebuilt" | "unreadable"
 
 
-def _current_fingerprint(wd: WorkDir, stage: str) -> str | None:
-    path = wd.manifest(stage)
+def _current_fingerprint(workdir: WorkDir, stage: str) -> str | None:
+    path = workdir.manifest(stage)
     if not path.is_file():
         return None
     try:
@@ -295,7 +295,7 @@ def _current_fingerprint(wd: WorkDir, stage: str) -> str | None:
         return "unreadable"
 
 
-def find_stale(wd: WorkDir, m: Manifest) -> tuple[list[StaleLink], list[str]]:
+def find_stale(workdir: WorkDir, manifest: Manifest) -> tuple[list[StaleLink], list[str]]:
     """Every link upstream of `m` (transitively) whose recorded fingerprint is not the
     manifest on disk, and the stages to rerun to repair it, in pipeline order (the
     consumers of those links and every stage built on them, `m`'s own stage included).
@@ -305,12 +305,12 @@ def find_stale(wd: WorkDir, m: Manifest) -> tuple[list[StaleLink], list[str]]:
     """
     links: list[StaleLink] = []
     needs_rerun: dict[str, bool] = {}
-    manifests: dict[str, Manifest | None] = {m.stage: m}
+    manifests: dict[str, Manifest | None] = {manifest.stage: manifest}
 
     def load(stage: str) -> Manifest | None:
         if stage not in manifests:
             try:
-                manifests[stage] = _load(wd.manifest(stage)) if wd.manifest(stage).is_file() else None
+                manifests[stage] = _load(workdir.manifest(stage)) if workdir.manifest(stage).is_file() else None
             except PipelineError:
                 manifests[stage] = None
         return manifests[stage]
@@ -322,10 +322,10 @@ def find_stale(wd: WorkDir, m: Manifest) -> tuple[list[StaleLink], list[str]]:
         cur = load(stage)
         rerun = False
         for up, fp in sorted((cur.consumed if cur else {}).items(), key=lambda kv: _order(kv[0])):
-            now = _current_fingerprint(wd, up)
+            now = _current_fingerprint(workdir, up)
             if now is None:
                 log.warning("%s was built from %s, which is gone: its freshness cannot be checked",
-                            wd.manifest(stage), wd.manifest(up))
+                            workdir.manifest(stage), workdir.manifest(up))
                 continue
             if now != fp:
                 links.append(StaleLink(up, stage, "unreadable" if now == "unreadable" else "rebuilt"))
@@ -336,49 +336,49 @@ def find_stale(wd: WorkDir, m: Manifest) -> tuple[list[StaleLink], list[str]]:
         needs_rerun[stage] = rerun
         return rerun
 
-    visit(m.stage)
+    visit(manifest.stage)
     return links, sorted((s for s, r in needs_rerun.items() if r), key=_order)
 
 
-def stale_stages(wd: WorkDir) -> list[str]:
+def stale_stages(workdir: WorkDir) -> list[str]:
     """Every stage of the work dir whose manifest is stale (transitively), in pipeline order:
     what to rerun, in that order, to make the whole work dir consistent again."""
     out: set[str] = set()
     for stage in STAGE:
-        if wd.manifest(stage).is_file():
+        if workdir.manifest(stage).is_file():
             try:
-                out |= set(find_stale(wd, _load(wd.manifest(stage)))[1])
+                out |= set(find_stale(workdir, _load(workdir.manifest(stage)))[1])
             except PipelineError:
                 continue  # an unreadable manifest shows up as a link of the stages built on it
     return sorted(out, key=_order)
 
 
-def _rerun_hint(wd: WorkDir, stage: str) -> str:
+def _rerun_hint(workdir: WorkDir, stage: str) -> str:
     if _run.config:
-        return f"`python {wd.script(stage)} --config {_run.config} --force`"
-    return f"`python {wd.script(stage)} --work-dir {wd.root} --force` (with your --config)"
+        return f"`python {workdir.script(stage)} --config {_run.config} --force`"
+    return f"`python {workdir.script(stage)} --work-dir {workdir.root} --force` (with your --config)"
 
 
-def check_fresh(wd: WorkDir, m: Manifest, *, needed_by: str) -> None:
+def check_fresh(workdir: WorkDir, manifest: Manifest, *, needed_by: str) -> None:
     """Refuse `m` (about to be consumed by `needed_by`) when it was built from upstream
     manifests that have changed since, naming the stages to rerun; under
     `stage_run(allow_stale=True)` warn and record it instead."""
-    links, rerun = find_stale(wd, m)
+    links, rerun = find_stale(workdir, manifest)
     if not links:
         return
     # Name every stale stage of the work dir, not only this input's chain: a stage reads
     # several inputs, and one message should list all the reruns, not one per attempt.
-    rerun = sorted(set(rerun) | set(stale_stages(wd)), key=_order)
+    rerun = sorted(set(rerun) | set(stale_stages(workdir)), key=_order)
     folder = {s: STAGE[s].folder for s in STAGE}
     what = "; ".join(
         f"{folder[k.upstream]} was {'rebuilt' if k.why == 'rebuilt' else 'changed (unreadable now)'} after "
         f"{folder[k.consumer]} consumed it" for k in links)
-    fix = ", then ".join(_rerun_hint(wd, s) for s in rerun)
+    fix = ", then ".join(_rerun_hint(workdir, s) for s in rerun)
     if not _run.allow_stale:
         raise PipelineError(
-            f"{needed_by}: {what}, so {m.path} describes outputs built from inputs that are no longer on disk: "
+            f"{needed_by}: {what}, so {manifest.path} describes outputs built from inputs that are no longer on disk: "
             f"rerun {fix}; or pass --allow-stale to use them as they are (recorded in the manifest).")
-    log.warning("--allow-stale: %s; %s uses %s as it is (rerun %s to repair it)", what, needed_by, m.path, fix)
+    log.warning("--allow-stale: %s; %s uses %s as it is (rerun %s to repair it)", what, needed_by, manifest.path, fix)
     for k in links:
-        _run.note_stale(wd, f"{folder[k.upstream]} was {k.why} after {folder[k.consumer]} consumed it "
-                            f"(read through {folder[m.stage]})")
+        _run.note_stale(workdir, f"{folder[k.upstream]} was {k.why} after {folder[k.consumer]} consumed it "
+                            f"(read through {folder[manifest.stage]})")

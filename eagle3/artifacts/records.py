@@ -4,7 +4,7 @@ Each stage ends by writing its manifest (eagle3/artifacts/manifest.py `write_man
 a frozen dataclass of this module as `record=`; it is stored as the manifest's `record`
 section (`dataclasses.asdict`, so fields hold JSON types only: str, int, float, bool,
 None, lists and dicts with string keys). A later stage or tool reads it back with
-`read_record(wd, stage, needed_by=...)` (the manifest's own checks, staleness included,
+`read_record(workdir, stage, needed_by=...)` (the manifest's own checks, staleness included,
 run first) or, holding the manifest already, `record_of(manifest)`. A fact another
 stage reads lives here and nowhere else in the manifest: `counts` keeps figures that
 are only reported, `extra` notes for a human reader.

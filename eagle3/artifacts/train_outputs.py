@@ -134,32 +134,32 @@ def read_checkpoint(path: Path | str) -> TrainCheckpoint:
     return TrainCheckpoint.from_file(data, path)
 
 
-def read_train_metrics(wd: WorkDir) -> list[dict]:
+def read_train_metrics(workdir: WorkDir) -> list[dict]:
     """04_train/metrics.jsonl's rows in order (eagle3/stages/s04_train/metrics.py writes them:
     one per log window, "split" "train", and one per held-out evaluation, "split" "eval");
     empty before stage 04 logged anything."""
-    path = wd.train_metrics()
+    path = workdir.train_metrics()
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def evaluated_checkpoints(wd: WorkDir, up_to: int | None = None) -> list[tuple[Path, TrainCheckpoint]]:
+def evaluated_checkpoints(workdir: WorkDir, up_to: int | None = None) -> list[tuple[Path, TrainCheckpoint]]:
     """The step files of 04_train/checkpoints/ that hold held-out metrics (`eval`), by step,
     memory-mapped (the weights are read only when touched), at or below step `up_to` when
     given: what stage 04's --keep-evaluated keeps and stage 06's --select-checkpoint serves.
     An unreadable file is left out, logged with the reason."""
-    folder = wd.checkpoints()
-    steps = sorted(s for s in map(wd.checkpoint_step, folder.iterdir()) if s is not None) if folder.is_dir() else []
+    folder = workdir.checkpoints()
+    steps = sorted(s for s in map(workdir.checkpoint_step, folder.iterdir()) if s is not None) if folder.is_dir() else []
     found = []
     for s in steps:
         if up_to is not None and s > up_to:
             continue
         try:
-            ckpt = read_checkpoint(wd.checkpoint(s))
+            ckpt = read_checkpoint(workdir.checkpoint(s))
         except PipelineError as e:
-            log.warning("%s is left out of the evaluated checkpoints: %s", wd.checkpoint(s), e)
+            log.warning("%s is left out of the evaluated checkpoints: %s", workdir.checkpoint(s), e)
             continue
         if ckpt.eval:
-            found.append((wd.checkpoint(s), ckpt))
+            found.append((workdir.checkpoint(s), ckpt))
     return found

@@ -76,24 +76,24 @@ def compare_mappings(a: VocabMapping, b: VocabMapping) -> dict[str, Any]:
     }
 
 
-def save_mapping(wd: WorkDir, d2t: np.ndarray, t2d: np.ndarray) -> list:
+def save_mapping(workdir: WorkDir, d2t: np.ndarray, t2d: np.ndarray) -> list:
     """Write stage 03's mapping (03_vocab/d2t.pt, t2d.pt, torch tensors). Returns the files.
 
     One copy: every reader goes through `load_mapping`, and the engines never read these
     files (stage 05 writes d2t and t2d into the drafter's safetensors)."""
     import torch
 
-    save_torch(wd.d2t(), torch.from_numpy(np.asarray(d2t)))
-    save_torch(wd.t2d(), torch.from_numpy(np.asarray(t2d)))
-    return [wd.d2t(), wd.t2d()]
+    save_torch(workdir.d2t(), torch.from_numpy(np.asarray(d2t)))
+    save_torch(workdir.t2d(), torch.from_numpy(np.asarray(t2d)))
+    return [workdir.d2t(), workdir.t2d()]
 
 
-def load_mapping(wd: WorkDir):
+def load_mapping(workdir: WorkDir):
     """(d2t int64 [draft_vocab], t2d bool [target_vocab]) as torch tensors, as stage 03 wrote them
     (stages 04 and 05, tools/forecast.py, and tools/diagnose's compare-vocab on a work dir)."""
     import torch
 
-    for f in (wd.d2t(), wd.t2d()):
+    for f in (workdir.d2t(), workdir.t2d()):
         if not f.is_file():
             raise PipelineError(f"{f} does not exist; run `python {WorkDir.script('vocab')}` first.")
-    return torch.load(wd.d2t(), weights_only=True), torch.load(wd.t2d(), weights_only=True)
+    return torch.load(workdir.d2t(), weights_only=True), torch.load(workdir.t2d(), weights_only=True)

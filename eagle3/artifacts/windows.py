@@ -92,8 +92,8 @@ def human(n: int) -> str:
     return f"{n} B"
 
 
-def round_name(r: int) -> str:
-    return f"window-{r:05d}"
+def round_name(round_index: int) -> str:
+    return f"window-{round_index:05d}"
 
 
 def round_of(name: str) -> int | None:
@@ -192,8 +192,8 @@ class WindowPlan:
         """Windows extracted over the whole run: every window once per extraction pass."""
         return self.passes * self.num_windows
 
-    def window_of(self, r: int) -> dict:
-        return self.windows[r % self.num_windows]
+    def window_of(self, round_index: int) -> dict:
+        return self.windows[round_index % self.num_windows]
 
     @property
     def peak_bytes(self) -> int:
@@ -261,27 +261,27 @@ def windows_dir(store_dir: Path, override: str | Path | None) -> Path:
     return Path(override) if override else Path(store_dir) / WINDOWS_DIR
 
 
-def read_complete(d: Path) -> dict | None:
+def read_complete(folder: Path) -> dict | None:
     try:
-        return json.loads((Path(d) / COMPLETE_JSON).read_text())
+        return json.loads((Path(folder) / COMPLETE_JSON).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
 
 
-def window_problem(d: Path, *, verify_checksums: bool) -> str | None:
+def window_problem(folder: Path, *, verify_checksums: bool) -> str | None:
     """None when the round's folder is complete and whole (and its checksums hold, when asked)."""
-    done = read_complete(d)
+    done = read_complete(folder)
     if done is None:
-        return f"{d} has no {COMPLETE_JSON} (not finished)"
+        return f"{folder} has no {COMPLETE_JSON} (not finished)"
     for e in done["files"]:
-        problem = store.file_problem(Path(d), e, verify_checksum=verify_checksums)
+        problem = store.file_problem(Path(folder), e, verify_checksum=verify_checksums)
         if problem:
             return problem
     return None
 
 
-def write_complete(d: Path, info: dict) -> None:
-    write_json(Path(d) / COMPLETE_JSON, info)
+def write_complete(folder: Path, info: dict) -> None:
+    write_json(Path(folder) / COMPLETE_JSON, info)
 
 
 def read_progress(wdir: Path) -> dict:
@@ -342,16 +342,16 @@ def _remove_tree(path: Path) -> list[str]:
     return left
 
 
-def delete_round(wdir: Path, r: int) -> bool:
+def delete_round(wdir: Path, round_index: int) -> bool:
     """Delete round r's folder: renamed first (one atomic step: it no longer looks like a
     window), then removed. True when something was deleted. Files some process still
     holds open on NFS (`.nfs*`) keep the renamed folder: a warning names them and a later
     `sweep` removes it."""
-    d = Path(wdir) / round_name(r)
-    gone = Path(wdir) / f".deleting-{round_name(r)}"
+    d = Path(wdir) / round_name(round_index)
+    gone = Path(wdir) / f".deleting-{round_name(round_index)}"
     if d.exists():
         if gone.exists() and _remove_tree(gone):  # an older leftover still held: keep it aside
-            os.replace(gone, Path(wdir) / f".deleting-{round_name(r)}.{time.time_ns()}")
+            os.replace(gone, Path(wdir) / f".deleting-{round_name(round_index)}.{time.time_ns()}")
         os.replace(d, gone)
     if not gone.exists():
         return False
@@ -360,7 +360,7 @@ def delete_round(wdir: Path, r: int) -> bool:
         log.warning("round %d: %s still holds %s after %d tries %.0f s apart: files deleted while some process "
                     "has them open (NFS keeps them as .nfs files until the last holder closes them: a process "
                     "outside this run, or on another box). Their space is freed when it closes them; a later "
-                    "start of stage 04 removes the folder.", r, gone, ", ".join(left[:5]), REMOVE_RETRIES,
+                    "start of stage 04 removes the folder.", round_index, gone, ", ".join(left[:5]), REMOVE_RETRIES,
                     REMOVE_RETRY_S)
     return True
 
@@ -392,10 +392,10 @@ def present_rounds(wdir: Path) -> list[int]:
     return sorted(r for r in (round_of(p.name) for p in Path(wdir).iterdir()) if r is not None)
 
 
-def dir_bytes(d: Path) -> int:
+def dir_bytes(folder: Path) -> int:
     """Bytes of the files under d (what the store holds on disk right now)."""
     total = 0
-    for root, _, files in os.walk(d):
+    for root, _, files in os.walk(folder):
         for f in files:
             try:
                 total += os.stat(os.path.join(root, f)).st_blocks * 512

@@ -91,15 +91,15 @@ def _mmss(seconds: float) -> str:
     return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
 
 
-def _optional(wd: WorkDir, stage: str, need: str):
+def _optional(workdir: WorkDir, stage: str, need: str):
     """A stage's record when that stage ran here (stage 06 alone may measure a drafter from elsewhere)."""
-    return read_record(wd, stage, needed_by=need) if wd.manifest(stage).is_file() else None
+    return read_record(workdir, stage, needed_by=need) if workdir.manifest(stage).is_file() else None
 
 
-def pipeline_lines(wd: WorkDir, K: int, need: str) -> list[str]:
+def pipeline_lines(workdir: WorkDir, K: int, need: str) -> list[str]:
     """What stages 00-04 made, one block each, for the stages that ran in this work directory."""
-    gen, prep = _optional(wd, "generate", need), _optional(wd, "prepare", need)
-    vocab, train = _optional(wd, "vocab", need), _optional(wd, "train", need)
+    gen, prep = _optional(workdir, "generate", need), _optional(workdir, "prepare", need)
+    vocab, train = _optional(workdir, "vocab", need), _optional(workdir, "train", need)
     lines = []
     if gen:
         new = gen.new_turns
@@ -116,7 +116,7 @@ def pipeline_lines(wd: WorkDir, K: int, need: str) -> list[str]:
         lines.append(f"vocab     draft vocab {vocab.draft_vocab_size} ids; coverage of assistant tokens: train "
                      f"{_pct(vocab.coverage_train)}, held-out {_pct(vocab.coverage_eval)}")
     if train:
-        metrics = read_train_metrics(wd)
+        metrics = read_train_metrics(workdir)
         lines += [f"training  {train.steps} steps; best held-out expected accept length "
                   f"{_num(train.best_expected_accept_length, '.3f')} (all {train.ttt_steps} TTT steps) "
                   f"at step {train.best_step}", *training_table(metrics, K, train.ttt_steps)]
@@ -209,20 +209,20 @@ def verdict_lines(results: dict) -> list[str]:
 
 def summary_text(work_dir: Path | str, elapsed_s: float | None = None,
                  stage_times: list[tuple[str, float]] | None = None) -> str:
-    wd = WorkDir(work_dir)
+    workdir = WorkDir(work_dir)
     need = "the demo summary"
-    ev = read_record(wd, "evaluate", needed_by=need)
-    results = json.loads(wd.evaluate_results().read_text())
+    ev = read_record(workdir, "evaluate", needed_by=need)
+    results = json.loads(workdir.evaluate_results().read_text())
     K = results["num_speculative_tokens"]
-    lines = ["", f"== EAGLE-3 pipeline summary ({wd.root}) ==",
-             *pipeline_lines(wd, K, need),
+    lines = ["", f"== EAGLE-3 pipeline summary ({workdir.root}) ==",
+             *pipeline_lines(workdir, K, need),
              *served_lines(results), *verdict_lines(results)]
     if elapsed_s is not None:
         lines.append(f"wall time {_mmss(elapsed_s)} for the whole run (target build to stage 06)")
     if stage_times:
         lines.append("  per stage  " + "  ".join(f"{name} {_mmss(sec)}" for name, sec in stage_times))
     card = Path(ev.drafter_dir) / CARD_NAME
-    lines += [f"files     {wd.evaluate_results()}, {wd.evaluate_plot()}, "
+    lines += [f"files     {workdir.evaluate_results()}, {workdir.evaluate_plot()}, "
               f"drafter {ev.drafter_dir}"
               + (f" (model card {card}: publish with `hf upload`)" if card.is_file() else ""),
               ""]

@@ -264,13 +264,13 @@ class Fit:
         return Reach(True, why, tokens, _exp(self.x_mean + roots[1]), math.inf)
 
 
-def fit_law(law: Law | str, tokens: list[float], al: list[float], K: int) -> Fit:
+def fit_law(law: Law | str, tokens: list[float], accept_lengths: list[float], K: int) -> Fit:
     """Least squares of g(AL) on ln D. Needs 2+ points with distinct token counts and every
     AL inside the law's domain (PipelineError naming the point otherwise)."""
     law = LAWS[law] if isinstance(law, str) else law
-    if len(tokens) != len(al) or len(tokens) < 2:
+    if len(tokens) != len(accept_lengths) or len(tokens) < 2:
         raise PipelineError(f"a fit needs 2 or more points, got {len(tokens)}; pass more --fractions.")
-    for D, v in zip(tokens, al):
+    for D, v in zip(tokens, accept_lengths):
         if not D > 0:
             raise PipelineError(f"a point has {D} training tokens; every fraction must train on some.")
         if not law.domain(v, K):
@@ -278,7 +278,7 @@ def fit_law(law: Law | str, tokens: list[float], al: list[float], K: int) -> Fit
                                 f"({law.domain_text}, K+1 = {K + 1}); pick another --law.")
     n = len(tokens)
     x = [math.log(D) for D in tokens]
-    y = [law.g(v, K) for v in al]
+    y = [law.g(v, K) for v in accept_lengths]
     xm, ym = sum(x) / n, sum(y) / n
     sxx = sum((xi - xm) ** 2 for xi in x)
     if sxx <= 0:
@@ -338,18 +338,18 @@ def parse_fractions(text: str) -> list[float]:
 
 # =========================================================================== the report
 
-def al_residual_se(fit: Fit, tokens: list[float], al: list[float]) -> float | None:
+def al_residual_se(fit: Fit, tokens: list[float], accept_lengths: list[float]) -> float | None:
     """sqrt(sum (AL - the law's AL)^2 / (n - 2)): the fit's residuals in AL itself, the one
     unit in which laws fitted on different g compare (None with 2 points)."""
     if fit.n <= 2:
         return None
-    return math.sqrt(sum((v - fit.predict(D).al) ** 2 for D, v in zip(tokens, al)) / (fit.n - 2))
+    return math.sqrt(sum((v - fit.predict(D).al) ** 2 for D, v in zip(tokens, accept_lengths)) / (fit.n - 2))
 
 
-def _fit_json(fit: Fit, tokens: list[float], al: list[float]) -> dict:
+def _fit_json(fit: Fit, tokens: list[float], accept_lengths: list[float]) -> dict:
     return {"law": fit.law.name, "formula": fit.law.formula, "points": fit.n, "a": fit.a, "b": fit.b,
             "se_a": fit.se_a, "se_b": fit.se_b, "residual_se": fit.s, "dof": fit.dof, "t95": fit.t,
-            "residuals": fit.residuals, "al_residual_se": al_residual_se(fit, tokens, al)}
+            "residuals": fit.residuals, "al_residual_se": al_residual_se(fit, tokens, accept_lengths)}
 
 
 def _reach_json(r: Reach, tokens_per_conversation: float, full_tokens: int) -> dict:
@@ -423,18 +423,18 @@ def _num(v: float | None, digits: int = 3) -> str:
     return f"{v:,.0f}" if av >= 100 else f"{v:.{digits}g}"
 
 
-def _reach_text(r: dict, target: float) -> str:
-    if not r["reachable"]:
-        return f"AL {target}: not reachable under this law: {r['why']}"
-    text = f"AL {target} at {_num(r['tokens'])} training tokens"
-    if r["tokens_lo"] is not None:
-        text += f" [95% interval {_num(r['tokens_lo'])} .. {_num(r['tokens_hi'])}]"
-    text += (f", {_num(r['conversations'])} conversations"
-             + (f" [{_num(r['conversations_lo'])} .. {_num(r['conversations_hi'])}]"
-                if r["conversations_lo"] is not None else "")
-             + f" ({r['times_this_data']:.3g}x the data here)")
-    if r["why"]:
-        text += f"; {r['why']}"
+def _reach_text(report: dict, target: float) -> str:
+    if not report["reachable"]:
+        return f"AL {target}: not reachable under this law: {report['why']}"
+    text = f"AL {target} at {_num(report['tokens'])} training tokens"
+    if report["tokens_lo"] is not None:
+        text += f" [95% interval {_num(report['tokens_lo'])} .. {_num(report['tokens_hi'])}]"
+    text += (f", {_num(report['conversations'])} conversations"
+             + (f" [{_num(report['conversations_lo'])} .. {_num(report['conversations_hi'])}]"
+                if report["conversations_lo"] is not None else "")
+             + f" ({report['times_this_data']:.3g}x the data here)")
+    if report["why"]:
+        text += f"; {report['why']}"
     return text
 
 
@@ -451,27 +451,27 @@ def _check_text(c: dict) -> str:
             f"(error {c['error']:+.3f}): {'INSIDE' if c['inside'] else 'OUTSIDE'}")
 
 
-def format_report(r: dict) -> str:
-    K, target = r["K"], r["target_al"]
-    full = r["full"]
+def format_report(report: dict) -> str:
+    K, target = report["K"], report["target_al"]
+    full = report["full"]
     out = [f"forecast: training tokens to reach held-out expected accept length {target} "
            f"(K = {K} draft steps, so AL <= {K + 1})"]
     if full:
         out.append(f"work dir {full.get('work_dir')}; full run {full.get('steps')} steps ({full.get('steps_from')}), "
                    f"warmup {full.get('warmup_steps')}; fraction runs in {full.get('runs_dir')}")
     out.append(f"training tokens D = loss-carrying positions of a fraction's conversations, each counted once; "
-               f"{r['tokens_per_conversation']:.1f} per conversation on average in this train split")
+               f"{report['tokens_per_conversation']:.1f} per conversation on average in this train split")
     out += ["", f"{'fraction':>8s} {'samples':>8s} {'tokens':>9s} {'steps':>6s} {'warmup':>6s} {'passes':>6s} "
                 f"{'held-out AL':>11s} {'best step':>9s}"]
-    for p in r["points"]:
+    for p in report["points"]:
         passes = f"{p['tokens_seen'] / p['tokens']:.2f}" if p["tokens_seen"] else "-"
         out.append(f"{p['fraction']:8g} {p['samples']:8d} {p['tokens']:9d} {p['steps']:6d} {p['warmup_steps']:6d} "
                    f"{passes:>6s} {p['held_out_al']:11.4f} {str(p['best_step']):>9s}"
                    + ("   (reused)" if p["reused"] else ""))
-    c = r["chosen"]
+    c = report["chosen"]
     out.append("")
     if "error" in c:
-        out.append(f"law {r['law']}: cannot be fitted: {c['error']}")
+        out.append(f"law {report['law']}: cannot be fitted: {c['error']}")
     else:
         f = c["fit"]
         out.append(f"law {f['law']} (fit on all {f['points']} points, D in tokens): {f['formula']}")
@@ -488,7 +488,7 @@ def format_report(r: dict) -> str:
                 "freedom; check: as above)",
             f"{'law':13s} {'b':>8s} {'AL resid SE':>11s} {'tokens to reach [95%]':>29s} "
             f"{'check prediction [95%]':>26s} {'error':>7s} verdict"]
-    for name, row in r["laws"].items():
+    for name, row in report["laws"].items():
         if "error" in row:
             out.append(f"{name:13s} not applicable: {row['error']}")
             continue
@@ -506,7 +506,7 @@ def format_report(r: dict) -> str:
             pred, err, verdict = "-", "-", "not run"
         resid = "-" if f["al_residual_se"] is None else f"{f['al_residual_se']:.4f}"
         out.append(f"{name:13s} {f['b']:8.4f} {resid:>11s} {tok:>29s} {pred:>26s} {err:>7s} {verdict}"
-                   + ("   <- chosen" if name == r["law"] else ""))
+                   + ("   <- chosen" if name == report["law"] else ""))
     return "\n".join(out)
 
 
@@ -541,13 +541,13 @@ def link_upstream(src: WorkDir, dest: Path) -> None:
         link.symlink_to(folder.resolve(), target_is_directory=True)
 
 
-def _tokens_seen(wd: WorkDir) -> int | None:
+def _tokens_seen(workdir: WorkDir) -> int | None:
     """Loss-carrying positions summed over the train rows of metrics.jsonl (each window's
     step-0 valid count; eagle3/artifacts/train_outputs.py `read_train_metrics`, the file's one
     reader), or None when the file is absent."""
-    if not wd.train_metrics().is_file():
+    if not workdir.train_metrics().is_file():
         return None
-    return sum(int(row.get("num_valid", 0)) for row in read_train_metrics(wd) if row.get("split") == "train")
+    return sum(int(row.get("num_valid", 0)) for row in read_train_metrics(workdir) if row.get("split") == "train")
 
 
 def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None = None,
@@ -565,8 +565,8 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
         raise PipelineError(f"--law {law!r} is not one of {', '.join(LAWS)}.")
     if not 0 < fit_upto <= 1:
         raise PipelineError(f"--fit-upto {fit_upto} is outside (0, 1]: the largest fraction the check fits on.")
-    wd = WorkDir(work_dir)
-    overrides = {"work_dir": str(wd.root), "target_model": target_model, "device": device}
+    workdir = WorkDir(work_dir)
+    overrides = {"work_dir": str(workdir.root), "target_model": target_model, "device": device}
     base = build_config(TrainConfig, "train", config, overrides, sections=STAGE_CONFIGS)
     if base.init_from:
         raise PipelineError(f"train.init_from = {base.init_from}: the forecast trains from scratch (a fine-tune's "
@@ -575,8 +575,8 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
     with stage_run(config=config):
         # The points' D: the loss-carrying positions of each fraction's samples, chosen by
         # the functions stage 04 itself uses (same vocabulary, crop and loss_on).
-        store = HiddenStateStore.open(wd, needed_by="diagnose forecast")
-        _, t2d = load_mapping(wd)
+        store = HiddenStateStore.open(workdir, needed_by="diagnose forecast")
+        _, t2d = load_mapping(workdir)
         lp = count_loss_positions(store.split("train"), t2d, base.max_seq_len,
                                   assistant_only=base.loss_on == "assistant")
         trainable = lp.trainable()
@@ -596,8 +596,8 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
         for f in fractions:
             share = nested_share(trainable, f, base.seed)
             steps, warm = fraction_budget(f, full_steps, full_warmup)
-            dest = fraction_dir(wd.root, f)
-            link_upstream(wd, dest)
+            dest = fraction_dir(workdir.root, f)
+            link_upstream(workdir, dest)
             cfg = dataclasses.replace(base, work_dir=dest, train_fraction=f, max_steps=steps, warmup_steps=warm)
             fwd = WorkDir(dest)
             before = fwd.manifest("train").stat().st_mtime_ns if fwd.manifest("train").is_file() else None
@@ -613,7 +613,7 @@ def run_forecast(work_dir: Path | str, *, target_al: float, config: str | None =
                                 steps=r.steps, warmup_steps=warm,
                                 held_out_al=float(r.best_expected_accept_length), best_step=r.best_step,
                                 tokens_seen=_tokens_seen(fwd), reused=reused))
-    full = {"work_dir": str(wd.root), "runs_dir": str(wd.root / FORECAST_DIR), "steps": full_steps,
+    full = {"work_dir": str(workdir.root), "runs_dir": str(workdir.root / FORECAST_DIR), "steps": full_steps,
             "steps_from": steps_from, "warmup_steps": full_warmup, "conversations": len(trainable),
             "tokens": int(per_sample[trainable].sum())}
     return build_report(points, target_al=target_al, K=K, law=law, fit_upto=fit_upto,
@@ -648,8 +648,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    r = run_forecast(a.work_dir, target_al=a.target_al, config=a.config, target_model=a.target_model,
-                     fractions=parse_fractions(a.fractions), fit_upto=a.fit_upto,
-                     law=a.law, max_steps=a.max_steps, warmup_steps=a.warmup_steps, device=a.device)
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    r = run_forecast(args.work_dir, target_al=args.target_al, config=args.config, target_model=args.target_model,
+                     fractions=parse_fractions(args.fractions), fit_upto=args.fit_upto,
+                     law=args.law, max_steps=args.max_steps, warmup_steps=args.warmup_steps, device=args.device)
     return r, format_report(r), (1 if r["chosen"].get("check", {}).get("inside") is False else 0)

@@ -103,25 +103,25 @@ def run_loop(args) -> int:
     if cfg.disk_budget is None:
         raise PipelineError("the window loop needs a disk budget: pass --disk-budget (e.g. 2TB) or set "
                             "extract.disk_budget in the config.")
-    wd = WorkDir(Path(cfg.work_dir).resolve())  # the scripts run from the repository root
-    log_to_file(wd.log_file("window_loop"))
-    common = (["--config", str(Path(args.config).resolve())] if args.config else []) + ["--work-dir", str(wd.root)]
+    workdir = WorkDir(Path(cfg.work_dir).resolve())  # the scripts run from the repository root
+    log_to_file(workdir.log_file("window_loop"))
+    common = (["--config", str(Path(args.config).resolve())] if args.config else []) + ["--work-dir", str(workdir.root)]
     extract = [sys.executable, WorkDir.script("extract"), *common, "--disk-budget", str(cfg.disk_budget),
                *shlex.split(args.extract_args)]
     train_head = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc_per_node)]
                   if args.nproc_per_node > 1 else [sys.executable])
     train = [*train_head, WorkDir.script("train"), *common, *shlex.split(args.train_args)]
-    wdir = windows.windows_dir(wd.store(), cfg.windows_dir)
-    dirs = [wd.store()] + ([wdir] if cfg.windows_dir else [])
-    manifest = wd.manifest("train")
+    wdir = windows.windows_dir(workdir.store(), cfg.windows_dir)
+    dirs = [workdir.store()] + ([wdir] if cfg.windows_dir else [])
+    manifest = workdir.manifest("train")
     manifest_at_start = file_stamp(manifest)  # stage 04's manifest, written anew when the last round is trained
     while True:
-        plan = windows.read_plan(wd.store())
+        plan = windows.read_plan(workdir.store())
         trained = windows.read_progress(wdir)["trained_rounds"]
         if plan is not None and (trained >= plan.rounds or written_since(manifest, manifest_at_start)):
             if not manifest.is_file():  # every round trained, the manifest not yet written (killed just before)
                 _run(train, "stage 04")
-            log.info("window loop: done, %d round(s) trained -> %s", trained, wd.stage_dir("train"))
+            log.info("window loop: done, %d round(s) trained -> %s", trained, workdir.stage_dir("train"))
             return 0
         r = trained
         with PeakDisk(dirs) as peak:
@@ -130,7 +130,7 @@ def run_loop(args) -> int:
             t1 = time.perf_counter()
             _run(train, f"stage 04, round {r}")
             t2 = time.perf_counter()
-        plan = windows.read_plan(wd.store())
+        plan = windows.read_plan(workdir.store())
         progress = windows.read_progress(wdir)
         if progress["trained_rounds"] < r:
             # Stage 04 resumed an older checkpoint than the one progress.json named (that one was
@@ -142,7 +142,7 @@ def run_loop(args) -> int:
             continue
         if progress["trained_rounds"] == r and not written_since(manifest, manifest_at_start):
             raise PipelineError(f"stage 04 stopped before finishing round {r} ({wdir / windows.PROGRESS_JSON} says "
-                                f"{progress['trained_rounds']} round(s) trained); see {wd.log_file('04_train')}.")
+                                f"{progress['trained_rounds']} round(s) trained); see {workdir.log_file('04_train')}.")
         w = plan.window_of(r)
         log.info("window loop: round %d/%d (window %d, pass %d): %d samples, %d tokens; extract %.1f s, train %.1f s; "
                  "peak store disk %s (%d B; budget %s); covered by %s", r + 1, plan.rounds, r % plan.num_windows,

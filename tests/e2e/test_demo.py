@@ -80,29 +80,29 @@ def test_verdict_leaves_out_what_was_not_measured():
 
 
 def test_summary_of_a_work_dir_where_only_stage_06_ran_and_of_a_full_one(tmp_path):
-    wd = WorkDir(tmp_path / "w")
-    wd.evaluate_dir().mkdir(parents=True)
-    wd.evaluate_results().write_text(json.dumps(results()))
-    write_manifest(wd, "evaluate", params={}, inputs={}, counts={}, outputs=[wd.evaluate_results()],
+    workdir = WorkDir(tmp_path / "w")
+    workdir.evaluate_dir().mkdir(parents=True)
+    workdir.evaluate_results().write_text(json.dumps(results()))
+    write_manifest(workdir, "evaluate", params={}, inputs={}, counts={}, outputs=[workdir.evaluate_results()],
                    record=EvaluateRecord(drafter_dir="/d", target_model="t"))
-    alone = summary_text(wd.root)
+    alone = summary_text(workdir.root)
     assert "data " not in alone and "training " not in alone and "verdict   trained beats untrained" in alone
     assert "served    vllm 0.32.0 (cpu), target in float32, K = 3, greedy" in alone  # a demo.sh on an AVX2 CPU
-    write_manifest(wd, "generate", params={}, inputs={}, outputs=[], counts={}, record=GenerateRecord(
+    write_manifest(workdir, "generate", params={}, inputs={}, outputs=[], counts={}, record=GenerateRecord(
         target_model="t", tokenizer_fingerprint="f", chat_template_kwargs={}, stop_token_ids=[2], complete=True,
         num_chunks=1, missing_chunks=0, missing_shard_indices=[],
         turns_regenerated=1268, conversations=1012, new_turns=1268, generated_tokens=120000))
-    write_manifest(wd, "prepare", params={}, inputs={}, outputs=[], counts={}, record=PrepareRecord(
+    write_manifest(workdir, "prepare", params={}, inputs={}, outputs=[], counts={}, record=PrepareRecord(
         target_model="t", tokenizer_fingerprint="f", vocab_size=32000, chat_template_kwargs={}, assistant_suffix=[2],
         records=1012, bad_records={}, samples={"train": 960, "eval": 52}, tokens={"train": 200000, "eval": 10000},
         assistant_tokens={"train": 110000, "eval": 5000}))
-    write_manifest(wd, "vocab", params={}, inputs={}, outputs=[], counts={}, record=VocabRecord(
+    write_manifest(workdir, "vocab", params={}, inputs={}, outputs=[], counts={}, record=VocabRecord(
         tokenizer_fingerprint="f", target_vocab_size=32000, draft_vocab_size=4096, coverage_train=0.99,
         coverage_eval=0.97))
-    write_manifest(wd, "train", params={}, inputs={}, outputs=[], counts={}, record=TrainRecord(
+    write_manifest(workdir, "train", params={}, inputs={}, outputs=[], counts={}, record=TrainRecord(
         ttt_steps=3, aux_layer_ids=[2, 4, 5], steps=150, best_expected_accept_length=1.7, best_step=150,
         best_eval=None, best_checkpoint="checkpoints/best.pt"))
-    full = summary_text(wd.root, elapsed_s=807, stage_times=[("00", 190.0)])
+    full = summary_text(workdir.root, elapsed_s=807, stage_times=[("00", 190.0)])
     assert ("answers   stage 00: the target answered 1268 turns of 1012 conversations itself (1268 of them prompts "
             "without an answer in the data)") in full
     assert "960 train / 52 held-out conversations" in full and "held-out 97.0%" in full

@@ -50,21 +50,21 @@ def test_held_out_prompts_end_where_the_assistant_turn_starts(prepared_llama, ti
     tok = AutoTokenizer.from_pretrained(str(tiny_llama))
     header = tok.encode("<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False)
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
-    wd = WorkDir(prepared_llama)
-    prompts, info = held_out_prompts(wd, None, max_prompt_len=10_000)
+    workdir = WorkDir(prepared_llama)
+    prompts, info = held_out_prompts(workdir, None, max_prompt_len=10_000)
     assert info["count"] == info["available"] == len(prompts) > info["conversations"] > 0  # multi-turn chats
     for p in prompts:
         assert p.prompt_ids[-len(header):] == header  # the generation prompt: the model answers next
         assert p.reference_ids[-1] == eot  # the answer's content and its end-of-turn token
     turns = [p.turn for p in prompts]
     assert turns == sorted(turns)  # first turns of every conversation come first
-    few, info = held_out_prompts(wd, 5, max_prompt_len=10_000)
+    few, info = held_out_prompts(workdir, 5, max_prompt_len=10_000)
     assert [p.prompt_ids for p in few] == [p.prompt_ids for p in prompts[:5]] and info["count"] == 5
     short = min(len(p.prompt_ids) for p in prompts)
-    _, info = held_out_prompts(wd, None, max_prompt_len=short)
+    _, info = held_out_prompts(workdir, None, max_prompt_len=short)
     assert info["skipped_too_long"] > 0 and info["available"] < len(prompts)
     with pytest.raises(PipelineError, match="no assistant turn"):
-        held_out_prompts(wd, None, max_prompt_len=1)
+        held_out_prompts(workdir, None, max_prompt_len=1)
 
 
 # -- prompt sets ---------------------------------------------------------------------------
@@ -298,21 +298,21 @@ def test_each_prompts_timings_are_summed_over_the_passes():
 
 
 def test_training_expectation_reads_the_exported_steps_heldout_eval(tmp_path):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir("train").mkdir(parents=True)
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir("train").mkdir(parents=True)
     rows = [{"split": "eval", "step": 0, "full_acc_0": 0.0, "full_acc_1": 0.0, "expected_accept_length": 1.0},
             {"split": "train", "step": 10, "full_acc_0": 0.9, "full_acc_1": 0.9, "expected_accept_length": 2.8},
             {"split": "eval", "step": 30, "full_acc_0": 0.7, "full_acc_1": 0.4, "expected_accept_length": 2.1},
             {"split": "eval", "step": 60, "full_acc_0": 0.6, "full_acc_1": 0.3, "expected_accept_length": 1.9}]
-    wd.train_metrics().write_text("".join(json.dumps(r) + "\n" for r in rows))
+    workdir.train_metrics().write_text("".join(json.dumps(r) + "\n" for r in rows))
     train = TrainRecord(ttt_steps=2, aux_layer_ids=[2, 4, 5], steps=60, best_step=30, best_expected_accept_length=2.1,
                         best_eval=rows[2], best_checkpoint="checkpoints/best.pt")
-    e = training_expectation(wd, 3, 30, train)
+    e = training_expectation(workdir, 3, 30, train)
     # Only 2 TTT steps were trained (stage 04's record), so K = 3 can only count 2 positions.
     assert e["value"] == pytest.approx(2.1) and e["k"] == 2 and e["ttt_steps"] == 2
-    assert training_expectation(wd, 1, 60, train)["value"] == pytest.approx(1.6)
+    assert training_expectation(workdir, 1, 60, train)["value"] == pytest.approx(1.6)
     # A step without a held-out row (a step checkpoint saved between evaluations): stage 04's best.
-    best = training_expectation(wd, 3, 45, train)
+    best = training_expectation(workdir, 3, 45, train)
     assert best["value"] == pytest.approx(2.1) and "best held-out eval, step 30" in best["source"]
     assert training_expectation(WorkDir(tmp_path / "none"), 3, None, None)["value"] is None
 
@@ -556,11 +556,11 @@ def test_config_shares_the_stage_fields_and_the_dtype_table():
 
 
 def test_stage_06_file_names_come_from_the_work_dir():
-    wd = WorkDir(Path("w"))
-    assert wd.evaluate_results() == Path("w/06_evaluate/results.json")
-    assert wd.evaluate_plot() == Path("w/06_evaluate/evaluate.png")
-    assert wd.engine_log("plain") == Path("w/06_evaluate/logs/plain.log")
-    assert wd.engine_request("trained").parent == wd.engine_result("trained").parent == Path("w/06_evaluate/runs")
+    workdir = WorkDir(Path("w"))
+    assert workdir.evaluate_results() == Path("w/06_evaluate/results.json")
+    assert workdir.evaluate_plot() == Path("w/06_evaluate/evaluate.png")
+    assert workdir.engine_log("plain") == Path("w/06_evaluate/logs/plain.log")
+    assert workdir.engine_request("trained").parent == workdir.engine_result("trained").parent == Path("w/06_evaluate/runs")
 
 
 def test_an_engines_result_is_read_from_whichever_run_served_it(tmp_path):
@@ -570,15 +570,15 @@ def test_an_engines_result_is_read_from_whichever_run_served_it(tmp_path):
 
     from eagle3.stages.s06_evaluate.engine import read_engine_result
 
-    wd = WorkDir(tmp_path)
-    wd.engine_result("x").parent.mkdir(parents=True)
+    workdir = WorkDir(tmp_path)
+    workdir.engine_result("x").parent.mkdir(parents=True)
     with pytest.raises(PipelineError, match="holds no result of a trained engine"):
-        read_engine_result(wd, "trained")
-    wd.engine_result("plain+trained").write_text(json.dumps({"runs": {"plain": {"id": 1}, "trained": {"id": 2}}}))
-    assert read_engine_result(wd, "trained") == {"id": 2} and read_engine_result(wd, "plain") == {"id": 1}
-    wd.engine_result("trained").write_text(json.dumps({"runs": {"trained": {"id": 3}}}))
-    os.utime(wd.engine_result("plain+trained"), (1, 1))  # an older measurement's file
-    assert read_engine_result(wd, "trained") == {"id": 3}
+        read_engine_result(workdir, "trained")
+    workdir.engine_result("plain+trained").write_text(json.dumps({"runs": {"plain": {"id": 1}, "trained": {"id": 2}}}))
+    assert read_engine_result(workdir, "trained") == {"id": 2} and read_engine_result(workdir, "plain") == {"id": 1}
+    workdir.engine_result("trained").write_text(json.dumps({"runs": {"trained": {"id": 3}}}))
+    os.utime(workdir.engine_result("plain+trained"), (1, 1))  # an older measurement's file
+    assert read_engine_result(workdir, "trained") == {"id": 3}
 
 
 def test_engine_shutdown_is_best_effort():

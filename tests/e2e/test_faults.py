@@ -117,18 +117,18 @@ def stores(base, tiny_llama, tmp_path_factory):
 
     class Stores(dict):
         def __missing__(self, name):
-            wd = copy_inputs(base, tmp_path_factory.mktemp(f"faults-{name}") / "work")
-            extract_hidden_states(ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf",
+            workdir = copy_inputs(base, tmp_path_factory.mktemp(f"faults-{name}") / "work")
+            extract_hidden_states(ExtractConfig(work_dir=workdir.root, target_model=str(tiny_llama), backend="hf",
                                                 samples_per_file=8, store_dtype=name))
-            self[name] = wd
-            return wd
+            self[name] = workdir
+            return workdir
 
     return Stores(bf16=base)
 
 
-def store_files(wd: WorkDir) -> dict[str, bytes]:
+def store_files(workdir: WorkDir) -> dict[str, bytes]:
     """The store's content: data files and their index entries (the manifest has a timestamp)."""
-    return {p.name: p.read_bytes() for p in sorted(wd.store().iterdir())
+    return {p.name: p.read_bytes() for p in sorted(workdir.store().iterdir())
             if p.suffix in (".safetensors", ".json") and p.name != "manifest.json"}
 
 
@@ -161,14 +161,14 @@ def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, stores,
                 fallocate(fd, offset, length)
 
             monkeypatch.setattr(os, "posix_fallocate", full_after_half)
-        wd = copy_inputs(base, mnt / "work")
-        cfg = ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf", samples_per_file=8,
+        workdir = copy_inputs(base, mnt / "work")
+        cfg = ExtractConfig(work_dir=workdir.root, target_model=str(tiny_llama), backend="hf", samples_per_file=8,
                             store_dtype=store_dtype)
         if real:  # the disk is too small from the start: refused before the engine loads, nothing written
             with pytest.raises(PipelineError, match=r"stage 02 needs [\d,]+ bytes .* its file system has [\d,]+ "
                                                     r"bytes .*--num-shards"):
                 extract_hidden_states(cfg)
-            assert not any(wd.store().glob("*.safetensors")) and not any(wd.store().glob(".*"))
+            assert not any(workdir.store().glob("*.safetensors")) and not any(workdir.store().glob(".*"))
             # as if another writer filled the disk after that check
             monkeypatch.setattr(store, "require_free_space", lambda *a, **k: None)
         with pytest.raises(PipelineError) as e:
@@ -178,19 +178,19 @@ def test_stage02_disk_full_stops_with_the_bytes_needed_and_resumes(base, stores,
         # the file it could not write, and exactly its size (for fp8: the bf16 partial file or the fp8 one)
         name = next(n for n in files if f"{n[:-len('.safetensors')]}" in msg.split(" writing ")[1].split(":")[0])
         assert any(f"it needs {len(x[name]):,} bytes" in msg for x in (ref, bf16)), msg
-        assert not wd.manifest("extract").exists()
-        done = store_files(wd)
+        assert not workdir.manifest("extract").exists()
+        done = store_files(workdir)
         assert done and all(done[n] == ref[n] for n in done)  # every file under a final name is complete
-        assert not list(wd.store().glob(".*partial*"))
+        assert not list(workdir.store().glob(".*partial*"))
 
         # Space freed: the same command completes, keeps the files it had, and equals an unbroken run.
         if real:
             subprocess.run(["mount", "-o", "remount,size=64m", str(mnt)], check=True)
         monkeypatch.undo()
-        kept = {n: (wd.store() / n).stat().st_mtime_ns for n in done if n.endswith(".safetensors")}
+        kept = {n: (workdir.store() / n).stat().st_mtime_ns for n in done if n.endswith(".safetensors")}
         extract_hidden_states(cfg)
-        assert store_files(wd) == ref
-        assert all((wd.store() / n).stat().st_mtime_ns == t for n, t in kept.items())
+        assert store_files(workdir) == ref
+        assert all((workdir.store() / n).stat().st_mtime_ns == t for n, t in kept.items())
     finally:
         if real:
             umount(mnt)
@@ -204,7 +204,7 @@ def test_stage02_full_disk_at_a_finalize_also_frees_the_next_files_partial(base,
     from eagle3.stages.s02_extract.config import ExtractConfig
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
-    wd = copy_inputs(base, tmp_path / "work")
+    workdir = copy_inputs(base, tmp_path / "work")
     finalize, failed = store.finalize_file, []
 
     def full_at_the_first(partial, final_path, **kw):
@@ -222,13 +222,13 @@ def test_stage02_full_disk_at_a_finalize_also_frees_the_next_files_partial(base,
         raise disk_full_error(final_path, needed=1 << 20)
 
     monkeypatch.setattr(store, "finalize_file", full_at_the_first)
-    cfg = ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf", samples_per_file=8)
+    cfg = ExtractConfig(work_dir=workdir.root, target_model=str(tiny_llama), backend="hf", samples_per_file=8)
     with pytest.raises(PipelineError, match="no space left on the device writing"):
         extract_hidden_states(cfg)
-    assert failed and not list(wd.store().glob(".*partial*"))
+    assert failed and not list(workdir.store().glob(".*partial*"))
     monkeypatch.undo()
     extract_hidden_states(cfg)
-    assert store_files(wd) == store_files(base)
+    assert store_files(workdir) == store_files(base)
 
 
 # -- a flipped byte in the store ---------------------------------------------------------------------
@@ -241,25 +241,25 @@ def test_flipped_byte_stops_stage04_and_a_stage02_rerun_redoes_that_file(stores,
     from eagle3.stages.s04_train.run import train_drafter
 
     base = stores[store_dtype]
-    wd = copy_inputs(base, tmp_path / "work", stages=("prepare", "vocab", "extract"))
-    victim = wd.store() / store.file_name("train", 1)
+    workdir = copy_inputs(base, tmp_path / "work", stages=("prepare", "vocab", "extract"))
+    victim = workdir.store() / store.file_name("train", 1)
     data = bytearray(victim.read_bytes())
     data[len(data) * 3 // 4] ^= 0x04  # one bit, deep in the hidden states: same size, plausible value
     victim.write_bytes(bytes(data))
 
-    train = TrainConfig(work_dir=wd.root, target_model=str(tiny_llama), max_steps=3, batch_tokens=1024,
+    train = TrainConfig(work_dir=workdir.root, target_model=str(tiny_llama), max_steps=3, batch_tokens=1024,
                         max_seq_len=256, log_every=1, eval_every=1000, save_every=1000, ttt_steps=2, warmup_steps=1)
     with pytest.raises(PipelineError, match=rf"{victim} has checksum xxh3_128:\w+, its index entry says "
                                             rf"xxh3_128:\w+ \(corrupted.*rerun `python 02_extract_hidden_states"):
         train_drafter(train)
-    assert not wd.manifest("train").exists()
+    assert not workdir.manifest("train").exists()
 
-    extract_hidden_states(ExtractConfig(work_dir=wd.root, target_model=str(tiny_llama), backend="hf",
+    extract_hidden_states(ExtractConfig(work_dir=workdir.root, target_model=str(tiny_llama), backend="hf",
                                         samples_per_file=8, store_dtype=store_dtype))
     assert "corrupted" in caplog.text and victim.name in caplog.text
-    assert store_files(wd) == store_files(base)  # that file redone, equal to the unbroken run's
+    assert store_files(workdir) == store_files(base)  # that file redone, equal to the unbroken run's
     m = train_drafter(train)
-    assert m.counts and wd.manifest("train").is_file()
+    assert m.counts and workdir.manifest("train").is_file()
 
 
 # -- kill -9 ---------------------------------------------------------------------------------------

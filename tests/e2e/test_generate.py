@@ -98,10 +98,10 @@ def test_turns_go_in_rounds_each_conditioned_on_the_regenerated_turns_before(tok
             assert c.messages[i]["content"].startswith("Answer ")
 
 
-def _prompt_of(c: Conversation, t: Turns, j: int) -> list[int]:
+def _prompt_of(c: Conversation, turns: Turns, j: int) -> list[int]:
     from eagle3.target.loss_mask import turn_prompt
 
-    return turn_prompt(t.tok, c.messages[: c.turns[j] + 1], c.answers, t.suffix, t.template_kwargs, turn=j)
+    return turn_prompt(turns.tok, c.messages[: c.turns[j] + 1], c.answers, turns.suffix, turns.template_kwargs, turn=j)
 
 
 def test_empty_answers_and_long_prompts_are_counted_by_reason(tok):
@@ -289,28 +289,28 @@ def chats(tmp_path_factory) -> Path:
     return path
 
 
-def gen_cfg(wd: Path, target: Path, chats: Path, **kw) -> GenerateConfig:
-    base = dict(work_dir=wd, target_model=str(target), data=[str(chats)], max_new_tokens=MAX_NEW,
+def gen_cfg(workdir: Path, target: Path, chats: Path, **kw) -> GenerateConfig:
+    base = dict(work_dir=workdir, target_model=str(target), data=[str(chats)], max_new_tokens=MAX_NEW,
                 chunk_size=CHUNK, dtype="float32")
     base.update(kw)
     return GenerateConfig(**base)
 
 
-def chunk_bytes(wd: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(WorkDir(wd).generate_chunks().glob("chunk-*.jsonl"))}
+def chunk_bytes(workdir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(WorkDir(workdir).generate_chunks().glob("chunk-*.jsonl"))}
 
 
-def lines_of(wd: Path) -> list[dict]:
-    return [json.loads(x) for b in chunk_bytes(wd).values() for x in b.decode().splitlines()]
+def lines_of(workdir: Path) -> list[dict]:
+    return [json.loads(x) for b in chunk_bytes(workdir).values() for x in b.decode().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def unbroken(engine, tiny_llama, chats, tmp_path_factory) -> Path:
     from eagle3.stages.s00_generate.run import generate_responses
 
-    wd = tmp_path_factory.mktemp("gen-unbroken")
-    generate_responses(gen_cfg(wd, tiny_llama, chats), engine=Counting(engine))
-    return wd
+    workdir = tmp_path_factory.mktemp("gen-unbroken")
+    generate_responses(gen_cfg(workdir, tiny_llama, chats), engine=Counting(engine))
+    return workdir
 
 
 def test_bad_inputs_and_long_prompts_are_counted_not_dropped(unbroken):
@@ -391,16 +391,16 @@ def test_prompt_shapes_go_through_stages_00_and_01_every_conversation_answered(e
     jsonl = tmp_path / "openers.jsonl"
     jsonl.write_text("".join(json.dumps({"id": i, "opener": o}) + "\n" for i, o in enumerate(openers)))
     for name, data, field in (("saved", folder, None), ("field", jsonl, "opener")):
-        wd = tmp_path / f"work-{name}"
-        m0 = generate_responses(gen_cfg(wd, tiny_llama, data, prompt_field=field), engine=Counting(engine))
+        workdir = tmp_path / f"work-{name}"
+        m0 = generate_responses(gen_cfg(workdir, tiny_llama, data, prompt_field=field), engine=Counting(engine))
         c = {**m0.counts, **asdict(record_of(m0))}
         assert c["records"] == c["conversations"] == c["new_turns"] == c["turns_regenerated"] == len(openers)
         assert c["bad_records"] == c["dropped_conversations"] == {}
-        m1 = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=["generated"],
+        m1 = prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(tiny_llama), data=["generated"],
                                            max_length=512, eval_fraction=0.0, num_workers=1))
         assert record_of(m1).samples["train"] == len(openers) and record_of(m1).bad_records == {}
-        generated = {ln["sample_id"]: ln["generated"][0]["ids"] for ln in lines_of(wd)}
-        for row in load_split(WorkDir(wd).dataset("train")):
+        generated = {ln["sample_id"]: ln["generated"][0]["ids"] for ln in lines_of(workdir)}
+        for row in load_split(WorkDir(workdir).dataset("train")):
             ids, mask = np.asarray(row["input_ids"]), np.asarray(row["loss_mask"])
             assert ids[mask.astype(bool)].tolist() == generated[row["sample_id"]]
 
@@ -446,8 +446,8 @@ def test_two_shards_combined_equal_one_run(unbroken, engine, tiny_llama, chats, 
     from eagle3.stages.s01_prepare.run import prepare_dataset
 
     boxes = [tmp_path / f"box{i}" for i in range(2)]
-    for i, wd in enumerate(boxes):
-        m = generate_responses(gen_cfg(wd, tiny_llama, chats, num_shards=2, shard_index=i), engine=Counting(engine))
+    for i, workdir in enumerate(boxes):
+        m = generate_responses(gen_cfg(workdir, tiny_llama, chats, num_shards=2, shard_index=i), engine=Counting(engine))
         assert not record_of(m).complete and record_of(m).missing_shard_indices == [1 - i]
     with pytest.raises(PipelineError, match="incomplete"):
         prepare_dataset(PrepareConfig(work_dir=boxes[0], target_model=str(tiny_llama), data=["generated"],

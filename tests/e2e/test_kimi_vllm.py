@@ -67,10 +67,10 @@ def test_the_tiny_target_is_shaped_as_kimi_k25(tiny_targets):
 
 
 def test_stage_00_generated_with_vllms_kimi_class(kimi_run):
-    _, wd = kimi_run
-    g = record_of(read_manifest(wd, "generate", needed_by="test"))
+    _, workdir = kimi_run
+    g = record_of(read_manifest(workdir, "generate", needed_by="test"))
     assert g.turns_regenerated > N_CHATS and g.generated_tokens > 0
-    lines = [json.loads(x) for f in sorted(wd.generate_chunks().glob("*.jsonl")) for x in f.read_text().splitlines()]
+    lines = [json.loads(x) for f in sorted(workdir.generate_chunks().glob("*.jsonl")) for x in f.read_text().splitlines()]
     ids = [t for ln in lines for gen in ln.get("generated", []) for t in gen["ids"]]
     assert len(ids) == g.generated_tokens and len(set(ids)) > 5  # a model answered, not a constant
 
@@ -95,12 +95,12 @@ def test_stage_02_captures_through_language_model_and_layer_id_n(kimi_run, tiny_
     from eagle3.stages.s02_extract.config import ExtractConfig
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
-    target, wd = kimi_run
-    m = read_manifest(wd, "extract", needed_by="test")
+    target, workdir = kimi_run
+    m = read_manifest(workdir, "extract", needed_by="test")
     assert m.params["backend"] == "vllm" and record_of(m).aux_layer_ids == AUX
-    hf_wd = copy_stages(wd.root, tmp_path / "hf", ("prepare",))
+    hf_wd = copy_stages(workdir.root, tmp_path / "hf", ("prepare",))
     extract_hidden_states(ExtractConfig(work_dir=hf_wd, target_model=str(target), backend="hf", samples_per_file=4))
-    vl = HiddenStateStore.open(wd, needed_by="test").split("train")
+    vl = HiddenStateStore.open(workdir, needed_by="test").split("train")
     hf = HiddenStateStore.open(WorkDir(hf_wd), needed_by="test").split("train")
     assert len(vl) == len(hf) > 0 and vl.sample_ids == hf.sample_ids
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_targets["deepseek_v3"]), dtype=torch.float32).eval()
@@ -121,11 +121,11 @@ def test_stage_02_captures_through_language_model_and_layer_id_n(kimi_run, tiny_
 
 
 def test_stages_03_to_05_ran_on_the_vllm_store(kimi_run):
-    _, wd = kimi_run
-    exported = json.loads((wd.export_dir() / "config.json").read_text())
+    _, workdir = kimi_run
+    exported = json.loads((workdir.export_dir() / "config.json").read_text())
     assert exported["architectures"] == ["LlamaForCausalLMEagle3"] and exported["vocab_size"] == 960
     assert exported["eagle_aux_hidden_state_layer_ids"] == AUX  # what vLLM reads (docs/CONVENTIONS.md §7)
-    assert (wd.export_dir() / "model.safetensors").is_file()
+    assert (workdir.export_dir() / "model.safetensors").is_file()
 
 
 def test_stage_06_serves_the_plain_target_and_refuses_a_drafter_in_one_line(kimi_run, tmp_path):
@@ -133,17 +133,17 @@ def test_stage_06_serves_the_plain_target_and_refuses_a_drafter_in_one_line(kimi
     from eagle3.stages.s06_evaluate.config import EvaluateConfig
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
 
-    target, wd = kimi_run
-    cfg = EvaluateConfig(work_dir=wd.root, target_model=str(target), max_new_tokens=8, timing_prompts=0)
+    target, workdir = kimi_run
+    cfg = EvaluateConfig(work_dir=workdir.root, target_model=str(target), max_new_tokens=8, timing_prompts=0)
     with pytest.raises(PipelineError) as e:
         evaluate_drafter(cfg)
     msg = str(e.value)
     assert "\n" not in msg and "no common block size" in msg and "kv_lora_rank 512" in msg, msg
-    assert not wd.engine_request("plain").exists()  # refused before any engine started
+    assert not workdir.engine_request("plain").exists()  # refused before any engine started
 
     # The plain passes, through stage 06's own engine path (its worker process, its settings).
     prompts = [ids.tolist()[:40] for ids in
-               (HiddenStateStore.open(wd, needed_by="test").split("eval")[i].input_ids for i in range(2))]
+               (HiddenStateStore.open(workdir, needed_by="test").split("eval")[i].input_ids for i in range(2))]
     req = {**evaluate_engine.engine_request(cfg.engine_config(max_model_len=128)),
            "engines": [{"name": "plain", "drafter": None, "temperatures": [0.0]}],
            "num_speculative_tokens": 3, "max_new_tokens": 8, "warmup_prompts": 0,

@@ -71,7 +71,7 @@ def demo_run(tmp_path_factory):
 
 
 def test_trained_drafter_accepts_more_than_an_untrained_one_in_vllm(demo_run):
-    wd, cfg, r = demo_run
+    workdir, cfg, r = demo_run
     K = cfg.num_speculative_tokens
     assert r["num_speculative_tokens"] == K == 3
     # The untrained drafter is the floor: it accepts (almost) nothing.
@@ -94,7 +94,7 @@ def test_trained_drafter_accepts_more_than_an_untrained_one_in_vllm(demo_run):
 
 
 def test_acceptance_per_temperature_and_category_over_all_prompts(demo_run):
-    wd, cfg, r = demo_run
+    workdir, cfg, r = demo_run
     n = PER_CATEGORY * len(CATEGORIES)
     assert r["prompts"]["count"] == n and r["teacher"]["greedy_equals_dataset_answer"] is None
     assert [row["temperature"] for row in r["acceptance"]] == [0.0, 0.7] == r["temperatures"]
@@ -112,14 +112,14 @@ def test_acceptance_per_temperature_and_category_over_all_prompts(demo_run):
         assert overall == pytest.approx(t["acceptance_length"])
     assert r["acceptance_length"] == r["acceptance"][0]["trained"]["acceptance_length"]  # greedy is the headline
     # Sampled decoding sees other tokens than greedy: the two passes are different measurements.
-    runs = wd.stage_dir("evaluate") / "runs"
+    runs = workdir.stage_dir("evaluate") / "runs"
     trained = json.loads((runs / "plain+trained.result.json").read_text())["runs"]["trained"]
     assert trained["acceptance"][0]["tokens"] != trained["acceptance"][1]["tokens"]
 
 
 def test_timing_is_single_stream_on_the_subset(demo_run):
-    wd, cfg, r = demo_run
-    runs = wd.stage_dir("evaluate") / "runs"
+    workdir, cfg, r = demo_run
+    runs = workdir.stage_dir("evaluate") / "runs"
     req = json.loads((runs / "plain+trained.request.json").read_text())
     assert len(req["prompts"]) == PER_CATEGORY * len(CATEGORIES)
     assert [e["name"] for e in req["engines"]] == ["plain", "trained"]  # one worker, both engines alive
@@ -146,19 +146,19 @@ def test_timing_is_single_stream_on_the_subset(demo_run):
 
 
 def test_results_plot_and_manifest_are_written(demo_run):
-    wd, _, r = demo_run
-    assert json.loads(wd.evaluate_results().read_text())["acceptance_length"] == r["acceptance_length"]
-    assert wd.evaluate_plot().read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    m = json.loads(wd.manifest("evaluate").read_text())
+    workdir, _, r = demo_run
+    assert json.loads(workdir.evaluate_results().read_text())["acceptance_length"] == r["acceptance_length"]
+    assert workdir.evaluate_plot().read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    m = json.loads(workdir.manifest("evaluate").read_text())
     assert m["counts"]["acceptance_length"] == r["acceptance_length"]
-    assert set(m["outputs"]) == {wd.evaluate_results().name, wd.evaluate_plot().name}
+    assert set(m["outputs"]) == {workdir.evaluate_results().name, workdir.evaluate_plot().name}
 
 
 def test_rerun_does_nothing(demo_run):
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
 
-    wd, cfg, r = demo_run
-    f = wd.evaluate_results()
+    workdir, cfg, r = demo_run
+    f = workdir.evaluate_results()
     before = f.stat().st_mtime_ns
     assert evaluate_drafter(cfg)["acceptance_length"] == r["acceptance_length"]  # no engine started
     assert f.stat().st_mtime_ns == before
@@ -167,8 +167,8 @@ def test_rerun_does_nothing(demo_run):
 def test_demo_summary(demo_run):
     from eagle3.demo.summary import summary_text
 
-    wd, _, r = demo_run
-    text = summary_text(wd.root, elapsed_s=125)
+    workdir, _, r = demo_run
+    text = summary_text(workdir.root, elapsed_s=125)
     assert f"trained {r['acceptance_length']:.2f}  |  untrained {r['untrained_acceptance_length']:.2f}" in text
     assert "coverage of assistant tokens" in text and "full_acc_0" in text and "break-even" in text
     assert "trained beats untrained" in text and "wall time 2m05s" in text
@@ -182,8 +182,8 @@ def test_stage_06_fills_the_model_card_between_its_markers(demo_run):
     from eagle3.serving.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END
     from eagle3.stages.s06_evaluate.run import evaluate_drafter
 
-    wd, cfg, r = demo_run
-    card_path = Path(json.loads(wd.manifest("export").read_text())["record"]["drafter_dir"]) / CARD_NAME
+    workdir, cfg, r = demo_run
+    card_path = Path(json.loads(workdir.manifest("export").read_text())["record"]["drafter_dir"]) / CARD_NAME
     text = card_path.read_text()
     table = text[text.index(EVALUATE_BEGIN):text.index(EVALUATE_END)]
     assert "Not measured yet" not in table and "| | greedy | T=0.7 |" in table

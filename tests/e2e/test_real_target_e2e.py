@@ -88,8 +88,8 @@ def real_run(tmp_path_factory):
 
 
 def test_stage_00_answers_are_the_targets(real_run):
-    _, wd, _, _ = real_run
-    m = json.loads(wd.manifest("generate").read_text())
+    _, workdir, _, _ = real_run
+    m = json.loads(workdir.manifest("generate").read_text())
     assert m["record"]["conversations"] == TRAIN_RECORDS
     assert m["record"]["turns_regenerated"] > TRAIN_RECORDS  # the two-turn chats add turns
     assert m["record"]["generated_tokens"] > 0.5 * TRAIN_RECORDS * NEW_TOKENS
@@ -98,12 +98,12 @@ def test_stage_00_answers_are_the_targets(real_run):
 def test_vllm_and_hf_backends_agree_on_the_real_target(real_run):
     from eagle3.tools.check_stores import check_layers, compare_stores
 
-    target, wd, wd_vllm, _ = real_run
-    checks = compare_stores(wd_vllm.root, wd.root, samples=4)
+    target, workdir, wd_vllm, _ = real_run
+    checks = compare_stores(wd_vllm.root, workdir.root, samples=4)
     assert [c.name for c in checks] == ["aux layer 2", "aux layer 15", "aux layer 27", "final state", "target argmax"]
     assert all(c.ok for c in checks), [c.line() for c in checks]
     # Each backend's layer k is transformers' hidden_states[k], not k - 1 or k + 1.
-    for w in (wd_vllm, wd):
+    for w in (wd_vllm, workdir):
         layers = check_layers(w.root, target, samples=1)
         assert len(layers) == 3 and all(c.ok for c in layers), [c.line() for c in layers]
 

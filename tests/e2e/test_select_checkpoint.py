@@ -23,13 +23,13 @@ def test_two_kept_checkpoints_are_served_and_the_best_is_exported_with_its_reaso
     work = copy_stages(stages_123, tmp_path / "work")
     run_stages(work, tiny_llama, first="train", upto="export",
                train=dict(max_steps=4, eval_every=2, keep_evaluated=2, learning_rate=3e-3))
-    wd = WorkDir(work)
-    first_export = record_of(read_manifest(wd, "export", needed_by="test")).checkpoint_step
+    workdir = WorkDir(work)
+    first_export = record_of(read_manifest(workdir, "export", needed_by="test")).checkpoint_step
     cfg = EvaluateConfig(work_dir=work, target_model=str(tiny_llama), select_checkpoint=True, num_prompts=6,
                          max_new_tokens=16, temperature=[0.0], timing_prompts=0, baseline_untrained=False,
                          dtype="float32")
-    prep = read_manifest(wd, "prepare", needed_by="test")
-    out = select_checkpoint(cfg, wd, prep)
+    prep = read_manifest(workdir, "prepare", needed_by="test")
+    out = select_checkpoint(cfg, workdir, prep)
 
     rows = out["candidates"]
     assert [r["step"] for r in rows] == [2, 4]
@@ -38,11 +38,11 @@ def test_two_kept_checkpoints_are_served_and_the_best_is_exported_with_its_reaso
     assert lo <= rows[0]["acceptance_length"] - rows[1]["acceptance_length"] <= hi and rows[1]["vs_last"] is None
     chosen = max(rows, key=lambda r: (r["acceptance_length"], r["step"]))
     assert out["chosen_step"] == chosen["step"]
-    assert json.loads(wd.selection_results().read_text()) == out
+    assert json.loads(workdir.selection_results().read_text()) == out
     # Stage 05 exported the chosen one (its own manifest), and the card says why.
-    export = record_of(read_manifest(wd, "export", needed_by="test"))
+    export = record_of(read_manifest(workdir, "export", needed_by="test"))
     assert export.checkpoint_step == chosen["step"], (first_export, chosen)
     card = (WorkDir(work).export_dir() / CARD_NAME).read_text()
     assert "chosen by the best greedy acceptance length served in vLLM of 2 kept checkpoints (steps 2, 4)" in card
-    report = json.loads(wd.export_report("json").read_text())
+    report = json.loads(workdir.export_report("json").read_text())
     assert report["checkpoint"]["path"] == chosen["checkpoint"]

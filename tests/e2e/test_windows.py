@@ -73,17 +73,17 @@ def reference(tmp_path_factory, base, tiny_llama) -> dict:
         extract_hidden_states(build_config(ExtractConfig, "extract", config, {}, sections=STAGE_CONFIGS))
         if train_drafter(build_config(TrainConfig, "train", config, {}, sections=STAGE_CONFIGS)) is not None:
             break
-    wd = WorkDir(work)
-    plan = windows.read_plan(wd.store())
-    progress = windows.read_progress(wd.store() / windows.WINDOWS_DIR)
+    workdir = WorkDir(work)
+    plan = windows.read_plan(workdir.store())
+    progress = windows.read_progress(workdir.store() / windows.WINDOWS_DIR)
     assert plan.rounds == 3 and progress["trained_rounds"] == 3
-    counts = json.loads(wd.manifest("train").read_text())["counts"]
-    return {"weights": final_weights(wd), "plan": plan, "steps_per_round": counts["steps_per_round"]}
+    counts = json.loads(workdir.manifest("train").read_text())["counts"]
+    return {"weights": final_weights(workdir), "plan": plan, "steps_per_round": counts["steps_per_round"]}
 
 
-def final_weights(wd: WorkDir) -> dict:
-    info = json.loads(wd.latest_checkpoint().read_text())
-    return torch.load(wd.checkpoint(info["step"]), map_location="cpu", weights_only=True)["model"]
+def final_weights(workdir: WorkDir) -> dict:
+    info = json.loads(workdir.latest_checkpoint().read_text())
+    return torch.load(workdir.checkpoint(info["step"]), map_location="cpu", weights_only=True)["model"]
 
 
 def assert_same_weights(a: dict, b: dict) -> None:
@@ -117,8 +117,8 @@ def kill_when(cmd: list[str], ready, timeout_s: float = 300, env: dict | None = 
 def test_loop_killed_at_three_points_ends_with_the_unbroken_runs_weights(tmp_path, base, tiny_llama, reference):
     work = copy_stages(base, tmp_path / "work", stages=("prepare", "vocab"))
     config = write_config(tmp_path / "c.yaml", tiny_llama, work)
-    wd = WorkDir(work)
-    wdir = wd.store() / windows.WINDOWS_DIR
+    workdir = WorkDir(work)
+    wdir = workdir.store() / windows.WINDOWS_DIR
     round_dir = lambda r: wdir / windows.round_name(r)  # noqa: E731
 
     # 1. Between the checkpoint that covers round 0 and the round's deletion (stage 04 kills itself there).
@@ -127,7 +127,7 @@ def test_loop_killed_at_three_points_ends_with_the_unbroken_runs_weights(tmp_pat
     assert rc != 0
     assert windows.read_progress(wdir)["trained_rounds"] == 0
     assert windows.window_problem(round_dir(0), verify_checksums=True) is None  # not deleted yet
-    assert json.loads(wd.latest_checkpoint().read_text())["step"] == reference["steps_per_round"][0]
+    assert json.loads(workdir.latest_checkpoint().read_text())["step"] == reference["steps_per_round"][0]
 
     # 2. Inside stage 02, while round 1 is written: one file complete, the round not.
     kill_when(loop_cmd(config), lambda: (round_dir(1) / "train-00000.json").is_file())
@@ -138,7 +138,7 @@ def test_loop_killed_at_three_points_ends_with_the_unbroken_runs_weights(tmp_pat
     # 3. Inside stage 04, on round 2: a checkpoint past the end of round 1, round 2 not finished.
     def mid_round_2() -> bool:
         p = windows.read_progress(wdir)
-        return p["trained_rounds"] == 2 and wd.checkpoint(p["step"] + 1).is_file()
+        return p["trained_rounds"] == 2 and workdir.checkpoint(p["step"] + 1).is_file()
 
     kill_when(loop_cmd(config), mid_round_2)
     assert windows.read_progress(wdir)["trained_rounds"] == 2
@@ -147,11 +147,11 @@ def test_loop_killed_at_three_points_ends_with_the_unbroken_runs_weights(tmp_pat
     subprocess.run(loop_cmd(config), cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     assert windows.read_progress(wdir)["trained_rounds"] == 3
     assert windows.present_rounds(wdir) == []  # every round deleted after its checkpoint
-    assert wd.manifest("train").is_file()
-    assert_same_weights(final_weights(wd), reference["weights"])
-    lines = [x for x in wd.log_file("window_loop").read_text().splitlines() if "peak store disk" in x]
+    assert workdir.manifest("train").is_file()
+    assert_same_weights(final_weights(workdir), reference["weights"])
+    lines = [x for x in workdir.log_file("window_loop").read_text().splitlines() if "peak store disk" in x]
     assert len(lines) >= 3 and all("covered by step-" in x for x in lines)
-    assert wd.log_file("02_extract").is_file() and wd.log_file("04_train").is_file()
+    assert workdir.log_file("02_extract").is_file() and workdir.log_file("04_train").is_file()
 
 
 def rounds_holding_data(wdir: Path) -> dict[int, list[str]]:
@@ -171,7 +171,7 @@ def rounds_holding_data(wdir: Path) -> dict[int, list[str]]:
 def test_producers_and_a_consumer_over_a_shared_folder(tmp_path, base, tiny_llama, reference):
     work = copy_stages(base, tmp_path / "work", stages=("prepare", "vocab"))
     config = write_config(tmp_path / "c.yaml", tiny_llama, work)
-    wd = WorkDir(work)
+    workdir = WorkDir(work)
     shared = tmp_path / "shared"
     common = ["--config", str(config), "--windows-dir", str(shared)]
     producers = [subprocess.Popen([sys.executable, WorkDir.script("extract"), *common, "--produce", "--wait-s", "300",
@@ -183,13 +183,13 @@ def test_producers_and_a_consumer_over_a_shared_folder(tmp_path, base, tiny_llam
     try:
         while any(p.poll() is None for p in producers) or (consumer and consumer.poll() is None):
             assert time.monotonic() < deadline
-            if consumer is None and wd.manifest("extract").is_file():  # the held-out split is there
+            if consumer is None and workdir.manifest("extract").is_file():  # the held-out split is there
                 consumer = subprocess.Popen([sys.executable, WorkDir.script("train"), *common, "--window-wait-s",
                                              "300"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             seen = rounds_holding_data(shared)
             if len(seen) > most:
                 most, most_seen = len(seen), seen
-            peak = max(peak, windows.dir_bytes(wd.store()) + windows.dir_bytes(shared))
+            peak = max(peak, windows.dir_bytes(workdir.store()) + windows.dir_bytes(shared))
             time.sleep(0.05)
     finally:
         for p in producers + [consumer]:
@@ -203,7 +203,7 @@ def test_producers_and_a_consumer_over_a_shared_folder(tmp_path, base, tiny_llam
     one_file = reference["plan"].bytes_per_token * 8 * 256  # 8 samples of at most 256 tokens
     assert peak <= BUDGET + one_file, peak
     assert windows.read_progress(shared)["trained_rounds"] == 3 and windows.present_rounds(shared) == []
-    assert_same_weights(final_weights(wd), reference["weights"])
+    assert_same_weights(final_weights(workdir), reference["weights"])
 
 
 def test_a_second_writer_of_a_round_is_refused_and_the_first_ones_round_is_whole(tmp_path, base, tiny_llama):

@@ -39,8 +39,8 @@ def test_a_resume_under_another_process_count_trains_every_round(tmp_path, tiny_
         "vocab": {"draft_vocab_size": 128},
         "train": {"batch_tokens": 512, "max_seq_len": 256, "log_every": 1, "eval_every": 1000, "save_every": 1000,
                   "keep_checkpoints": 2, "ttt_steps": 2, "warmup_steps": 1, "learning_rate": 3e-3}}))
-    wd = WorkDir(work)
-    wdir = wd.store() / windows.WINDOWS_DIR
+    workdir = WorkDir(work)
+    wdir = workdir.store() / windows.WINDOWS_DIR
     extract = lambda: extract_hidden_states(  # noqa: E731
         build_config(ExtractConfig, "extract", config, {}, sections=STAGE_CONFIGS))
 
@@ -49,8 +49,8 @@ def test_a_resume_under_another_process_count_trains_every_round(tmp_path, tiny_
     assert windows.present_rounds(wdir) == [0, 1]
     # round 2 is not extracted yet
     assert train_drafter(build_config(TrainConfig, "train", config, {}, sections=STAGE_CONFIGS)) is None
-    one = json.loads(wd.latest_checkpoint().read_text())["step"]
-    assert windows.read_progress(wdir) == {"trained_rounds": 2, "checkpoint": wd.checkpoint(one).name, "step": one}
+    one = json.loads(workdir.latest_checkpoint().read_text())["step"]
+    assert windows.read_progress(wdir) == {"trained_rounds": 2, "checkpoint": workdir.checkpoint(one).name, "step": one}
     assert windows.present_rounds(wdir) == []
     extract()
     assert windows.present_rounds(wdir) == [2]
@@ -58,19 +58,19 @@ def test_a_resume_under_another_process_count_trains_every_round(tmp_path, tiny_
     r = torchrun(2, [ROOT / "04_train_drafter.py", "--config", config, "--dist-timeout-s", "900"], 600,
                  tmp_path / "logs")
     assert r.returncode == 0, r.stderr[-3000:]
-    counts = json.loads(wd.manifest("train").read_text())["counts"]
+    counts = json.loads(workdir.manifest("train").read_text())["counts"]
     assert counts["processes"] == 2
     two = counts["steps_per_round"]  # the 2-process schedule
     start, end = sum(two[:2]), sum(two)
     assert one > start, "the 1-process checkpoint's step number must not be a step of the 2-process schedule"
     # Round 2 trained on two processes, every one of its steps, then deleted; the run ends at its end.
-    rows = [json.loads(line) for line in wd.train_metrics().read_text().splitlines()]
+    rows = [json.loads(line) for line in workdir.train_metrics().read_text().splitlines()]
     trained = [row["step"] for row in rows if row["split"] == "train"]
     assert trained[-(end - start):] == list(range(start + 1, end + 1)), trained
-    assert json.loads(wd.latest_checkpoint().read_text())["step"] == end
+    assert json.loads(workdir.latest_checkpoint().read_text())["step"] == end
     assert windows.read_progress(wdir)["trained_rounds"] == 3 and windows.present_rounds(wdir) == []
     # The 1-process files numbered above it were superseded by the 2-process ones and pruned.
-    assert max(WorkDir.checkpoint_step(p) for p in wd.checkpoints().glob("step-*.pt")) == end
-    log = wd.log_file("04_train").read_text()
+    assert max(WorkDir.checkpoint_step(p) for p in workdir.checkpoints().glob("step-*.pt")) == end
+    log = workdir.log_file("04_train").read_text()
     assert f"it covers 2 round(s), so training goes on at step {start} of {end}, the start of round 2" in log
     assert "collective timeout 900 s" in log

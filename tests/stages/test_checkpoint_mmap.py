@@ -51,12 +51,12 @@ def mapped_share(obj, path: Path) -> tuple[int, int]:
 
 
 def test_a_checkpoint_is_loaded_mapped_from_its_file(tmp_path):
-    wd = WorkDir(tmp_path)
+    workdir = WorkDir(tmp_path)
     g = torch.Generator().manual_seed(0)
     ckpt = train_checkpoint({"w": torch.randn(256, 64, generator=g), "d2t": torch.arange(8)}, {},
                             optimizer={"state": {0: {"step": torch.tensor(2.0),
                                                      "exp_avg": torch.randn(256, 64, generator=g)}}})
-    path = checkpoint.save_checkpoint(wd, ckpt, keep=2, is_best=False)
+    path = checkpoint.save_checkpoint(workdir, ckpt, keep=2, is_best=False)
     plain = torch.load(path, map_location="cpu", weights_only=True)
     assert mapped_share(plain, path) == (0, 5)  # the check tells a plain load from a mapped one
     loaded = checkpoint.read_checkpoint(path)

@@ -58,9 +58,9 @@ def test_stage_04_sets_it_before_cuda_initialises(tmp_path, stages_123, tiny_lla
 
     monkeypatch.setattr(torch.cuda, "is_available", is_available)
     monkeypatch.setattr(torch.cuda, "_lazy_init", lazy_init)
-    wd = copy_stages(stages_123, tmp_path / "w")
+    workdir = copy_stages(stages_123, tmp_path / "w")
     with pytest.raises(CudaInit):
-        train_drafter(TrainConfig(work_dir=wd, target_model=str(tiny_llama), device="cuda", max_steps=1,
+        train_drafter(TrainConfig(work_dir=workdir, target_model=str(tiny_llama), device="cuda", max_steps=1,
                                   batch_tokens=1024, max_seq_len=256, ttt_steps=2, warmup_steps=1))
     inits = [seen for what, seen in calls if what == "init"]
     assert len(inits) == 1  # the first CUDA initialisation stopped the run

@@ -269,8 +269,8 @@ def write_store(root: Path, samples: dict[str, tuple[torch.Tensor, torch.Tensor,
     from eagle3.artifacts.store import (create_partial_file, file_name, finalize_file, partial_name, write_index,
                                         write_sample_states)
 
-    wd = WorkDir(root)
-    sdir = wd.store()
+    workdir = WorkDir(root)
+    sdir = workdir.store()
     ids = list(samples)
     partial = sdir / partial_name("eval", 0)
     lay = create_partial_file(partial, split="eval", file_no=0, first_sample=0,
@@ -288,9 +288,9 @@ def write_store(root: Path, samples: dict[str, tuple[torch.Tensor, torch.Tensor,
     identity = {"aux_layers": LAYERS, "hidden_size": H, "num_layers": 8, "vocab_size": 100,
                 "tokenizer_fingerprint": "tok", "target_model": str(root.name)}
     write_index(sdir, identity, [entry], {"eval": len(ids)}, samples_per_file=len(ids))
-    write_manifest(wd, "extract", params={"aux_layers": LAYERS}, inputs={}, counts={}, outputs=[sdir], record=None,
+    write_manifest(workdir, "extract", params={"aux_layers": LAYERS}, inputs={}, counts={}, outputs=[sdir], record=None,
                    hash_outputs=False)
-    return wd
+    return workdir
 
 
 def test_probe_hidden_hand_computed(tmp_path, capsys):

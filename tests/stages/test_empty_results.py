@@ -32,8 +32,8 @@ def chats(path: Path) -> Path:
     return path
 
 
-def extract_cfg(wd: Path, target: Path) -> ExtractConfig:
-    return ExtractConfig(work_dir=wd, target_model=str(target), backend="hf", samples_per_file=4)
+def extract_cfg(workdir: Path, target: Path) -> ExtractConfig:
+    return ExtractConfig(work_dir=workdir, target_model=str(target), backend="hf", samples_per_file=4)
 
 
 def test_stage_02_refuses_an_empty_train_split_before_loading_the_target(tmp_path, tiny_llama, monkeypatch):
@@ -42,17 +42,17 @@ def test_stage_02_refuses_an_empty_train_split_before_loading_the_target(tmp_pat
     # A stage-01 output with every sample held out, as a stage 01 without its own refusal wrote it.
     monkeypatch.setattr(prepare, "is_eval", lambda sid, seed, fraction: True)
     monkeypatch.setattr(prepare, "refuse_or_warn_dropped", lambda *a: None)
-    wd = tmp_path / "w"
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(chats(tmp_path / "c.jsonl"))],
+    workdir = tmp_path / "w"
+    prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(tiny_llama), data=[str(chats(tmp_path / "c.jsonl"))],
                                   num_workers=1))
     loaded = []
     monkeypatch.setattr("eagle3.stages.s02_extract.write.load_engine", lambda *a, **k: loaded.append(1))
     with pytest.raises(PipelineError) as e:
-        extract_hidden_states(extract_cfg(wd, tiny_llama))
+        extract_hidden_states(extract_cfg(workdir, tiny_llama))
     msg = str(e.value)
-    assert "\n" not in msg and str(WorkDir(wd).dataset("train")) in msg and "holds 0 samples" in msg
+    assert "\n" not in msg and str(WorkDir(workdir).dataset("train")) in msg and "holds 0 samples" in msg
     assert f"{N_CHATS} records, {N_CHATS} held-out samples" in msg and "--eval-fraction" in msg
-    assert not loaded and not WorkDir(wd).manifest("extract").exists()
+    assert not loaded and not WorkDir(workdir).manifest("extract").exists()
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +70,18 @@ def nan_target(tiny_targets, tmp_path_factory) -> Path:
 
 
 def test_stage_02_refuses_a_store_whose_every_train_sample_is_nan(tmp_path, nan_target, caplog):
-    wd = tmp_path / "w"
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(nan_target), data=[str(chats(tmp_path / "c.jsonl"))],
+    workdir = tmp_path / "w"
+    prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(nan_target), data=[str(chats(tmp_path / "c.jsonl"))],
                                   eval_fraction=0.0, num_workers=1))
     with pytest.raises(PipelineError) as e:
-        extract_hidden_states(extract_cfg(wd, nan_target))
+        extract_hidden_states(extract_cfg(workdir, nan_target))
     msg = str(e.value)
-    assert "\n" not in msg and str(WorkDir(wd).store()) in msg
+    assert "\n" not in msg and str(WorkDir(workdir).store()) in msg
     assert f"train: {N_CHATS} of {N_CHATS} samples rejected for NaN/Inf" in msg and "--dtype" in msg
-    assert not WorkDir(wd).manifest("extract").exists()  # stage 04 finds no finished store
+    assert not WorkDir(workdir).manifest("extract").exists()  # stage 04 finds no finished store
     # The complete files stay: a rerun says the same without extracting again.
     with pytest.raises(PipelineError, match="no usable train sample"), caplog.at_level("INFO"):
-        extract_hidden_states(extract_cfg(wd, nan_target))
+        extract_hidden_states(extract_cfg(workdir, nan_target))
     assert "0 to do" in caplog.text
 
 

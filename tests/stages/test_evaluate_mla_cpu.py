@@ -25,10 +25,10 @@ def test_a_drafter_on_an_mla_target_is_refused_in_one_line(kind, tiny_targets, s
 
     monkeypatch.setattr(evaluate_run, "run_engine", no_engine)
     target = tiny_targets[kind]
-    wd = WorkDir(stage_runs(target, upto="export", chats=24))
+    workdir = WorkDir(stage_runs(target, upto="export", chats=24))
     with pytest.raises(PipelineError) as e:
-        evaluate_drafter(EvaluateConfig(work_dir=wd.root, target_model=str(target), max_new_tokens=8))
+        evaluate_drafter(EvaluateConfig(work_dir=workdir.root, target_model=str(target), max_new_tokens=8))
     msg = str(e.value)
     assert "\n" not in msg, msg
     assert "no common block size" in msg and "kv_lora_rank 512" in msg and "GPU box" in msg, msg
-    assert not wd.engine_request("plain+trained").exists() and not wd.engine_log("plain+trained").exists()
+    assert not workdir.engine_request("plain+trained").exists() and not workdir.engine_log("plain+trained").exists()

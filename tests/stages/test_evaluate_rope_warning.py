@@ -32,15 +32,15 @@ def test_stage_06_warns_of_an_sglang_that_reads_the_yarn_rope_otherwise(sglang, 
 
     monkeypatch.setattr(evaluate_run, "run_engine", no_engine)
     monkeypatch.setattr(evaluate_run, "installed_engine_versions", lambda: {"vllm": "0.32.0", "sglang": sglang})
-    wd = WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2), extract=dict(dtype="bfloat16"),
+    workdir = WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2), extract=dict(dtype="bfloat16"),
                             vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))  # the run test_stale.py shares
     drafter = tmp_path / "drafter"
-    shutil.copytree(wd.export_dir(), drafter)
+    shutil.copytree(workdir.export_dir(), drafter)
     cfg = json.loads((drafter / CONFIG_NAME).read_text())
     cfg["rope_scaling"] = K25_YARN
     (drafter / CONFIG_NAME).write_text(json.dumps(cfg))
     work = tmp_path / "work"
-    shutil.copytree(wd.root, work, ignore=shutil.ignore_patterns("06_*"))
+    shutil.copytree(workdir.root, work, ignore=shutil.ignore_patterns("06_*"))
     with caplog.at_level(logging.WARNING), pytest.raises(EngineStarted):
         evaluate_run.evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), drafter_dir=drafter,
                                                      max_new_tokens=8))

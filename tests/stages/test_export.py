@@ -109,7 +109,7 @@ def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None,
     """A work dir as stages 01-04 leave it, as far as stage 05 reads it. `layers`: stage 02's
     record, `ckpt_layers`: the checkpoint's, `train_layers`: stage 04's record (default: the
     checkpoint's)."""
-    wd = WorkDir(root)
+    workdir = WorkDir(root)
     V = m.config.target_vocab_size
     # Stage 01 token frequencies: the eval split puts 60% of its tokens on draft ids.
     draft_ids = (torch.arange(m.config.draft_vocab_size) + m.d2t).numpy()
@@ -118,27 +118,27 @@ def make_work_dir(root: Path, m: Eagle3Drafter, layers=LAYERS, ckpt_layers=None,
         freq = np.zeros(V, dtype=np.int64)
         freq[draft_ids[:6]] = 100
         freq[other[:4]] = 100
-        wd.stage_dir("prepare").mkdir(parents=True, exist_ok=True)
-        np.save(wd.token_freq(split), freq)
-    write_manifest(wd, "extract", params={"aux_layers": None}, inputs={}, counts={}, outputs=[],
+        workdir.stage_dir("prepare").mkdir(parents=True, exist_ok=True)
+        np.save(workdir.token_freq(split), freq)
+    write_manifest(workdir, "extract", params={"aux_layers": None}, inputs={}, counts={}, outputs=[],
                    record=ExtractRecord(target_model="tiny", tokenizer_fingerprint="tok", aux_layer_ids=list(layers),
                                         hidden_size=256, num_layers=8, vocab_size=V, store_dtype="bf16", complete=True,
                                         missing_files=0, missing_shard_indices=[]))
-    wd.checkpoints().mkdir(parents=True, exist_ok=True)
+    workdir.checkpoints().mkdir(parents=True, exist_ok=True)
     # Stage 04's format (eagle3/artifacts/train_outputs.py TrainCheckpoint).
     ev = metrics if metrics is not None else {"expected_accept_length": 1.875, "full_acc": [0.5, 0.25, 0.125]}
     torch.save(train_checkpoint(m.state_dict(), m.config.to_dict(), step=123, aux_layers=list(ckpt_layers or layers),
                                 eval=ev, best={"expected_accept_length": ev.get("expected_accept_length", -1.0),
                                                "step": 123 if ev else None}).to_file(),
-               wd.best_checkpoint())
+               workdir.best_checkpoint())
     # Stage 04's manifest: its record names the best checkpoint (relative to 04_train/).
-    write_manifest(wd, "train", params={}, inputs={}, counts={}, outputs=[wd.best_checkpoint()],
+    write_manifest(workdir, "train", params={}, inputs={}, counts={}, outputs=[workdir.best_checkpoint()],
                    record=TrainRecord(ttt_steps=3, aux_layer_ids=list(train_layers or ckpt_layers or layers),
                                       steps=123,
                                       best_step=123 if ev else None,
                                       best_expected_accept_length=ev.get("expected_accept_length", -1.0),
                                       best_eval=ev or None, best_checkpoint="checkpoints/best.pt"))
-    return wd
+    return workdir
 
 
 def fake_target(folder: Path, **overrides) -> Path:
@@ -153,19 +153,19 @@ def fake_target(folder: Path, **overrides) -> Path:
 
 def test_export_stage_writes_drafter_report_and_manifest(tmp_path, tiny_llama):
     m = random_drafter()
-    wd = make_work_dir(tmp_path / "work", m)
+    workdir = make_work_dir(tmp_path / "work", m)
     # Stage 03 chose another mapping: 10 of its 256 ids differ from the checkpoint's.
     ids = (torch.arange(256) + m.d2t).numpy()
     ids03 = np.sort(np.concatenate([ids[10:], np.setdiff1d(np.arange(960), ids)[:10]]))
-    wd.stage_dir("vocab").mkdir(parents=True)
+    workdir.stage_dir("vocab").mkdir(parents=True)
     t2d = np.zeros(960, dtype=bool)
     t2d[ids03] = True
-    files = save_mapping(wd, ids03 - np.arange(256), t2d)
-    write_manifest(wd, "vocab", params={}, inputs={}, outputs=files, counts={},
+    files = save_mapping(workdir, ids03 - np.arange(256), t2d)
+    write_manifest(workdir, "vocab", params={}, inputs={}, outputs=files, counts={},
                    record=VocabRecord(tokenizer_fingerprint="tok", target_vocab_size=960, draft_vocab_size=256,
                                       coverage_train=0.5, coverage_eval=0.25))
-    out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama)))
-    assert out == wd.export_dir()
+    out = export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(tiny_llama)))
+    assert out == workdir.export_dir()
     assert sorted(p.name for p in out.iterdir()) == sorted([CONFIG_NAME, "manifest.json", REPORT_JSON, REPORT_MD,
                                                              WEIGHTS_NAME, "README.md"])  # README.md: the model card
     cfg = json.loads((out / CONFIG_NAME).read_text())
@@ -190,52 +190,52 @@ def test_export_stage_writes_drafter_report_and_manifest(tmp_path, tiny_llama):
 
     # A rerun with the same inputs does nothing; --force redoes it.
     mtime = (out / WEIGHTS_NAME).stat().st_mtime_ns
-    export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama)))
+    export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(tiny_llama)))
     assert (out / WEIGHTS_NAME).stat().st_mtime_ns == mtime
-    export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama), force=True))
+    export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(tiny_llama), force=True))
     assert (out / WEIGHTS_NAME).stat().st_mtime_ns != mtime
 
 
 def test_export_refuses_inconsistent_inputs(tmp_path):
     m = random_drafter()
     target = fake_target(tmp_path / "target")
-    wd = make_work_dir(tmp_path / "w1", m, ckpt_layers=[2, 4, 6])
+    workdir = make_work_dir(tmp_path / "w1", m, ckpt_layers=[2, 4, 6])
     with pytest.raises(PipelineError, match=r"aux layers mismatch: \[2, 4, 6\] \(.*best.pt\) vs \[2, 4, 5\] "
                                             r"\(.*02_hidden_states/manifest.json\)"):
-        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
+        export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(target)))
     # Stage 04's record agrees with stage 02's, the checkpoint itself does not.
-    wd = make_work_dir(tmp_path / "w1b", m, ckpt_layers=[2, 4, 6], train_layers=LAYERS)
+    workdir = make_work_dir(tmp_path / "w1b", m, ckpt_layers=[2, 4, 6], train_layers=LAYERS)
     with pytest.raises(PipelineError, match=r"aux layers mismatch: \[2, 4, 6\] \(.*best.pt\)"):
-        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
-    wd = make_work_dir(tmp_path / "w2", m)
+        export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(target)))
+    workdir = make_work_dir(tmp_path / "w2", m)
     other = fake_target(tmp_path / "other", vocab_size=1024)
     with pytest.raises(PipelineError, match="target vocab size mismatch: 960"):
-        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(other)))
+        export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(other)))
     with pytest.raises(PipelineError, match="needs .*02_hidden_states/manifest.json"):
         export_drafter(ExportConfig(work_dir=tmp_path / "empty", target_model=str(target)))
     with pytest.raises(PipelineError, match="dtype"):
-        ExportConfig(work_dir=wd.root, target_model=str(target), dtype="int8")
+        ExportConfig(work_dir=workdir.root, target_model=str(target), dtype="int8")
 
 
 def test_include_embed_tokens_without_target_weights_says_how_to_export(tmp_path):
     target = fake_target(tmp_path / "target")  # config.json only: no embedding to copy
-    wd = make_work_dir(tmp_path / "w", random_drafter())
+    workdir = make_work_dir(tmp_path / "w", random_drafter())
     with pytest.raises(PipelineError, match=r"--include-embed-tokens: .*model\.safetensors.*Export without "
                                             r"--include-embed-tokens"):
-        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target), include_embed_tokens=True))
-    assert not wd.manifest("export").exists()
+        export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(target), include_embed_tokens=True))
+    assert not workdir.manifest("export").exists()
 
 
 def test_export_refuses_layers_the_sglang_deepseek_rule_reads_differently(tmp_path):
     m = random_drafter()
     target = fake_target(tmp_path / "ds", architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
-    wd = make_work_dir(tmp_path / "w", m, layers=[3, 4, 5])
+    workdir = make_work_dir(tmp_path / "w", m, layers=[3, 4, 5])
     with pytest.raises(PipelineError, match="allow-engine-mismatch") as e:
-        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
+        export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(target)))
     assert "captures [2, 3, 4], but the drafter was trained on [3, 4, 5]" in str(e.value)
-    assert not wd.manifest("export").exists()
-    out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target), allow_engine_mismatch=True))
-    r = json.loads((wd.export_dir() / REPORT_JSON).read_text())
+    assert not workdir.manifest("export").exists()
+    out = export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(target), allow_engine_mismatch=True))
+    r = json.loads((workdir.export_dir() / REPORT_JSON).read_text())
     assert r["layers"]["captured"] == {"vllm": [3, 4, 5], "vllm-v2": [3, 4, 5], "sglang": [3, 4, 5],
                                         "sglang-deepseek": [2, 3, 4]}
     (problem,) = r["layers"]["problems"]  # let through, and reported once: under "layers"
@@ -250,28 +250,28 @@ def test_export_with_embed_tokens_and_custom_out_dir(tmp_path, tiny_llama):
     from safetensors.torch import load_file
 
     m = random_drafter()
-    wd = make_work_dir(tmp_path / "work", m, metrics={})  # not evaluated: no expected accept length
+    workdir = make_work_dir(tmp_path / "work", m, metrics={})  # not evaluated: no expected accept length
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
     with pytest.raises(PipelineError, match="holds other files"):
-        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama), out_dir=foreign))
+        export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(tiny_llama), out_dir=foreign))
     out = tmp_path / "served" / "drafter"
-    export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama), out_dir=out,
+    export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(tiny_llama), out_dir=out,
                                 include_embed_tokens=True))
     emb = load_file(out / WEIGHTS_NAME)["embed_tokens.weight"]
     target_emb = load_file(tiny_llama / "model.safetensors")["model.embed_tokens.weight"]
     assert torch.equal(emb, target_emb.to(torch.bfloat16))
-    r = json.loads((wd.export_dir() / REPORT_JSON).read_text())
+    r = json.loads((workdir.export_dir() / REPORT_JSON).read_text())
     assert r["expected_accept_length"]["value"] is None and r["out_dir"] == str(out)
-    assert sorted(p.name for p in wd.export_dir().iterdir()) == sorted(["manifest.json", REPORT_JSON, REPORT_MD])
+    assert sorted(p.name for p in workdir.export_dir().iterdir()) == sorted(["manifest.json", REPORT_JSON, REPORT_MD])
 
 
 def test_export_script_cli(tmp_path):
     m = random_drafter()
     target = fake_target(tmp_path / "target")
-    wd = make_work_dir(tmp_path / "work", m)
-    cmd = [sys.executable, str(ROOT / "05_export_drafter.py"), "--work-dir", str(wd.root),
+    workdir = make_work_dir(tmp_path / "work", m)
+    cmd = [sys.executable, str(ROOT / "05_export_drafter.py"), "--work-dir", str(workdir.root),
            "--target-model", str(target)]
     ok = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr
@@ -326,8 +326,8 @@ def _vllm_env(tmp_path: Path) -> dict[str, str]:
 
 def test_vllm_cpu_serves_the_exported_drafter(tmp_path, tiny_llama):
     m = random_drafter()
-    wd = make_work_dir(tmp_path / "work", m)
-    drafter = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama)))
+    workdir = make_work_dir(tmp_path / "work", m)
+    drafter = export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(tiny_llama)))
     script = tmp_path / "serve.py"
     script.write_text(VLLM_SCRIPT)
     result = tmp_path / "result.json"

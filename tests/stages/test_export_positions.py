@@ -22,19 +22,19 @@ def test_export_and_evaluate_state_the_trained_reach_and_rope(tmp_path, caplog):
     m = random_drafter(rope_scaling=dict(YARN), rope_theta=50000.0)
     target = fake_target(tmp_path / "kimi", architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2",
                          max_position_embeddings=262144, rope_theta=50000.0, rope_scaling=dict(YARN))
-    wd = make_work_dir(tmp_path / "w", m)
-    write_manifest(wd, "train", params={"max_seq_len": 16384, "ttt_steps": 4}, inputs={}, counts={},
-                   outputs=[wd.best_checkpoint()], record=read_record(wd, "train", needed_by="test"))
+    workdir = make_work_dir(tmp_path / "w", m)
+    write_manifest(workdir, "train", params={"max_seq_len": 16384, "ttt_steps": 4}, inputs={}, counts={},
+                   outputs=[workdir.best_checkpoint()], record=read_record(workdir, "train", needed_by="test"))
     with caplog.at_level(logging.INFO, logger="eagle3.stages.s05_export.run"):
-        out = export_drafter(ExportConfig(work_dir=wd.root, target_model=str(target)))
+        out = export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(target)))
     cfg = json.loads((out / CONFIG_NAME).read_text())
     assert cfg["rope_scaling"]["rope_type"] == "yarn" and cfg["rope_scaling"]["factor"] == 64.0
     assert cfg["rope_scaling"]["original_max_position_embeddings"] == 4096 and cfg["rope_theta"] == 50000.0
-    r = json.loads((wd.export_dir() / REPORT_JSON).read_text())
+    r = json.loads((workdir.export_dir() / REPORT_JSON).read_text())
     assert r["positions"]["longest_trained_position"] == 16386 and r["positions"]["served_context"] == 262144
     (line,) = [x.getMessage() for x in caplog.records if "trained at positions" in x.getMessage()]
     assert "0-16,386" in line and "yarn rope" in line and "262,144 positions: 6.3% of them were trained" in line
     from eagle3.stages.s06_evaluate.run import _trained_reach
 
-    reach = _trained_reach(wd, SimpleNamespace(config=cfg), read_target_info(target))
+    reach = _trained_reach(workdir, SimpleNamespace(config=cfg), read_target_info(target))
     assert reach == r["positions"]

@@ -49,16 +49,16 @@ def fresh_wd(prepared_wd: Path, dst: Path) -> Path:
     return copy_stages(prepared_wd, dst, ("prepare",))
 
 
-def cfg_for(wd: Path, target: Path, **kw) -> ExtractConfig:
-    base = dict(work_dir=wd, target_model=str(target), backend="hf", samples_per_file=4,
+def cfg_for(workdir: Path, target: Path, **kw) -> ExtractConfig:
+    base = dict(work_dir=workdir, target_model=str(target), backend="hf", samples_per_file=4,
                 gpu_memory_utilization=0.3, enforce_eager=True)
     base.update(kw)
     return ExtractConfig(**base)
 
 
-def store_files(wd: Path) -> dict[str, bytes]:
+def store_files(workdir: Path) -> dict[str, bytes]:
     """The store's content: data files and their index entries (the manifest has a timestamp)."""
-    d = WorkDir(wd).store()
+    d = WorkDir(workdir).store()
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())
             if p.suffix in (".safetensors", ".json") and p.name not in ("manifest.json",)}
 
@@ -68,10 +68,10 @@ def hf_store(prepared, tiny_targets, tmp_path_factory):
     """kind -> a work dir with a complete hf-backend store (built lazily, once)."""
     class Stores(dict):
         def __missing__(self, kind):
-            wd = fresh_wd(prepared[kind], tmp_path_factory.mktemp(f"hf-{kind}"))
-            extract_hidden_states(cfg_for(wd, tiny_targets[kind]))
-            self[kind] = wd
-            return wd
+            workdir = fresh_wd(prepared[kind], tmp_path_factory.mktemp(f"hf-{kind}"))
+            extract_hidden_states(cfg_for(workdir, tiny_targets[kind]))
+            self[kind] = workdir
+            return workdir
 
     return Stores()
 
@@ -81,10 +81,10 @@ def vllm_store(prepared, tiny_targets, tmp_path_factory):
     """kind -> a work dir with a complete vLLM-backend store: one engine start per target."""
     class Stores(dict):
         def __missing__(self, kind):
-            wd = fresh_wd(prepared[kind], tmp_path_factory.mktemp(f"vllm-{kind}"))
-            extract_hidden_states(cfg_for(wd, tiny_targets[kind], backend="vllm"))
-            self[kind] = wd
-            return wd
+            workdir = fresh_wd(prepared[kind], tmp_path_factory.mktemp(f"vllm-{kind}"))
+            extract_hidden_states(cfg_for(workdir, tiny_targets[kind], backend="vllm"))
+            self[kind] = workdir
+            return workdir
 
     return Stores()
 
@@ -173,14 +173,14 @@ def test_in_process_engine_stores_what_a_spawned_one_does(prepared, vllm_store, 
     """`--engine-in-process` (the SmolLM2 config's setting): the engine core runs in the
     stage's process, which steps it until each file's last requests are written. Run as
     the script (a process of its own: an in-process engine pins its caller's threads)."""
-    wd = fresh_wd(prepared["llama"], tmp_path)
-    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
+    workdir = fresh_wd(prepared["llama"], tmp_path)
+    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(workdir),
            "--target-model", str(tiny_targets["llama"]), "--backend", "vllm", "--samples-per-file", "4",
            "--gpu-memory-utilization", "0.3", "--enforce-eager", "--engine-in-process"]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = HiddenStateStore.open(WorkDir(vllm_store["llama"]), needed_by="test")
-    got = HiddenStateStore.open(WorkDir(wd), needed_by="test")
+    got = HiddenStateStore.open(WorkDir(workdir), needed_by="test")
     assert got.index["splits"]["train"]["files"] and len(got.index["splits"]["train"]["files"]) > 1
     for split in ("train", "eval"):
         a, b = ref.split(split), got.split(split)
@@ -195,9 +195,9 @@ def test_in_process_engine_stores_what_a_spawned_one_does(prepared, vllm_store, 
 
 def test_hf_backend_loads_kimi_k25_text_model(prepared, hf_store, tiny_targets, tmp_path):
     # Same weights as the tiny DeepSeek-V3, nested as Kimi-K2.5 (text_config, language_model.*).
-    wd = fresh_wd(prepared["deepseek_v3"], tmp_path)
-    extract_hidden_states(cfg_for(wd, tiny_targets["kimi_k25"]))
-    a = HiddenStateStore.open(WorkDir(wd), needed_by="test").split("train")
+    workdir = fresh_wd(prepared["deepseek_v3"], tmp_path)
+    extract_hidden_states(cfg_for(workdir, tiny_targets["kimi_k25"]))
+    a = HiddenStateStore.open(WorkDir(workdir), needed_by="test").split("train")
     b = HiddenStateStore.open(WorkDir(hf_store["deepseek_v3"]), needed_by="test").split("train")
     for i in (0, len(a) - 1):
         assert torch.equal(a[i].aux, b[i].aux) and torch.equal(a[i].final, b[i].final)
@@ -212,15 +212,15 @@ def test_hf_backend_loads_kimi_k25_text_model(prepared, hf_store, tiny_targets, 
     ([0, 4, 5], "out of range"), ([2, 4, 8], "out of range"),
 ])
 def test_bad_layer_ids_refused_before_loading(ids, msg, prepared, tiny_targets, tmp_path, no_model_load):
-    wd = fresh_wd(prepared["llama"], tmp_path)
+    workdir = fresh_wd(prepared["llama"], tmp_path)
     with pytest.raises(PipelineError, match=msg):
-        extract_hidden_states(cfg_for(wd, tiny_targets["llama"], aux_layers=ids))
+        extract_hidden_states(cfg_for(workdir, tiny_targets["llama"], aux_layers=ids))
 
 
 def test_layer_count_read_from_text_config(prepared, tiny_targets, tmp_path, no_model_load):
-    wd = fresh_wd(prepared["deepseek_v3"], tmp_path)
+    workdir = fresh_wd(prepared["deepseek_v3"], tmp_path)
     with pytest.raises(PipelineError, match="8-layer"):
-        extract_hidden_states(cfg_for(wd, tiny_targets["kimi_k25"], aux_layers=[2, 4, 8]))
+        extract_hidden_states(cfg_for(workdir, tiny_targets["kimi_k25"], aux_layers=[2, 4, 8]))
 
 
 def test_other_tokenizer_refused_before_loading(prepared, tiny_targets, tmp_path, no_model_load):
@@ -228,30 +228,30 @@ def test_other_tokenizer_refused_before_loading(prepared, tiny_targets, tmp_path
     shutil.copytree(tiny_targets["llama"], other)
     (other / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
                                                "{% endfor %}")
-    wd = fresh_wd(prepared["llama"], tmp_path / "wd")
+    workdir = fresh_wd(prepared["llama"], tmp_path / "wd")
     with pytest.raises(PipelineError, match="tokenizer fingerprint mismatch") as e:
-        extract_hidden_states(cfg_for(wd, other))
-    prep_fp = read_record(WorkDir(wd), "prepare", needed_by="test").tokenizer_fingerprint
+        extract_hidden_states(cfg_for(workdir, other))
+    prep_fp = read_record(WorkDir(workdir), "prepare", needed_by="test").tokenizer_fingerprint
     assert prep_fp in str(e.value)
 
 
 def test_next_reader_refuses_other_layers_or_tokenizer(hf_store):
-    wd = WorkDir(hf_store["llama"])
-    fp = HiddenStateStore.open(wd, needed_by="t").tokenizer_fingerprint
+    workdir = WorkDir(hf_store["llama"])
+    fp = HiddenStateStore.open(workdir, needed_by="t").tokenizer_fingerprint
     with pytest.raises(PipelineError, match="aux layer ids mismatch") as e:
-        HiddenStateStore.open(wd, needed_by="04_train_drafter.py", aux_layers=[1, 4, 5])
+        HiddenStateStore.open(workdir, needed_by="04_train_drafter.py", aux_layers=[1, 4, 5])
     assert "[2, 4, 5]" in str(e.value) and "[1, 4, 5]" in str(e.value)
     with pytest.raises(PipelineError, match="tokenizer fingerprint mismatch") as e:
-        HiddenStateStore.open(wd, needed_by="04_train_drafter.py", tokenizer_fingerprint="f" * 64)
+        HiddenStateStore.open(workdir, needed_by="04_train_drafter.py", tokenizer_fingerprint="f" * 64)
     assert fp in str(e.value) and "f" * 64 in str(e.value)
-    HiddenStateStore.open(wd, needed_by="t", aux_layers=AUX, tokenizer_fingerprint=fp, hidden_size=256)
+    HiddenStateStore.open(workdir, needed_by="t", aux_layers=AUX, tokenizer_fingerprint=fp, hidden_size=256)
 
 
 def test_rerun_with_other_layers_refused_without_force(hf_store, tiny_targets, tmp_path, no_model_load):
-    wd = tmp_path / "wd"
-    shutil.copytree(hf_store["llama"], wd)
+    workdir = tmp_path / "wd"
+    shutil.copytree(hf_store["llama"], workdir)
     with pytest.raises(PipelineError, match=r"aux_layers: \[2, 4, 5\].*vs \[1, 4, 5\]"):
-        extract_hidden_states(cfg_for(wd, tiny_targets["llama"], aux_layers=[1, 4, 5]))
+        extract_hidden_states(cfg_for(workdir, tiny_targets["llama"], aux_layers=[1, 4, 5]))
 
 
 def test_nonfinite_samples_are_counted_not_dropped_silently(prepared, tiny_targets, tmp_path, monkeypatch):
@@ -267,12 +267,12 @@ def test_nonfinite_samples_are_counted_not_dropped_silently(prepared, tiny_targe
         return out
 
     monkeypatch.setattr(hf_backend.HFBackend, "forward", forward)
-    wd = fresh_wd(prepared["llama"], tmp_path)
-    m = extract_hidden_states(cfg_for(wd, tiny_targets["llama"]))
-    first = HiddenStateStore.open(WorkDir(wd), needed_by="t").index["splits"]["train"]["files"][0]["sample_ids"][0]
+    workdir = fresh_wd(prepared["llama"], tmp_path)
+    m = extract_hidden_states(cfg_for(workdir, tiny_targets["llama"]))
+    first = HiddenStateStore.open(WorkDir(workdir), needed_by="t").index["splits"]["train"]["files"][0]["sample_ids"][0]
     assert m.counts["train_rejected_nonfinite"] == 1 and m.counts["eval_rejected_nonfinite"] == 0
     assert m.extra["rejected_sample_ids"] == {store.file_name("train", 0): [first]}
-    split = HiddenStateStore.open(WorkDir(wd), needed_by="t").split("train")
+    split = HiddenStateStore.open(WorkDir(workdir), needed_by="t").split("train")
     assert first not in split.sample_ids and split.num_rejected == 1
     assert len(split) == m.counts["train_samples"] - 1
 
@@ -286,34 +286,34 @@ def test_rerun_of_complete_store_does_nothing(hf_store, tiny_targets, no_model_l
 
 
 def test_kill_and_resume_equals_unbroken_run(prepared, hf_store, tiny_targets, tmp_path):
-    wd = fresh_wd(prepared["llama"], tmp_path)
-    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
+    workdir = fresh_wd(prepared["llama"], tmp_path)
+    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(workdir),
            "--target-model", str(tiny_targets["llama"]), "--backend", "hf", "--samples-per-file", "4"]
-    d = WorkDir(wd).store()
+    d = WorkDir(workdir).store()
     kill_after_entries(cmd, d)
     n_plan = len(plan_files({s: len(HiddenStateStore.open(WorkDir(hf_store["llama"]), needed_by="t")
                                     .split(s)) for s in ("train", "eval")}, 4))
     assert len(list(d.glob("*-0*.json"))) < n_plan, "killed too late to test a resume"
-    assert not (WorkDir(wd).manifest("extract")).exists()
-    extract_hidden_states(cfg_for(wd, tiny_targets["llama"]))
+    assert not (WorkDir(workdir).manifest("extract")).exists()
+    extract_hidden_states(cfg_for(workdir, tiny_targets["llama"]))
     assert not list(d.glob(".*partial*"))
-    assert store_files(wd) == store_files(hf_store["llama"])
+    assert store_files(workdir) == store_files(hf_store["llama"])
 
 
 def test_corrupted_and_truncated_files_are_redone(hf_store, tiny_targets, tmp_path, caplog):
-    wd = tmp_path / "wd"
-    shutil.copytree(hf_store["llama"], wd)
-    d = WorkDir(wd).store()
+    workdir = tmp_path / "wd"
+    shutil.copytree(hf_store["llama"], workdir)
+    d = WorkDir(workdir).store()
     f1, f2 = d / store.file_name("train", 1), d / store.file_name("train", 2)
     data = bytearray(f1.read_bytes())
     data[len(data) // 2] ^= 0x55  # same size: only the checksum can tell
     f1.write_bytes(bytes(data))
     f2.write_bytes(f2.read_bytes()[:-1000])
     with pytest.raises(PipelineError, match="has .* bytes"):  # the next reader refuses the truncated one
-        HiddenStateStore.open(WorkDir(wd), needed_by="t")
-    extract_hidden_states(cfg_for(wd, tiny_targets["llama"]))
+        HiddenStateStore.open(WorkDir(workdir), needed_by="t")
+    extract_hidden_states(cfg_for(workdir, tiny_targets["llama"]))
     assert "corrupted" in caplog.text and "truncated" in caplog.text
-    assert store_files(wd) == store_files(hf_store["llama"])
+    assert store_files(workdir) == store_files(hf_store["llama"])
 
 
 # --------------------------------------------------------------------------- several boxes
@@ -321,8 +321,8 @@ def test_corrupted_and_truncated_files_are_redone(hf_store, tiny_targets, tmp_pa
 
 def test_two_shards_combine_into_one_run(prepared, hf_store, tiny_targets, tmp_path, monkeypatch):
     boxes = [fresh_wd(prepared["llama"], tmp_path / f"box{i}") for i in range(2)]
-    for i, wd in enumerate(boxes):
-        extract_hidden_states(cfg_for(wd, tiny_targets["llama"], num_shards=2, shard_index=i))
+    for i, workdir in enumerate(boxes):
+        extract_hidden_states(cfg_for(workdir, tiny_targets["llama"], num_shards=2, shard_index=i))
     m0 = read_manifest(WorkDir(boxes[0]), "extract", needed_by="t")
     assert not record_of(m0).complete and record_of(m0).missing_shard_indices == [1]
     with pytest.raises(PipelineError, match="lacks .* file"):
@@ -342,9 +342,9 @@ def test_two_shards_combine_into_one_run(prepared, hf_store, tiny_targets, tmp_p
 
 
 def test_data_parallel_workers_write_the_same_store(prepared, hf_store, tiny_targets, tmp_path):
-    wd = fresh_wd(prepared["llama"], tmp_path)
-    extract_hidden_states(cfg_for(wd, tiny_targets["llama"], data_parallel_size=2))
-    assert store_files(wd) == store_files(hf_store["llama"])
+    workdir = fresh_wd(prepared["llama"], tmp_path)
+    extract_hidden_states(cfg_for(workdir, tiny_targets["llama"], data_parallel_size=2))
+    assert store_files(workdir) == store_files(hf_store["llama"])
 
 
 def test_plan_is_deterministic_and_partitioned():

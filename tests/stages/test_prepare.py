@@ -60,8 +60,8 @@ def test_bad_records_are_counted_by_reason(tmp_path, tiny_llama):
     chats = [numbered(r, i) for i in range(5) for r in (GOOD_OPENAI, GOOD_SHAREGPT)]
     data = write_jsonl(tmp_path / "chats.jsonl", chats + list(BAD.values()),
                        raw_lines=["{not json"])
-    wd = tmp_path / "w"
-    m = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(tiny_llama), data=[str(data)],
+    workdir = tmp_path / "w"
+    m = prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(tiny_llama), data=[str(data)],
                                       eval_fraction=0.0, num_workers=1))
     rec = record_of(m)
     assert rec.bad_records == {**{r: 1 for r in BAD}, "malformed_json": 1}
@@ -81,10 +81,10 @@ def test_strict_stops_at_first_bad_record_naming_file_and_line(tmp_path, tiny_ll
 def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog):
     import datasets
 
-    wd = WorkDir(prepared_llama)
-    m = read_manifest(wd, "prepare", needed_by="test")
+    workdir = WorkDir(prepared_llama)
+    m = read_manifest(workdir, "prepare", needed_by="test")
     r = record_of(m)
-    train, evals = datasets.load_from_disk(str(wd.dataset("train"))), datasets.load_from_disk(str(wd.dataset("eval")))
+    train, evals = datasets.load_from_disk(str(workdir.dataset("train"))), datasets.load_from_disk(str(workdir.dataset("eval")))
     assert len(train) == r.samples["train"] and len(evals) == r.samples["eval"]
     # The demo's 400 chats hold a few exact copies (the same messages): each is dropped, counted.
     distinct = {json.dumps(normalize(json.loads(line))[0]) for line in DEMO_CHATS.read_text().splitlines()}
@@ -95,7 +95,7 @@ def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog)
     assert all(is_eval(s, 0, 0.1) for s in evals["sample_id"])
     # the split is by conversation and independent of order: recompute from ids
     assert not any(is_eval(s, 0, 0.1) for s in train["sample_id"])
-    freq = np.load(wd.token_freq("train"))
+    freq = np.load(workdir.token_freq("train"))
     expect = np.zeros_like(freq)
     for row in train.with_format("numpy"):
         ids, mask = row["input_ids"], row["loss_mask"].astype(bool)
@@ -105,12 +105,12 @@ def test_outputs_split_frequencies_and_rerun(prepared_llama, tiny_llama, caplog)
     assert freq.shape == (r.vocab_size,)
 
     # same inputs: nothing to do, manifest untouched
-    before = wd.manifest("prepare").read_text()
+    before = workdir.manifest("prepare").read_text()
     with caplog.at_level("INFO"):
         prepare_dataset(PrepareConfig(work_dir=prepared_llama, target_model=str(tiny_llama),
                                       data=m.params["data"], max_length=512, eval_fraction=0.1, num_workers=1))
     assert "already complete" in caplog.text
-    assert wd.manifest("prepare").read_text() == before
+    assert workdir.manifest("prepare").read_text() == before
 
 
 def test_truncation_and_changed_params_redo(tmp_path, tiny_llama):

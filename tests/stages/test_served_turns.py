@@ -93,10 +93,10 @@ def two_turn_chats(path: Path, n: int = N_CHATS) -> Path:
     return path
 
 
-def rows_of(wd: Path) -> dict[str, dict]:
+def rows_of(workdir: Path) -> dict[str, dict]:
     rows = {}
     for split in ("train", "eval"):
-        for r in load_split(WorkDir(wd).dataset(split)):
+        for r in load_split(WorkDir(workdir).dataset(split)):
             rows[r["sample_id"]] = {**r, "split": split}
     return rows
 
@@ -117,15 +117,15 @@ def test_later_turns_are_generated_and_trained_after_the_served_history(rule, tm
         return Generation(enc(f"Thinking about {len(p)} tokens.") + [close] + enc(f"Answer {len(p)}.") + [eot], "stop")
 
     eng = Scripted(answer)
-    wd = tmp_path / "wd"
+    workdir = tmp_path / "wd"
     caplog.set_level(logging.INFO)
-    m0 = generate_responses(GenerateConfig(work_dir=wd, target_model=str(target),
+    m0 = generate_responses(GenerateConfig(work_dir=workdir, target_model=str(target),
                                            data=[str(two_turn_chats(tmp_path / "chats.jsonl"))]), engine=eng)
     g = record_of(m0)
     assert g.conversations == N_CHATS and g.turns_regenerated == 2 * N_CHATS  # every second turn generated
     assert [len(c) for c in eng.calls] == [N_CHATS, N_CHATS]
     # Turn 2's prompt is the served rendering: turn 1 as `<think></think>` + its answer, no reasoning.
-    lines = [json.loads(x) for x in WorkDir(wd).generate_chunk(0).read_text().splitlines()]
+    lines = [json.loads(x) for x in WorkDir(workdir).generate_chunk(0).read_text().splitlines()]
     second_prompts = {tuple(p) for p in eng.calls[1]}
     served_prompt = {}
     for ln in lines:
@@ -150,9 +150,9 @@ def test_later_turns_are_generated_and_trained_after_the_served_history(rule, tm
     assert f"{2 * N_CHATS} of {2 * N_CHATS} assistant turns generated" in summary
     assert f"{N_CHATS} later turns start a sample of their own" in summary
 
-    m1 = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(target), data=["generated"], max_length=512,
+    m1 = prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(target), data=["generated"], max_length=512,
                                        eval_fraction=0.25, num_workers=1))
-    rows = rows_of(wd)
+    rows = rows_of(workdir)
     assert len(rows) == 2 * N_CHATS and m1.counts["samples_in_served_context"] == N_CHATS
     assert m1.counts["served_history_tokens"] == m0.counts["served_history_tokens"]
     gens = {ln["sample_id"]: ln["generated"] for ln in lines}
@@ -190,14 +190,14 @@ def test_a_template_that_keeps_history_gives_one_sample_per_conversation_bitwise
     chats = tmp_path / "demo.jsonl"
     chats.write_text("\n".join((ROOT / "data" / "demo_chats.jsonl").read_text().splitlines()[:12]
                                 + [json.dumps({"prompt": "A single question?"})]) + "\n")
-    wd = tmp_path / "wd"
-    m0 = generate_responses(GenerateConfig(work_dir=wd, target_model=str(target), data=[str(chats)]), engine=eng)
+    workdir = tmp_path / "wd"
+    m0 = generate_responses(GenerateConfig(work_dir=workdir, target_model=str(target), data=[str(chats)]), engine=eng)
     assert m0.counts["turns_in_own_sample"] == 0 and m0.counts["samples"] == record_of(m0).conversations
-    prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(target), data=["generated"], max_length=2048,
+    prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(target), data=["generated"], max_length=2048,
                                   eval_fraction=0.0, num_workers=1))
-    rows = rows_of(wd)
+    rows = rows_of(workdir)
     suffix = assistant_suffix(tok)
-    lines = [json.loads(x) for x in WorkDir(wd).generate_chunk(0).read_text().splitlines()]
+    lines = [json.loads(x) for x in WorkDir(workdir).generate_chunk(0).read_text().splitlines()]
     assert len(rows) == len(lines) and any(len(ln["generated"]) > 1 for ln in lines)
     assert len(lines[-1]["generated"]) == 1  # the single prompt
     for ln in lines:
@@ -220,9 +220,9 @@ def test_turns_a_conversation_never_reached_are_a_warning_with_their_share_and_r
     # 300 tokens of context: the second turn of the chats with a long first answer does not fit
     eng = Scripted(lambda p: Generation(tok.encode("word " * (60 if len(p) < 40 else 1), add_special_tokens=False)
                                         + [eot], "stop"), max_model_len=100)
-    wd = tmp_path / "wd"
+    workdir = tmp_path / "wd"
     with caplog.at_level(logging.INFO):
-        m0 = generate_responses(GenerateConfig(work_dir=wd, target_model=str(target), max_model_len=100,
+        m0 = generate_responses(GenerateConfig(work_dir=workdir, target_model=str(target), max_model_len=100,
                                                data=[str(two_turn_chats(tmp_path / "chats.jsonl", 8))]), engine=eng)
     assert record_of(m0).turns_regenerated == 8 and m0.counts["turns_not_generated"] == {"prompt_too_long": 8}
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
@@ -249,19 +249,19 @@ def test_stages_00_and_01_on_kimi_k25s_template_and_ids(thinking, tmp_path):
         return Generation(think + enc(f"Answer {len(p)}.") + [end], "stop")
 
     eng = Scripted(answer)
-    wd = tmp_path / "wd"
-    m0 = generate_responses(GenerateConfig(work_dir=wd, target_model=str(target), chat_template_kwargs={
+    workdir = tmp_path / "wd"
+    m0 = generate_responses(GenerateConfig(work_dir=workdir, target_model=str(target), chat_template_kwargs={
         "thinking": thinking}, data=[str(two_turn_chats(tmp_path / "chats.jsonl", 6))]), engine=eng)
     g = record_of(m0)
     assert g.turns_regenerated == 12 and g.stop_token_ids == [163585, 163586]
     opener = enc("<|im_assistant|>assistant<|im_middle|>" + ("<think>" if thinking else "<think></think>"))
     assert all(p[-len(opener):] == opener for call in eng.calls for p in call)  # the switch reached the prompt
-    m1 = prepare_dataset(PrepareConfig(work_dir=wd, target_model=str(target), data=["generated"], eval_fraction=0.0,
+    m1 = prepare_dataset(PrepareConfig(work_dir=workdir, target_model=str(target), data=["generated"], eval_fraction=0.0,
                                        num_workers=1))
     assert record_of(m1).chat_template_kwargs == {"thinking": thinking}
     assert m1.counts["samples_in_served_context"] == (6 if thinking else 0)
-    rows = rows_of(wd)
-    lines = [json.loads(x) for x in WorkDir(wd).generate_chunk(0).read_text().splitlines()]
+    rows = rows_of(workdir)
+    lines = [json.loads(x) for x in WorkDir(workdir).generate_chunk(0).read_text().splitlines()]
     assert len(rows) == (12 if thinking else 6)
     for ln in lines:
         sid, (g0, g1) = ln["sample_id"], ln["generated"]

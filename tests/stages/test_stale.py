@@ -59,19 +59,19 @@ def ancestors_or_self(stage: str) -> set[str]:
     return out
 
 
-def fake_stage(wd: WorkDir, stage: str, version: int = 0) -> None:
+def fake_stage(workdir: WorkDir, stage: str, version: int = 0) -> None:
     """A stage as far as manifests go: read its inputs, write its manifest."""
     for up in GRAPH[stage]:
-        read_manifest(wd, up, needed_by=f"fake {stage}")
-    write_manifest(wd, stage, params={"version": version}, inputs={}, counts={}, outputs=[], record=None)
+        read_manifest(workdir, up, needed_by=f"fake {stage}")
+    write_manifest(workdir, stage, params={"version": version}, inputs={}, counts={}, outputs=[], record=None)
 
 
 @pytest.fixture
 def chain(tmp_path) -> WorkDir:
-    wd = WorkDir(tmp_path / "work")
+    workdir = WorkDir(tmp_path / "work")
     for s in ORDER:
-        fake_stage(wd, s)
-    return wd
+        fake_stage(workdir, s)
+    return workdir
 
 
 def test_each_manifest_records_what_its_stage_read(chain):
@@ -182,9 +182,9 @@ def pipeline(stage_runs, tiny_llama):
                               extract=dict(dtype="bfloat16"), vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))
 
 
-def cli(script: str, wd: WorkDir, target: Path, *flags: str) -> subprocess.CompletedProcess:
+def cli(script: str, workdir: WorkDir, target: Path, *flags: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / script), "--work-dir", str(wd.root),
+    return subprocess.run([sys.executable, str(ROOT / script), "--work-dir", str(workdir.root),
                            "--target-model", str(target), *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -204,54 +204,54 @@ def test_vocab_rebuilt_after_training_stops_export_until_allowed_or_retrained(pi
     from eagle3.stages.s04_train.config import TrainConfig
     from eagle3.stages.s04_train.run import train_drafter
 
-    wd = WorkDir(tmp_path / "work")
-    shutil.copytree(pipeline.root, wd.root)
-    r = cli("03_build_vocab_mapping.py", wd, tiny_llama, "--draft-vocab-size", "48")
+    workdir = WorkDir(tmp_path / "work")
+    shutil.copytree(pipeline.root, workdir.root)
+    r = cli("03_build_vocab_mapping.py", workdir, tiny_llama, "--draft-vocab-size", "48")
     assert r.returncode == 0, r.stderr[-2000:]
 
-    r = cli("05_export_drafter.py", wd, tiny_llama, "--force")
+    r = cli("05_export_drafter.py", workdir, tiny_llama, "--force")
     assert r.returncode == 2, r.stderr[-2000:]
     assert "03_vocab was rebuilt after 04_train consumed it" in r.stderr
-    assert f"rerun `python 04_train_drafter.py --work-dir {wd.root} --force` (with your --config)" in r.stderr
+    assert f"rerun `python 04_train_drafter.py --work-dir {workdir.root} --force` (with your --config)" in r.stderr
     assert "Traceback" not in r.stderr
-    exported = json.loads(wd.manifest("export").read_text())
+    exported = json.loads(workdir.manifest("export").read_text())
     assert exported["stale"] == []  # the refused run left the old export as it was
 
     # Stage 06 reads stage 05's manifest before starting any engine: it refuses too.
-    r = cli("06_evaluate_drafter.py", wd, tiny_llama)
+    r = cli("06_evaluate_drafter.py", workdir, tiny_llama)
     assert r.returncode == 2 and "03_vocab was rebuilt after 04_train consumed it" in r.stderr, r.stderr[-2000:]
 
-    r = cli("05_export_drafter.py", wd, tiny_llama, "--force", "--allow-stale")
+    r = cli("05_export_drafter.py", workdir, tiny_llama, "--force", "--allow-stale")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "--allow-stale: 03_vocab was rebuilt after 04_train consumed it" in r.stderr
-    m = json.loads(wd.manifest("export").read_text())
+    m = json.loads(workdir.manifest("export").read_text())
     assert m["stale"] == ["03_vocab was rebuilt after 04_train consumed it (read through 04_train)"]
-    assert json.loads((wd.export_dir() / "config.json").read_text())["draft_vocab_size"] == 64  # the old drafter
+    assert json.loads((workdir.export_dir() / "config.json").read_text())["draft_vocab_size"] == 64  # the old drafter
 
     # Retraining on the new mapping repairs the chain: export runs without the flag.
-    train_drafter(TrainConfig(work_dir=wd.root, target_model=str(tiny_llama), force=True, **TINY_TRAIN))
-    r = cli("05_export_drafter.py", wd, tiny_llama)
+    train_drafter(TrainConfig(work_dir=workdir.root, target_model=str(tiny_llama), force=True, **TINY_TRAIN))
+    r = cli("05_export_drafter.py", workdir, tiny_llama)
     assert r.returncode == 0, r.stderr[-2000:]
-    m = json.loads(wd.manifest("export").read_text())
-    assert m["stale"] == [] and json.loads((wd.export_dir() / "config.json").read_text())["draft_vocab_size"] == 48
+    m = json.loads(workdir.manifest("export").read_text())
+    assert m["stale"] == [] and json.loads((workdir.export_dir() / "config.json").read_text())["draft_vocab_size"] == 48
 
 
 def test_dataset_rebuilt_names_every_stage_to_rerun(pipeline, tiny_llama, tmp_path):
     from eagle3.stages.s05_export.config import ExportConfig
     from eagle3.stages.s05_export.run import export_drafter
 
-    wd = WorkDir(tmp_path / "work")
-    shutil.copytree(pipeline.root, wd.root)
-    m01 = json.loads(wd.manifest("prepare").read_text())
+    workdir = WorkDir(tmp_path / "work")
+    shutil.copytree(pipeline.root, workdir.root)
+    m01 = json.loads(workdir.manifest("prepare").read_text())
     data = next(k.split(":", 1)[1] for k in m01["inputs"] if k.startswith("data:"))
-    r = cli("01_prepare_dataset.py", wd, tiny_llama, "--data", data, "--max-length", "256", "--eval-fraction", "0.3",
+    r = cli("01_prepare_dataset.py", workdir, tiny_llama, "--data", data, "--max-length", "256", "--eval-fraction", "0.3",
             "--num-workers", "1")
     assert r.returncode == 0, r.stderr[-2000:]
     with pytest.raises(PipelineError) as e:
-        export_drafter(ExportConfig(work_dir=wd.root, target_model=str(tiny_llama), force=True))
+        export_drafter(ExportConfig(work_dir=workdir.root, target_model=str(tiny_llama), force=True))
     msg = str(e.value)
     assert "01_dataset was rebuilt after 02_hidden_states consumed it" in msg  # its first input
     # One message lists every rerun the work dir needs, in order (stage 05 itself last).
-    order = [msg.index(f"`python {s} --work-dir {wd.root} --force`") for s in (
+    order = [msg.index(f"`python {s} --work-dir {workdir.root} --force`") for s in (
         "02_extract_hidden_states.py", "03_build_vocab_mapping.py", "04_train_drafter.py", "05_export_drafter.py")]
     assert order == sorted(order) and "01_prepare_dataset.py" not in msg

@@ -42,14 +42,14 @@ def fresh_wd(prepared: Path, dst: Path) -> Path:
     return copy_stages(prepared, dst, ("prepare",))
 
 
-def cfg_for(wd: Path, target: Path, **kw):
+def cfg_for(workdir: Path, target: Path, **kw):
     from eagle3.stages.s02_extract.config import ExtractConfig
 
-    return ExtractConfig(**{"work_dir": wd, "target_model": str(target), "backend": "hf", "samples_per_file": 4, **kw})
+    return ExtractConfig(**{"work_dir": workdir, "target_model": str(target), "backend": "hf", "samples_per_file": 4, **kw})
 
 
-def store_files(wd: Path) -> dict[str, bytes]:
-    d = WorkDir(wd).store()
+def store_files(workdir: Path) -> dict[str, bytes]:
+    d = WorkDir(workdir).store()
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())
             if p.suffix in (".safetensors", ".json") and p.name != "manifest.json"}
 
@@ -61,10 +61,10 @@ def stores(prepared, tiny_llama, tmp_path_factory) -> dict[str, Path]:
 
     class Stores(dict):
         def __missing__(self, name):
-            wd = fresh_wd(prepared, tmp_path_factory.mktemp(f"store-{name}"))
-            extract_hidden_states(cfg_for(wd, tiny_llama, store_dtype=name))
-            self[name] = wd
-            return wd
+            workdir = fresh_wd(prepared, tmp_path_factory.mktemp(f"store-{name}"))
+            extract_hidden_states(cfg_for(workdir, tiny_llama, store_dtype=name))
+            self[name] = workdir
+            return workdir
 
     return Stores()
 
@@ -110,11 +110,11 @@ def test_fp8_store_holds_the_bf16_stores_states_in_half_the_bytes(stores):
 def test_rerun_with_the_other_encoding_is_refused_until_force(stores, tiny_llama, tmp_path, no_model_load):
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
-    wd = tmp_path / "wd"
-    shutil.copytree(stores["fp8"], wd)
+    workdir = tmp_path / "wd"
+    shutil.copytree(stores["fp8"], workdir)
     with pytest.raises(PipelineError, match=r"dtype: 'float8_e4m3fn' \(in .*store\.json\) vs 'bfloat16' \(this run\)"
                                             r".*Pass --force"):
-        extract_hidden_states(cfg_for(wd, tiny_llama, store_dtype="bf16"))
+        extract_hidden_states(cfg_for(workdir, tiny_llama, store_dtype="bf16"))
 
 
 def test_stage02_refuses_a_too_small_disk_before_the_engine_loads(stores, prepared, tiny_llama, tmp_path,
@@ -123,14 +123,14 @@ def test_stage02_refuses_a_too_small_disk_before_the_engine_loads(stores, prepar
     from eagle3.stages.s02_extract.plan import plan_files
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
-    wd = fresh_wd(prepared, tmp_path / "wd")
-    lengths = {s: split_lengths(WorkDir(wd), s) for s in ("train", "eval")}
+    workdir = fresh_wd(prepared, tmp_path / "wd")
+    lengths = {s: split_lengths(WorkDir(workdir), s) for s in ("train", "eval")}
     plan = plan_files({s: len(v) for s, v in lengths.items()}, 4)
     files = [(f.count, int(lengths[f.split][f.first:f.first + f.count].sum())) for f in plan]
     need = store.bytes_to_write(files, 256, 3, "fp8")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: DiskUsage(10 ** 12, 0, need - 1))
     with pytest.raises(PipelineError) as e:
-        extract_hidden_states(cfg_for(wd, tiny_llama, store_dtype="fp8"))
+        extract_hidden_states(cfg_for(workdir, tiny_llama, store_dtype="fp8"))
     assert f"needs {need:,} bytes" in str(e.value) and f"has {need - 1:,} bytes" in str(e.value)
     assert "--num-shards" in str(e.value)
 
@@ -152,17 +152,17 @@ def test_stage02_refuses_a_too_small_disk_before_the_engine_loads(stores, prepar
 def test_fp8_kill_and_resume_equals_unbroken_run(prepared, stores, tiny_llama, tmp_path):
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
-    wd = fresh_wd(prepared, tmp_path)
-    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(wd),
+    workdir = fresh_wd(prepared, tmp_path)
+    cmd = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(workdir),
            "--target-model", str(tiny_llama), "--backend", "hf", "--samples-per-file", "4", "--store-dtype", "fp8"]
-    d = WorkDir(wd).store()
+    d = WorkDir(workdir).store()
     kill_after_entries(cmd, d)
     n_files = len([n for n in store_files(stores["fp8"]) if n.endswith(".safetensors")])
     assert len(list(d.glob("*-0*.json"))) < n_files, "killed too late to test a resume"
-    assert not WorkDir(wd).manifest("extract").exists()
-    extract_hidden_states(cfg_for(wd, tiny_llama, store_dtype="fp8"))
+    assert not WorkDir(workdir).manifest("extract").exists()
+    extract_hidden_states(cfg_for(workdir, tiny_llama, store_dtype="fp8"))
     assert not list(d.glob(".*partial*"))
-    assert store_files(wd) == store_files(stores["fp8"])
+    assert store_files(workdir) == store_files(stores["fp8"])
 
 
 def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path, monkeypatch):
@@ -170,8 +170,8 @@ def test_fp8_shards_combine_into_one_run(prepared, stores, tiny_llama, tmp_path,
     from eagle3.stages.s02_extract.run import extract_hidden_states
 
     boxes = [fresh_wd(prepared, tmp_path / f"box{i}") for i in range(2)]
-    for i, wd in enumerate(boxes):
-        extract_hidden_states(cfg_for(wd, tiny_llama, store_dtype="fp8", num_shards=2, shard_index=i))
+    for i, workdir in enumerate(boxes):
+        extract_hidden_states(cfg_for(workdir, tiny_llama, store_dtype="fp8", num_shards=2, shard_index=i))
     d0, d1 = WorkDir(boxes[0]).store(), WorkDir(boxes[1]).store()
     for f in d1.glob("*-0*"):
         shutil.copy2(f, d0 / f.name)

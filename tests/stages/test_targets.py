@@ -167,8 +167,8 @@ def test_tied_target_through_stages_02_to_05(tied_tiny, tmp_path):
     cfg_file = ROOT / "configs" / "tiny-llama.yaml"
     run_stages(tmp_path, tied_tiny, upto="extract", chats=DEMO_CHATS, config=cfg_file,
                prepare=dict(num_workers=1, max_length=128))
-    wd = WorkDir(tmp_path)
-    sample = HiddenStateStore.open(wd, needed_by="test").split("train")[0]
+    workdir = WorkDir(tmp_path)
+    sample = HiddenStateStore.open(workdir, needed_by="test").split("train")[0]
     ids = sample.input_ids.long()[None]  # [1, T]
     model = AutoModelForCausalLM.from_pretrained(tied_tiny, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -180,9 +180,9 @@ def test_tied_target_through_stages_02_to_05(tied_tiny, tmp_path):
 
     run_stages(tmp_path, tied_tiny, first="vocab", upto="train", config=cfg_file,
                train=dict(max_steps=4, eval_every=4, warmup_steps=1))
-    metrics = [json.loads(l) for l in wd.train_metrics().read_text().splitlines()]
+    metrics = [json.loads(l) for l in workdir.train_metrics().read_text().splitlines()]
     assert metrics and all(torch.isfinite(torch.tensor(m["loss_0"])) for m in metrics if "loss_0" in m)
     run_stages(tmp_path, tied_tiny, first="export", upto="export", config=cfg_file)
-    exported = load_file(wd.export_dir() / "model.safetensors")
+    exported = load_file(workdir.export_dir() / "model.safetensors")
     assert exported["lm_head.weight"].shape[0] == exported["d2t"].shape[0]
     assert "embed_tokens.weight" not in exported

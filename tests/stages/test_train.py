@@ -101,11 +101,11 @@ def trained_export(tmp_path_factory, stages_123, sharp_llama):
     from eagle3.stages.s05_export.config import ExportConfig
     from eagle3.stages.s05_export.run import export_drafter
 
-    wd = fresh(stages_123, tmp_path_factory.mktemp("ft") / "w1")
-    m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), max_steps=40, learning_rate=3e-3,
+    workdir = fresh(stages_123, tmp_path_factory.mktemp("ft") / "w1")
+    m = train_drafter(TrainConfig(work_dir=workdir, target_model=str(sharp_llama), max_steps=40, learning_rate=3e-3,
                                   **{**SMALL, "log_every": 10, "eval_every": 40}))
-    out = export_drafter(ExportConfig(work_dir=wd, target_model=str(sharp_llama)))
-    return wd, Path(out), m
+    out = export_drafter(ExportConfig(work_dir=workdir, target_model=str(sharp_llama)))
+    return workdir, Path(out), m
 
 
 def test_fine_tune_keep_reproduces_the_drafters_own_loss(tmp_path, stages_123, sharp_llama, trained_export, caplog):
@@ -113,14 +113,14 @@ def test_fine_tune_keep_reproduces_the_drafters_own_loss(tmp_path, stages_123, s
     uniform = math.log(128)
     assert src_m.counts["final_eval"]["loss_0"] < uniform - 0.5  # the teacher is confident; the drafter learned
     # another work dir whose stage 03 chose a different mapping (96 tokens: most positions differ)
-    wd = fresh(stages_123, tmp_path / "w2", vocab=96)
+    workdir = fresh(stages_123, tmp_path / "w2", vocab=96)
     with caplog.at_level("INFO"):
-        m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(export_dir),
+        m = train_drafter(TrainConfig(work_dir=workdir, target_model=str(sharp_llama), init_from=str(export_dir),
                                       max_steps=1, learning_rate=1e-5, **SMALL))
     assert "positions differ" in caplog.text and "vocab mode 'keep'" in caplog.text
     rep = m.extra["init_from"]
     assert rep["vocab_mode"] == "keep" and rep["positions_differing"] > 0 and rep["tokens_shared"] == 96
-    start = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()][0]
+    start = [json.loads(x) for x in WorkDir(workdir).train_metrics().read_text().splitlines()][0]
     assert start["split"] == "eval" and start["step"] == 0
     # same weights (bf16-rounded by export), same mapping, same held-out positions: same loss
     assert start["loss_0"] == pytest.approx(src_m.counts["final_eval"]["loss_0"], rel=0.02)
@@ -156,13 +156,13 @@ def test_remap_keeps_every_shared_tokens_logit():
 
 def test_fine_tune_remap_reports_rows(tmp_path, stages_123, sharp_llama, trained_export):
     _, export_dir, _ = trained_export
-    wd = fresh(stages_123, tmp_path / "w3", vocab=96)
-    m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(export_dir),
+    workdir = fresh(stages_123, tmp_path / "w3", vocab=96)
+    m = train_drafter(TrainConfig(work_dir=workdir, target_model=str(sharp_llama), init_from=str(export_dir),
                                   vocab_mode="remap", max_steps=1, learning_rate=1e-5, **SMALL))
     rep = m.extra["init_from"]
     assert rep["vocab_mode"] == "remap" and rep["rows_copied"] == 96 and rep["rows_new"] == 0
-    d2t = torch.load(WorkDir(wd).d2t(), weights_only=True)
-    assert torch.equal(weights(WorkDir(wd).best_checkpoint())["d2t"], d2t)  # trained under stage 03's mapping
+    d2t = torch.load(WorkDir(workdir).d2t(), weights_only=True)
+    assert torch.equal(weights(WorkDir(workdir).best_checkpoint())["d2t"], d2t)  # trained under stage 03's mapping
 
 
 def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stages_123, sharp_llama, trained_export,
@@ -173,11 +173,11 @@ def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stag
     from eagle3.stages.s05_export.run import export_drafter
 
     _, export_dir, _ = trained_export
-    wd = fresh(stages_123, tmp_path / "w7")
+    workdir = fresh(stages_123, tmp_path / "w7")
     with caplog.at_level("INFO"):
-        m = train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(export_dir),
+        m = train_drafter(TrainConfig(work_dir=workdir, target_model=str(sharp_llama), init_from=str(export_dir),
                                       max_steps=2, learning_rate=0.5, **{**SMALL, "warmup_steps": 0}))
-    evals = {x["step"]: x for x in map(json.loads, WorkDir(wd).train_metrics().read_text().splitlines())
+    evals = {x["step"]: x for x in map(json.loads, WorkDir(workdir).train_metrics().read_text().splitlines())
              if x["split"] == "eval"}
     start, final = evals[0], evals[2]
     assert start["expected_accept_length"] > 2.0  # a drafter trained to convergence (K = 3: at most 4)
@@ -189,12 +189,12 @@ def test_a_fine_tune_that_only_hurts_exports_its_starting_weights(tmp_path, stag
     assert (f"no trained step beat the initial drafter (held-out expected accept length "
             f"{start['expected_accept_length']:.3f} at step 0); best.pt holds the initial weights") in caplog.text
     src = load_file(export_dir / "model.safetensors")
-    best = torch.load(WorkDir(wd).best_checkpoint(), map_location="cpu", weights_only=True)
+    best = torch.load(WorkDir(workdir).best_checkpoint(), map_location="cpu", weights_only=True)
     assert best["step"] == 0 and best["eval"]["expected_accept_length"] == start["expected_accept_length"]
     for k, v in src.items():  # the loaded weights themselves (bf16 -> fp32 -> bf16 is exact)
         assert torch.equal(best["model"][k].to(v.dtype), v), k
     # stage 05 exports the initial weights
-    out = Path(export_drafter(ExportConfig(work_dir=wd, target_model=str(sharp_llama))))
+    out = Path(export_drafter(ExportConfig(work_dir=workdir, target_model=str(sharp_llama))))
     got = load_file(out / "model.safetensors")
     assert got.keys() == src.keys()
     for k in src:
@@ -223,24 +223,24 @@ def test_weights_with_another_drafters_mapping_are_stopped_by_the_starting_loss_
     t["t2d"] = torch.zeros(V, dtype=torch.bool)
     t["t2d"][torch.from_numpy(other)] = True
     save_file(t, bad / "model.safetensors")
-    wd = fresh(stages_123, tmp_path / "w4")
+    workdir = fresh(stages_123, tmp_path / "w4")
     with pytest.raises(PipelineError, match=r"worse than uniform .* mapping .* aux layer ids"):
-        train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
+        train_drafter(TrainConfig(work_dir=workdir, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
                                   loss=loss, **SMALL))
-    assert not WorkDir(wd).checkpoints().exists()
+    assert not WorkDir(workdir).checkpoints().exists()
 
 
 def test_a_mapping_that_never_holds_the_target_argmax_is_refused(tmp_path, stages_123, sharp_llama):
-    wd = WorkDir(fresh(stages_123, tmp_path / "w6"))
-    freq = np.load(wd.token_freq("train"))
+    workdir = WorkDir(fresh(stages_123, tmp_path / "w6"))
+    freq = np.load(workdir.token_freq("train"))
     # frequencies that make stage 03 pick 16 ids no assistant token ever is (same
     # file size, so stage 01's manifest still accepts the file)
     fake = np.zeros_like(freq)
     fake[np.flatnonzero(freq == 0)[:16]] = 1
-    np.save(wd.token_freq("train"), fake)
-    build_vocab_mapping(VocabConfig(work_dir=wd.root, draft_vocab_size=16, force=True))
+    np.save(workdir.token_freq("train"), fake)
+    build_vocab_mapping(VocabConfig(work_dir=workdir.root, draft_vocab_size=16, force=True))
     with pytest.raises(PipelineError, match="no held-out position can be trained"):
-        train_drafter(TrainConfig(work_dir=wd.root, target_model=str(sharp_llama), max_steps=1, **SMALL))
+        train_drafter(TrainConfig(work_dir=workdir.root, target_model=str(sharp_llama), max_steps=1, **SMALL))
 
 
 def test_init_from_refuses_other_aux_layers(tmp_path, stages_123, sharp_llama, trained_export):
@@ -250,9 +250,9 @@ def test_init_from_refuses_other_aux_layers(tmp_path, stages_123, sharp_llama, t
     cfg = json.loads((bad / "config.json").read_text())
     cfg["eagle_aux_hidden_state_layer_ids"] = [1, 4, 6]
     (bad / "config.json").write_text(json.dumps(cfg))
-    wd = fresh(stages_123, tmp_path / "w5")
+    workdir = fresh(stages_123, tmp_path / "w5")
     with pytest.raises(PipelineError, match=r"aux layer mismatch: .* layers \[1, 4, 6\] .* store has \[2, 4, 5\]"):
-        train_drafter(TrainConfig(work_dir=wd, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
+        train_drafter(TrainConfig(work_dir=workdir, target_model=str(sharp_llama), init_from=str(bad), max_steps=1,
                                   **SMALL))
 
 
@@ -265,11 +265,11 @@ def test_keep_evaluated_keeps_the_newest_evaluated_checkpoints_with_their_held_o
     work = fresh(stages_123, tmp_path / "w")
     train_drafter(TrainConfig(work_dir=work, target_model=str(sharp_llama), max_steps=8, learning_rate=2e-3,
                               keep_checkpoints=1, keep_evaluated=3, **{**SMALL, "eval_every": 2}))
-    wd = WorkDir(work)
-    assert sorted(p.name for p in wd.checkpoints().glob("step-*.pt")) == [wd.checkpoint(s).name for s in (4, 6, 8)]
-    kept = evaluated_checkpoints(wd)
+    workdir = WorkDir(work)
+    assert sorted(p.name for p in workdir.checkpoints().glob("step-*.pt")) == [workdir.checkpoint(s).name for s in (4, 6, 8)]
+    kept = evaluated_checkpoints(workdir)
     assert [c.step for _, c in kept] == [4, 6, 8]
-    evals = {x["step"]: x for x in map(json.loads, wd.train_metrics().read_text().splitlines()) if x["split"] == "eval"}
+    evals = {x["step"]: x for x in map(json.loads, workdir.train_metrics().read_text().splitlines()) if x["split"] == "eval"}
     for _, c in kept:  # each file carries the figures logged at its own step
         assert c.eval["expected_accept_length"] == evals[c.step]["expected_accept_length"]
-    assert read_checkpoint(wd.best_checkpoint()).step in evals
+    assert read_checkpoint(workdir.best_checkpoint()).step in evals

@@ -15,7 +15,7 @@ from eagle3.stages.s04_train.run import train_drafter
 
 
 def test_store_layers_beyond_the_target_are_refused_at_the_start(tmp_path, stages_123, tiny_llama, no_model_load):
-    wd = copy_stages(stages_123, tmp_path / "w")
+    workdir = copy_stages(stages_123, tmp_path / "w")
     shallow = tmp_path / "shallow"
     shutil.copytree(tiny_llama, shallow)
     cfg = json.loads((shallow / "config.json").read_text())
@@ -24,5 +24,5 @@ def test_store_layers_beyond_the_target_are_refused_at_the_start(tmp_path, stage
     with pytest.raises(PipelineError, match=r"the aux layer ids of .*02_hidden_states/store\.json for .*shallow = "
                                             r"\[2, 4, 5\]: id\(s\) \[5\] out of range; pass the same --target-model as "
                                             r"stage 02, or rerun stage 02 with --force and ids in \[1, 4\]"):
-        train_drafter(TrainConfig(work_dir=wd, target_model=str(shallow), device="cpu", max_steps=1))
-    assert not WorkDir(wd).stage_dir("train").exists()
+        train_drafter(TrainConfig(work_dir=workdir, target_model=str(shallow), device="cpu", max_steps=1))
+    assert not WorkDir(workdir).stage_dir("train").exists()

@@ -56,8 +56,8 @@ def test_init_layer_makes_the_drafter_layer_the_target_layer(tiny_llama):
     own decoder layer applied to h (same RoPE positions)."""
     info = read_target_info(tiny_llama)
     cfg = TrainConfig(work_dir=Path("unused"), target_model=str(tiny_llama))
-    dcfg = drafter_config_for_target(info, cfg, 64)
-    drafter = Eagle3Drafter(dcfg, attention="reference").eval()
+    drafter_config = drafter_config_for_target(info, cfg, 64)
+    drafter = Eagle3Drafter(drafter_config, attention="reference").eval()
     assert init_from_target_layer(drafter, info, -1) == info.num_layers - 1
     target = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -78,8 +78,8 @@ def test_init_head_and_layer_make_the_first_draft_the_targets_tail(tiny_llama):
     target's last layer, final norm and lm_head rows applied to h."""
     info = read_target_info(tiny_llama)
     cfg = TrainConfig(work_dir=Path("unused"), target_model=str(tiny_llama))
-    dcfg = drafter_config_for_target(info, cfg, 64)
-    drafter = Eagle3Drafter(dcfg, attention="reference").eval()
+    drafter_config = drafter_config_for_target(info, cfg, 64)
+    drafter = Eagle3Drafter(drafter_config, attention="reference").eval()
     draft_ids = torch.arange(64) * 3  # any rows of the target vocab
     drafter.set_vocab_mapping(draft_ids - torch.arange(64), torch.isin(torch.arange(info.vocab_size), draft_ids))
     init_from_target_layer(drafter, info, -1)
@@ -125,36 +125,36 @@ def test_loss_on_all_counts_prompt_positions(stages_123, tiny_llama):
 
 
 def test_a_run_with_every_lever_trains_and_records_them(tmp_path, stages_123, tiny_llama, caplog):
-    wd = copy_stages(stages_123, tmp_path / "w")
+    workdir = copy_stages(stages_123, tmp_path / "w")
     with caplog.at_level("INFO"):
-        m = train_drafter(TrainConfig(work_dir=wd, target_model=str(tiny_llama), loss_on="all", aux_noise=0.05,
+        m = train_drafter(TrainConfig(work_dir=workdir, target_model=str(tiny_llama), loss_on="all", aux_noise=0.05,
                                       init_layer=-1, init_head=True, train_fraction=0.5, **SMALL))
     assert m.params["loss_on"] == "all" and m.params["init_layer"] == -1 and m.params["train_fraction"] == 0.5
     assert "--train-fraction 0.5: training on" in caplog.text
     assert "starts from target layer" in caplog.text and "norm and lm_head are the target's" in caplog.text
-    lines = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()]
+    lines = [json.loads(x) for x in WorkDir(workdir).train_metrics().read_text().splitlines()]
     train = [x for x in lines if x["split"] == "train"]
     assert len(train) == 2 and all(torch.isfinite(torch.tensor(x["loss_0"])) for x in train), train
 
 
 def test_an_eagle31_drafter_trains_and_its_shape_reaches_the_checkpoint_manifest_and_export(tmp_path, stages_123,
                                                                                            tiny_llama):
-    wd = copy_stages(stages_123, tmp_path / "w")
-    m = train_drafter(TrainConfig(work_dir=wd, target_model=str(tiny_llama), drafter_shape="eagle3.1", **SMALL))
+    workdir = copy_stages(stages_123, tmp_path / "w")
+    m = train_drafter(TrainConfig(work_dir=workdir, target_model=str(tiny_llama), drafter_shape="eagle3.1", **SMALL))
     assert m.params["drafter_shape"] == "eagle3.1"
     assert m.extra["drafter_config"]["fc_norm"] is True and m.extra["drafter_config"]["norm_output"] is True
-    ckpt = read_checkpoint(WorkDir(wd).best_checkpoint())
+    ckpt = read_checkpoint(WorkDir(workdir).best_checkpoint())
     assert ckpt.drafter_config["fc_norm"] and sorted(k for k in ckpt.model if k.startswith("fc_norm.")) == [
         "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"]
-    lines = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()]
+    lines = [json.loads(x) for x in WorkDir(workdir).train_metrics().read_text().splitlines()]
     assert all(torch.isfinite(torch.tensor(x["loss_0"])) for x in lines if x["split"] == "train")
 
-    out = export_drafter(ExportConfig(work_dir=wd, target_model=str(tiny_llama)))
+    out = export_drafter(ExportConfig(work_dir=workdir, target_model=str(tiny_llama)))
     hf = json.loads((out / "config.json").read_text())
     assert hf["fc_norm"] is True and hf["norm_output"] is True
-    report = json.loads(WorkDir(wd).export_report("json").read_text())
+    report = json.loads(WorkDir(workdir).export_report("json").read_text())
     assert {"fc_norm.0.weight", "fc_norm.2.weight"} <= set(report["tensors"]) and report["findings"] == []
-    assert "- drafter: eagle3.1, hidden" in WorkDir(wd).export_report("md").read_text()
+    assert "- drafter: eagle3.1, hidden" in WorkDir(workdir).export_report("md").read_text()
     assert "EAGLE 3.1" in (out / "README.md").read_text()
 
     # a fine-tune of it stays an eagle3.1 drafter; asking for the plain shape is refused before any work

@@ -24,13 +24,13 @@ SMALL = dict(batch_tokens=1024, max_seq_len=256, log_every=1, eval_every=2, save
 
 
 def test_held_out_acceptance_under_sampling_is_reported_beside_greedy(tmp_path, stages_123, tiny_llama, caplog):
-    wd = copy_stages(stages_123, tmp_path / "w")
+    workdir = copy_stages(stages_123, tmp_path / "w")
     with caplog.at_level("INFO"):
-        m = train_drafter(TrainConfig(work_dir=wd, target_model=str(tiny_llama), loss="lk_lambda", lk_eta=2.0,
+        m = train_drafter(TrainConfig(work_dir=workdir, target_model=str(tiny_llama), loss="lk_lambda", lk_eta=2.0,
                                       **SMALL))
     assert m.params["loss"] == "lk_lambda" and m.params["lk_eta"] == 2.0
     K = SMALL["ttt_steps"]
-    lines = [json.loads(x) for x in WorkDir(wd).train_metrics().read_text().splitlines()]
+    lines = [json.loads(x) for x in WorkDir(workdir).train_metrics().read_text().splitlines()]
     evals = [x for x in lines if x["split"] == "eval"]
     assert [x["step"] for x in evals] == [0, 2]
     for x in evals:
@@ -55,11 +55,11 @@ def test_held_out_acceptance_under_sampling_is_reported_beside_greedy(tmp_path, 
 def test_the_mass_outside_the_draft_vocabulary_is_the_targets_own(stages_123, tiny_llama):
     """The draft rows' share of the target's distribution, from the store's normed final
     state and the checkpoint's lm_head, is what the target model itself gives."""
-    wd = WorkDir(stages_123)
-    store = HiddenStateStore.open(wd, needed_by="the test")
+    workdir = WorkDir(stages_123)
+    store = HiddenStateStore.open(workdir, needed_by="the test")
     sample = store.split("eval")[0]
     info = read_target_info(tiny_llama)
-    d2t, _ = load_mapping(wd)
+    d2t, _ = load_mapping(workdir)
     draft = target_ids(d2t)
     got = draft_vocab_mass(sample.final, load_lm_head(info).float(), draft)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, torch_dtype=torch.float32).eval()

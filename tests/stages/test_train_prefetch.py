@@ -116,9 +116,9 @@ def test_training_with_the_loader_equals_loading_in_the_training_thread(tmp_path
                warmup_steps=1, learning_rate=2e-3, log_every=1, eval_every=1000, save_every=1000, aux_noise=0.05)
     weights = {}
     for prefetch in (0, 2):
-        wd = copy_stages(fp8_stages, tmp_path / f"p{prefetch}")
-        train_run.train_drafter(TrainConfig(work_dir=wd, prefetch=prefetch, **run))
-        weights[prefetch] = torch.load(WorkDir(wd).checkpoint(4), map_location="cpu", weights_only=True)["model"]
+        workdir = copy_stages(fp8_stages, tmp_path / f"p{prefetch}")
+        train_run.train_drafter(TrainConfig(work_dir=workdir, prefetch=prefetch, **run))
+        weights[prefetch] = torch.load(WorkDir(workdir).checkpoint(4), map_location="cpu", weights_only=True)["model"]
     assert weights[0].keys() == weights[2].keys()
     for k in weights[0]:
         assert torch.equal(weights[0][k], weights[2][k]), k
@@ -129,7 +129,7 @@ def test_training_with_the_loader_equals_loading_in_the_training_thread(tmp_path
         raise KeyboardInterrupt
 
     monkeypatch.setattr(train_run.Trainer, "train_step", interrupted)
-    wd = copy_stages(fp8_stages, tmp_path / "ctrl-c")
+    workdir = copy_stages(fp8_stages, tmp_path / "ctrl-c")
     with pytest.raises(KeyboardInterrupt):
-        train_run.train_drafter(TrainConfig(work_dir=wd, prefetch=2, **run))
+        train_run.train_drafter(TrainConfig(work_dir=workdir, prefetch=2, **run))
     assert not _loader_threads()

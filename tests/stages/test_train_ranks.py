@@ -77,8 +77,8 @@ def torchrun_2(args: list, timeout: float, logs: Path) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(cmd, p.returncode, (logs / "stdout").read_text(), (logs / "stderr").read_text())
 
 
-def eval_rows(wd: WorkDir) -> dict[int, dict]:
-    rows = [json.loads(line) for line in wd.train_metrics().read_text().splitlines()]
+def eval_rows(workdir: WorkDir) -> dict[int, dict]:
+    rows = [json.loads(line) for line in workdir.train_metrics().read_text().splitlines()]
     return {r["step"]: r for r in rows if r["split"] == "eval"}
 
 

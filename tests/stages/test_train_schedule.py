@@ -44,16 +44,16 @@ RUN = dict(epochs=2, seed=8, batch_tokens=416, max_seq_len=256, ttt_steps=2, war
 
 
 
-def train_split(wd: Path):
-    return HiddenStateStore.open(WorkDir(wd), needed_by="test").split("train")
+def train_split(workdir: Path):
+    return HiddenStateStore.open(WorkDir(workdir), needed_by="test").split("train")
 
 
-def counted_by_hand(wd: Path, max_seq_len: int) -> tuple[Counter, list[int]]:
+def counted_by_hand(workdir: Path, max_seq_len: int) -> tuple[Counter, list[int]]:
     """The reasons of docs/CONVENTIONS.md §4, token by token from the store's samples:
     (counts by reason, loss-carrying positions per sample)."""
-    t2d = torch.load(WorkDir(wd).t2d(), weights_only=True).numpy()
+    t2d = torch.load(WorkDir(workdir).t2d(), weights_only=True).numpy()
     total, per_sample = Counter(), []
-    for s in train_split(wd):
+    for s in train_split(workdir):
         mask, amax = s.loss_mask.numpy(), s.target_argmax.numpy()
         carrying = 0
         for j in range(2, len(mask)):  # token j is predicted by drafter position j - 2
@@ -208,43 +208,43 @@ def test_counts_match_a_token_by_token_count(stages_123):
 
 def test_answers_beyond_max_seq_len_exit_with_one_line_naming_the_store_and_counts(tmp_path, stages_123,
                                                                                    tiny_llama):
-    wd = copy_stages(stages_123, tmp_path / "w")
-    by_hand, _ = counted_by_hand(wd, 16)  # every chat's prompt is longer than 16 tokens
+    workdir = copy_stages(stages_123, tmp_path / "w")
+    by_hand, _ = counted_by_hand(workdir, 16)  # every chat's prompt is longer than 16 tokens
     assert by_hand["carrying"] == 0 and by_hand["outside_vocab"] == 0
-    r = subprocess.run([sys.executable, str(ROOT / "04_train_drafter.py"), "--work-dir", str(wd), "--target-model",
+    r = subprocess.run([sys.executable, str(ROOT / "04_train_drafter.py"), "--work-dir", str(workdir), "--target-model",
                         str(tiny_llama), "--max-seq-len", "16", "--batch-tokens", "512", "--max-steps", "1",
                         "--device", "cpu"], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if re.match(r"\d\d:\d\d:\d\d E ", line)]  # eagle3/core/logs.py
     assert len(errors) == 1, r.stderr[-3000:]
     line = errors[0]
-    assert f"{WorkDir(wd).store()}: no position of the train split carries loss" in line
+    assert f"{WorkDir(workdir).store()}: no position of the train split carries loss" in line
     assert (f"{sum(by_hand.values())} predicted positions: {by_hand['beyond_max_seq_len']} beyond --max-seq-len "
             f"16, {by_hand['outside_mask']} outside the assistant mask, 0 with the target's argmax outside the "
             f"draft vocabulary of 128 tokens, 0 carrying loss") in line
     assert "every assistant token lies beyond --max-seq-len 16: raise --max-seq-len" in line
-    assert not WorkDir(wd).checkpoints().exists()
+    assert not WorkDir(workdir).checkpoints().exists()
 
 
 def test_a_draft_vocab_without_the_targets_predictions_is_refused_before_training(tmp_path, stages_123,
                                                                                    tiny_llama):
-    wd = WorkDir(copy_stages(stages_123, tmp_path / "w"))
-    predicted = np.unique(np.concatenate([s.target_argmax.numpy() for s in train_split(wd.root)]))
-    freq = np.load(wd.token_freq("train"))
+    workdir = WorkDir(copy_stages(stages_123, tmp_path / "w"))
+    predicted = np.unique(np.concatenate([s.target_argmax.numpy() for s in train_split(workdir.root)]))
+    freq = np.load(workdir.token_freq("train"))
     # frequencies that make stage 03 choose 16 ids the target never predicts on the train split
     fake = np.zeros_like(freq)
     fake[np.setdiff1d(np.arange(len(freq)), predicted)[:16]] = 1
-    np.save(wd.token_freq("train"), fake)
-    build_vocab_mapping(VocabConfig(work_dir=wd.root, draft_vocab_size=16, force=True))
-    by_hand, _ = counted_by_hand(wd.root, 256)
+    np.save(workdir.token_freq("train"), fake)
+    build_vocab_mapping(VocabConfig(work_dir=workdir.root, draft_vocab_size=16, force=True))
+    by_hand, _ = counted_by_hand(workdir.root, 256)
     assert by_hand["carrying"] == 0 and by_hand["outside_vocab"] > 0
     with pytest.raises(PipelineError) as e:
-        train_run.train_drafter(TrainConfig(work_dir=wd.root, target_model=str(tiny_llama), max_steps=1,
+        train_run.train_drafter(TrainConfig(work_dir=workdir.root, target_model=str(tiny_llama), max_steps=1,
                                        **{k: v for k, v in RUN.items() if k != "epochs"}))
     msg = str(e.value)
     assert "\n" not in msg
-    assert f"{wd.store()}: no position of the train split carries loss" in msg
+    assert f"{workdir.store()}: no position of the train split carries loss" in msg
     assert (f"{by_hand['outside_mask']} outside the assistant mask, {by_hand['outside_vocab']} with the target's "
             f"argmax outside the draft vocabulary of 16 tokens, 0 carrying loss") in msg
-    assert f"the draft vocabulary ({wd.d2t()}) never holds the target's prediction" in msg
-    assert not wd.checkpoints().exists() and not wd.train_metrics().exists()
+    assert f"the draft vocabulary ({workdir.d2t()}) never holds the target's prediction" in msg
+    assert not workdir.checkpoints().exists() and not workdir.train_metrics().exists()

@@ -37,16 +37,16 @@ BAD_STEP = 3  # the step the fault hits; the last checkpoint before it is step 2
 
 
 
-def config(wd: Path, tiny_llama: Path) -> TrainConfig:
-    return TrainConfig(work_dir=wd, target_model=str(tiny_llama), **RUN)
+def config(workdir: Path, tiny_llama: Path) -> TrainConfig:
+    return TrainConfig(work_dir=workdir, target_model=str(tiny_llama), **RUN)
 
 
-def saved_steps(wd: WorkDir) -> list[int]:
-    return sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
+def saved_steps(workdir: WorkDir) -> list[int]:
+    return sorted(s for s in map(workdir.checkpoint_step, workdir.checkpoints().iterdir()) if s is not None)
 
 
-def train_steps_logged(wd: WorkDir) -> list[int]:
-    rows = [json.loads(line) for line in wd.train_metrics().read_text().splitlines()]
+def train_steps_logged(workdir: WorkDir) -> list[int]:
+    rows = [json.loads(line) for line in workdir.train_metrics().read_text().splitlines()]
     return [r["step"] for r in rows if r["split"] == "train"]
 
 
@@ -72,7 +72,7 @@ POISONS = {
 @pytest.mark.parametrize("poison", list(POISONS))
 def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, tmp_path, stages_123, tiny_llama,
                                                                       monkeypatch):
-    wd = WorkDir(copy_stages(stages_123, tmp_path / "w"))
+    workdir = WorkDir(copy_stages(stages_123, tmp_path / "w"))
     make_bad, message = POISONS[poison]
     seen = {}
     forward = train_run.Trainer.forward
@@ -87,7 +87,7 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
 
     monkeypatch.setattr(train_run.Trainer, "forward", poisoned_forward)
     with pytest.raises(PipelineError, match=message):
-        train_run.train_drafter(config(wd.root, tiny_llama))
+        train_run.train_drafter(config(workdir.root, tiny_llama))
 
     trainer = seen["trainer"]
     after = trainer.drafter.state_dict()
@@ -97,14 +97,14 @@ def test_a_non_finite_loss_or_gradient_stops_before_the_optimizer_step(poison, t
     assert {int(s["step"]) for s in trainer.opt.state.values()} == {BAD_STEP}  # AdamW's own step count
     if poison == "nan_grad":  # the poison did reach the gradients that were not applied
         assert any(p.grad is not None and p.grad.isnan().any() for p in trainer.params)
-    assert saved_steps(wd) == [2]  # no checkpoint of the bad step (nor of step 4)
-    assert json.loads(wd.latest_checkpoint().read_text())["step"] == 2
-    assert not wd.manifest("train").exists()
+    assert saved_steps(workdir) == [2]  # no checkpoint of the bad step (nor of step 4)
+    assert json.loads(workdir.latest_checkpoint().read_text())["step"] == 2
+    assert not workdir.manifest("train").exists()
 
     monkeypatch.setattr(train_run.Trainer, "forward", forward)  # the cause is gone: the same command resumes
-    m = train_run.train_drafter(config(wd.root, tiny_llama))
+    m = train_run.train_drafter(config(workdir.root, tiny_llama))
     assert record_of(m).steps == 6
-    assert train_steps_logged(wd) == [1, 2, 3, 4, 5, 6]
+    assert train_steps_logged(workdir) == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_full_disk_at_the_metrics_stops_the_stage_and_a_rerun_resumes(tmp_path, stages_123, tiny_llama,

@@ -62,9 +62,9 @@ def test_wandb_offline_logs_metrics_jsonl_keys_steps_and_the_run_config(tmp_path
     work = copy_stages(stages_123, tmp_path / "w")
     with caplog.at_level(logging.INFO, logger="eagle3"):
         train_drafter(TrainConfig(work_dir=work, target_model=str(tiny_llama), report_to=["wandb"], **SMALL))
-    wd = WorkDir(work)
-    lines = [json.loads(x) for x in wd.train_metrics().read_text().splitlines()]
-    runs = sorted((wd.tracker_dir() / "wandb").glob("offline-run-*/run-*.wandb"))
+    workdir = WorkDir(work)
+    lines = [json.loads(x) for x in workdir.train_metrics().read_text().splitlines()]
+    runs = sorted((workdir.tracker_dir() / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, runs
     records = wandb_records(runs[0])
     history: dict[int, dict] = {}
@@ -87,7 +87,7 @@ def test_wandb_offline_logs_metrics_jsonl_keys_steps_and_the_run_config(tmp_path
     assert {"eval/expected_accept_length", "train/loss_0", "train/lr"} <= set(history[2])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
-    manifest = json.loads(wd.manifest("train").read_text())
+    manifest = json.loads(workdir.manifest("train").read_text())
     assert config["params"]["ttt_steps"] == 2 and config["settings"]["report_to"] == ["wandb"]
     assert config["inputs"] == manifest["inputs"]  # the store and vocab identities stage 04 recorded
     assert config["identity"] and config["drafter_config"]["draft_vocab_size"] > 0
@@ -96,7 +96,7 @@ def test_wandb_offline_logs_metrics_jsonl_keys_steps_and_the_run_config(tmp_path
     best = manifest["record"]["best_step"]
     assert "stage 04 finished: 4 steps, K = 2 train-time-test steps" in text
     assert f"best held-out step {best}: expected accept length " in text
-    assert f"the exported drafter will come from {wd.best_checkpoint()} (step {best})" in text
+    assert f"the exported drafter will come from {workdir.best_checkpoint()} (step {best})" in text
 
 
 def test_a_chosen_tracker_that_is_not_installed_stops_before_any_work(tmp_path, monkeypatch):
@@ -131,9 +131,9 @@ def stand_in(name: str, calls: list) -> types.ModuleType:
 def test_mlflow_and_trackio_adapters_send_the_same_keys_and_steps(tmp_path, monkeypatch, name):
     calls: list = []
     monkeypatch.setitem(sys.modules, name, stand_in(name, calls))
-    wd = WorkDir(tmp_path / "w")
+    workdir = WorkDir(tmp_path / "w")
     config = {"params": {"ttt_steps": 2}, "inputs": {"extract": "abc"}}
-    (t,) = trackers.open_trackers([name], wd, config)
+    (t,) = trackers.open_trackers([name], workdir, config)
     values = trackers.scalars("eval", {"loss_0": 1.5, "expected_accept_length": 1.7, "num_valid": 10.0})
     t.log(50, values)
     t.close()

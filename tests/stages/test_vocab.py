@@ -15,14 +15,14 @@ from eagle3.stages.s03_vocab.run import build_vocab_mapping, select_draft_ids
 
 
 def test_stage_writes_mapping_and_both_coverages(prepared_llama, tiny_llama):
-    wd = WorkDir(prepared_llama)
+    workdir = WorkDir(prepared_llama)
     m = build_vocab_mapping(VocabConfig(work_dir=prepared_llama, target_model=str(tiny_llama), draft_vocab_size=128))
-    d2t, t2d = torch.load(wd.d2t(), weights_only=True), torch.load(wd.t2d(), weights_only=True)
+    d2t, t2d = torch.load(workdir.d2t(), weights_only=True), torch.load(workdir.t2d(), weights_only=True)
     assert sorted(m.outputs) == ["d2t.pt", "t2d.pt"]  # one copy, read through vocab_map.load_mapping
-    freq = {s: np.load(wd.token_freq(s)) for s in ("train", "eval")}
+    freq = {s: np.load(workdir.token_freq(s)) for s in ("train", "eval")}
     expect_ids = select_draft_ids(freq["train"], 128)
     assert torch.equal(d2t + torch.arange(128), torch.from_numpy(expect_ids))
-    assert int(t2d.sum()) == 128 and t2d.shape[0] == read_record(wd, "prepare", needed_by="t").vocab_size
+    assert int(t2d.sum()) == 128 and t2d.shape[0] == read_record(workdir, "prepare", needed_by="t").vocab_size
     r = record_of(m)
     assert r.draft_vocab_size == 128 and r.target_vocab_size == 960
     assert r.coverage_train == pytest.approx(coverage(freq["train"], t2d.numpy()))
@@ -38,21 +38,21 @@ def test_refuses_oversized_draft_vocab(prepared_llama):
 def test_refuses_frequency_file_of_another_size(tmp_path, prepared_llama):
     import shutil
 
-    wd = WorkDir(tmp_path / "copy")
-    shutil.copytree(prepared_llama / "01_dataset", wd.stage_dir("prepare"))
-    np.save(wd.token_freq("train"), np.zeros(1000, dtype=np.int64))  # same bytes? no: size differs too
+    workdir = WorkDir(tmp_path / "copy")
+    shutil.copytree(prepared_llama / "01_dataset", workdir.stage_dir("prepare"))
+    np.save(workdir.token_freq("train"), np.zeros(1000, dtype=np.int64))  # same bytes? no: size differs too
     with pytest.raises(PipelineError):
-        build_vocab_mapping(VocabConfig(work_dir=wd.root, draft_vocab_size=64))
+        build_vocab_mapping(VocabConfig(work_dir=workdir.root, draft_vocab_size=64))
     # a file of the right byte size but the wrong shape passes the manifest check and is caught by shape
     man = read_manifest(WorkDir(prepared_llama), "prepare", needed_by="t")
     good = np.load(WorkDir(prepared_llama).token_freq("train"))
-    np.save(wd.token_freq("train"), good.reshape(2, -1))
+    np.save(workdir.token_freq("train"), good.reshape(2, -1))
     import json
-    d = json.loads(wd.manifest("prepare").read_text())
-    d["outputs"]["token_freq_train.npy"]["bytes"] = wd.token_freq("train").stat().st_size
-    wd.manifest("prepare").write_text(json.dumps(d))
+    d = json.loads(workdir.manifest("prepare").read_text())
+    d["outputs"]["token_freq_train.npy"]["bytes"] = workdir.token_freq("train").stat().st_size
+    workdir.manifest("prepare").write_text(json.dumps(d))
     with pytest.raises(PipelineError, match=r"token_freq_train\.npy has shape \(2, 480\), the target vocab is 960"):
-        build_vocab_mapping(VocabConfig(work_dir=wd.root, draft_vocab_size=64))
+        build_vocab_mapping(VocabConfig(work_dir=workdir.root, draft_vocab_size=64))
     assert record_of(man).vocab_size == 960
 
 

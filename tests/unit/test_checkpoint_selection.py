@@ -22,20 +22,20 @@ def ckpt(step: int, evaluated: bool):
 
 
 def test_candidates_are_the_evaluated_files_and_best_pt_when_pruned(tmp_path):
-    wd = WorkDir(tmp_path)
+    workdir = WorkDir(tmp_path)
     for step, evaluated in ((10, True), (20, True), (25, False), (30, True), (40, True)):
-        save_checkpoint(wd, ckpt(step, evaluated), keep=1, is_best=step == 10, keep_evaluated=2)
-    got = selection.candidates(wd)
-    assert [(c.step, c.path.name) for c in got] == [(10, "best.pt"), (30, wd.checkpoint(30).name),
-                                                    (40, wd.checkpoint(40).name)]
+        save_checkpoint(workdir, ckpt(step, evaluated), keep=1, is_best=step == 10, keep_evaluated=2)
+    got = selection.candidates(workdir)
+    assert [(c.step, c.path.name) for c in got] == [(10, "best.pt"), (30, workdir.checkpoint(30).name),
+                                                    (40, workdir.checkpoint(40).name)]
     assert [c.held_out for c in got] == [1.1, 1.3, 1.4]
 
 
 def test_fewer_than_two_candidates_are_refused_naming_the_setting(tmp_path):
-    wd = WorkDir(tmp_path)
-    save_checkpoint(wd, ckpt(10, True), keep=2, is_best=True)  # today's default: best.pt, its step file
+    workdir = WorkDir(tmp_path)
+    save_checkpoint(workdir, ckpt(10, True), keep=2, is_best=True)  # today's default: best.pt, its step file
     with pytest.raises(PipelineError, match="at least 2 evaluated checkpoints.*found 1.*--keep-evaluated"):
-        selection.candidates(wd)
+        selection.candidates(workdir)
 
 
 def counts(accepted, steps):

@@ -41,8 +41,8 @@ SAMPLES = {
 }
 
 
-def write(wd: WorkDir, stage: str, record) -> None:
-    write_manifest(wd, stage, params={}, inputs={}, counts={}, outputs=[], record=record)
+def write(workdir: WorkDir, stage: str, record) -> None:
+    write_manifest(workdir, stage, params={}, inputs={}, counts={}, outputs=[], record=record)
 
 
 def test_one_record_class_per_stage():
@@ -54,47 +54,47 @@ def test_one_record_class_per_stage():
 
 @pytest.mark.parametrize("stage", list(STAGE))
 def test_every_record_round_trips_through_the_manifest(tmp_path, stage):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir(stage).mkdir(parents=True)
-    write(wd, stage, SAMPLES[stage])
-    on_disk = json.loads(wd.manifest(stage).read_text())
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir(stage).mkdir(parents=True)
+    write(workdir, stage, SAMPLES[stage])
+    on_disk = json.loads(workdir.manifest(stage).read_text())
     assert on_disk["format_version"] == FORMAT_VERSION == 2
     assert on_disk["record"] == dataclasses.asdict(SAMPLES[stage])
-    got = read_record(wd, stage, needed_by="test")
+    got = read_record(workdir, stage, needed_by="test")
     assert type(got) is RECORDS[stage] and got == SAMPLES[stage]
 
 
 def test_the_writer_takes_only_the_stages_own_record(tmp_path):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir("prepare").mkdir(parents=True)
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir("prepare").mkdir(parents=True)
     with pytest.raises(AssertionError):
-        write(wd, "prepare", SAMPLES["vocab"])
+        write(workdir, "prepare", SAMPLES["vocab"])
 
 
 def test_a_manifest_of_the_previous_format_is_refused_naming_the_file_and_the_fix(tmp_path):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir("extract").mkdir(parents=True)
-    write(wd, "extract", SAMPLES["extract"])
-    old = json.loads(wd.manifest("extract").read_text())
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir("extract").mkdir(parents=True)
+    write(workdir, "extract", SAMPLES["extract"])
+    old = json.loads(workdir.manifest("extract").read_text())
     old["format_version"] = 1
     old.pop("record")
     old["extra"] = {"aux_layers": [2, 4, 5]}  # where version 1 kept them
-    wd.manifest("extract").write_text(json.dumps(old))
+    workdir.manifest("extract").write_text(json.dumps(old))
     with pytest.raises(PipelineError) as e:
-        read_record(wd, "extract", needed_by="test")
+        read_record(workdir, "extract", needed_by="test")
     msg = str(e.value)
-    assert str(wd.manifest("extract")) in msg and "format version 1, this code reads 2" in msg
+    assert str(workdir.manifest("extract")) in msg and "format version 1, this code reads 2" in msg
     assert f"{STAGE['extract'].script} --force" in msg
 
 
 def test_a_manifest_without_a_record_is_refused(tmp_path):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir("train").mkdir(parents=True)
-    write(wd, "train", None)
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir("train").mkdir(parents=True)
+    write(workdir, "train", None)
     with pytest.raises(PipelineError) as e:
-        read_record(wd, "train", needed_by="test")
+        read_record(workdir, "train", needed_by="test")
     msg = str(e.value)
-    assert str(wd.manifest("train")) in msg and "no record section" in msg
+    assert str(workdir.manifest("train")) in msg and "no record section" in msg
     assert f"rerun `python {STAGE['train'].script} --force`" in msg
 
 
@@ -103,22 +103,22 @@ def test_a_manifest_without_a_record_is_refused(tmp_path):
     (lambda r: r.update(ttt_step=3), "TrainRecord holds unknown ['ttt_step']"),
 ])
 def test_a_record_with_a_field_missing_or_unknown_is_refused_not_defaulted(tmp_path, change, said):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir("train").mkdir(parents=True)
-    write(wd, "train", SAMPLES["train"])
-    m = json.loads(wd.manifest("train").read_text())
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir("train").mkdir(parents=True)
+    write(workdir, "train", SAMPLES["train"])
+    m = json.loads(workdir.manifest("train").read_text())
     change(m["record"])
-    wd.manifest("train").write_text(json.dumps(m))
+    workdir.manifest("train").write_text(json.dumps(m))
     with pytest.raises(PipelineError) as e:
-        read_record(wd, "train", needed_by="test")
+        read_record(workdir, "train", needed_by="test")
     msg = str(e.value)
-    assert str(wd.manifest("train")) in msg and said in msg
+    assert str(workdir.manifest("train")) in msg and said in msg
     assert f"rerun `python {STAGE['train'].script} --force`" in msg
 
 
 def test_record_of_reads_a_manifest_already_in_hand(tmp_path):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir("vocab").mkdir(parents=True)
-    m = write_manifest(wd, "vocab", params={}, inputs={}, counts={"padded_ids": 0}, outputs=[],
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir("vocab").mkdir(parents=True)
+    m = write_manifest(workdir, "vocab", params={}, inputs={}, counts={"padded_ids": 0}, outputs=[],
                        record=SAMPLES["vocab"])
     assert record_of(m) == SAMPLES["vocab"] and m.counts == {"padded_ids": 0}

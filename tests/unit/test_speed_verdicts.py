@@ -221,7 +221,7 @@ def serve_plan(machine: FakeMachine, timing_order: str, tmp_path, monkeypatch) -
                                "vllm:spec_decode_num_accepted_tokens_per_pos": [16, 0, 0]}}
     starts = []
 
-    def run_engine(name, req, wd, cfg):
+    def run_engine(name, req, workdir, cfg):
         starts.append((name, [e["name"] for e in req["engines"]]))
         passes = serve_blocks([Block(*b) for b in req["timing_blocks"]], machine.serve, clock=machine.clock)
         return {"vllm_version": "0.32.0", "platform": "cpu", "runs": {e["name"]: {

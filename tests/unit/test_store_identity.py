@@ -17,8 +17,8 @@ IDENTITY = {"store_format": store.STORE_FORMAT, "aux_layers": LAYERS, "hidden_si
 
 def _store(root, edit_index=None, drop_identity=False) -> WorkDir:
     """A one-file store with stage 02's manifest; `edit_index(index)` rewrites index.json first."""
-    wd = WorkDir(root)
-    d = wd.store()
+    workdir = WorkDir(root)
+    d = workdir.store()
     h = sha256_json(IDENTITY)  # what stage 02 records in every file header and index entry
     partial = d / store.partial_name("train", 0)
     lay = store.create_partial_file(partial, split="train", file_no=0, first_sample=0, input_ids=[[1, 2, 3]],
@@ -32,23 +32,23 @@ def _store(root, edit_index=None, drop_identity=False) -> WorkDir:
         path.write_text(json.dumps(edit_index(json.loads(path.read_text()))))
     if drop_identity:
         (d / store.STORE_JSON).unlink()
-    write_manifest(wd, "extract", params={}, inputs={}, counts={}, outputs=[d], record=None, hash_outputs=False)
-    return wd
+    write_manifest(workdir, "extract", params={}, inputs={}, counts={}, outputs=[d], record=None, hash_outputs=False)
+    return workdir
 
 
 def test_index_names_the_identity_by_its_hash_and_store_json_is_the_identity(tmp_path):
-    wd = _store(tmp_path)
-    index = json.loads((wd.store() / store.INDEX_JSON).read_text())
+    workdir = _store(tmp_path)
+    index = json.loads((workdir.store() / store.INDEX_JSON).read_text())
     assert "identity" not in index and index["identity_hash"] == sha256_json(IDENTITY)
-    assert json.loads((wd.store() / store.STORE_JSON).read_text()) == IDENTITY
-    s = store.HiddenStateStore.open(wd, needed_by="test")
+    assert json.loads((workdir.store() / store.STORE_JSON).read_text()) == IDENTITY
+    s = store.HiddenStateStore.open(workdir, needed_by="test")
     assert s.index["identity"] == IDENTITY and s.aux_layers == LAYERS and s.hidden_size == H
 
 
 def test_an_index_of_earlier_code_with_a_copy_of_the_identity_still_opens(tmp_path):
-    wd = _store(tmp_path, lambda index: {"store_format": index["store_format"], "identity": IDENTITY,
+    workdir = _store(tmp_path, lambda index: {"store_format": index["store_format"], "identity": IDENTITY,
                                          "splits": index["splits"]})
-    assert store.HiddenStateStore.open(wd, needed_by="test").split("train")[0].input_ids.tolist() == [1, 2, 3]
+    assert store.HiddenStateStore.open(workdir, needed_by="test").split("train")[0].input_ids.tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("how", ["hash", "copy"])
@@ -63,16 +63,16 @@ def test_an_index_of_another_identity_is_refused_naming_both_files(tmp_path, how
             index["identity"] = other
         return index
 
-    wd = _store(tmp_path, edit)
+    workdir = _store(tmp_path, edit)
     with pytest.raises(PipelineError, match=r"stage 04: .*index\.json holds .*, not that of .*store\.json .*two "
                                             r"stores.*Rerun `python 02_extract_hidden_states\.py`"):
-        store.HiddenStateStore.open(wd, needed_by="stage 04")
+        store.HiddenStateStore.open(workdir, needed_by="stage 04")
 
 
 def test_a_store_without_its_identity_is_refused(tmp_path):
-    wd = _store(tmp_path, drop_identity=True)
+    workdir = _store(tmp_path, drop_identity=True)
     with pytest.raises(PipelineError, match=r"store\.json, the store's identity, is missing.*--force"):
-        store.HiddenStateStore.open(wd, needed_by="stage 04")
+        store.HiddenStateStore.open(workdir, needed_by="stage 04")
 
 
 def test_the_package_exports_every_name_of_its_modules():

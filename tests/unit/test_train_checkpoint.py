@@ -42,10 +42,10 @@ def same(a, b) -> bool:
 
 
 def test_a_checkpoint_comes_back_field_by_field(tmp_path):
-    wd = WorkDir(tmp_path)
+    workdir = WorkDir(tmp_path)
     ckpt = sample()
-    path = save_checkpoint(wd, ckpt, keep=2, is_best=True)
-    for back in (read_checkpoint(path), read_checkpoint(wd.best_checkpoint()), latest_checkpoint(wd, "x")):
+    path = save_checkpoint(workdir, ckpt, keep=2, is_best=True)
+    for back in (read_checkpoint(path), read_checkpoint(workdir.best_checkpoint()), latest_checkpoint(workdir, "x")):
         assert isinstance(back, TrainCheckpoint)
         for f in dataclasses.fields(TrainCheckpoint):
             assert same(getattr(back, f.name), getattr(ckpt, f.name)), f.name
@@ -101,60 +101,60 @@ def test_not_a_checkpoint_and_no_file_are_refused(tmp_path):
         read_checkpoint(tmp_path / "missing.pt")
 
 
-def saved_steps(wd: WorkDir, steps, identity: str = "x") -> None:
+def saved_steps(workdir: WorkDir, steps, identity: str = "x") -> None:
     for step in steps:
-        save_checkpoint(wd, dataclasses.replace(sample(), step=step, identity=identity), keep=3, is_best=False)
+        save_checkpoint(workdir, dataclasses.replace(sample(), step=step, identity=identity), keep=3, is_best=False)
 
 
 def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_readable_one_and_says_which_it_skipped(tmp_path,
                                                                                                      caplog):
     """Before, a truncated step-0000004.pt stopped the resume ("delete it"); deleted, latest.json
     named a missing file ("pass --force"): the intact step-0000003.pt was never tried."""
-    wd = WorkDir(tmp_path)
-    saved_steps(wd, [2, 3, 4])
-    newest = wd.checkpoint(4)
+    workdir = WorkDir(tmp_path)
+    saved_steps(workdir, [2, 3, 4])
+    newest = workdir.checkpoint(4)
     newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a power loss, a full disk
     with caplog.at_level(logging.WARNING):
-        assert latest_checkpoint(wd, "x").step == 3
-    assert f"resuming from {wd.checkpoint(3)}" in caplog.text
+        assert latest_checkpoint(workdir, "x").step == 3
+    assert f"resuming from {workdir.checkpoint(3)}" in caplog.text
     assert f"skipped: {newest} (cannot read checkpoint" in caplog.text
     newest.unlink()
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert latest_checkpoint(wd, "x").step == 3
+        assert latest_checkpoint(workdir, "x").step == 3
     assert f"skipped: {newest} (missing)" in caplog.text
 
 
 def test_a_torn_latest_json_scans_the_checkpoints(tmp_path, caplog):
     """Before: a bare JSONDecodeError traceback."""
-    wd = WorkDir(tmp_path)
-    saved_steps(wd, [3, 4])
-    pointer = wd.latest_checkpoint()
+    workdir = WorkDir(tmp_path)
+    saved_steps(workdir, [3, 4])
+    pointer = workdir.latest_checkpoint()
     pointer.write_text(pointer.read_text()[:9])
     with caplog.at_level(logging.WARNING):
-        assert latest_checkpoint(wd, "x").step == 4
+        assert latest_checkpoint(workdir, "x").step == 4
     assert f"skipped: {pointer} (unreadable: JSONDecodeError" in caplog.text
 
 
 def test_no_readable_checkpoint_is_an_error_naming_each_file_and_no_checkpoint_is_a_fresh_start(tmp_path):
-    wd = WorkDir(tmp_path)
-    assert latest_checkpoint(wd, "x") is None
-    saved_steps(wd, [3])
-    wd.checkpoint(3).write_bytes(b"PK\x03\x04 torn")
-    with pytest.raises(PipelineError, match=rf"no checkpoint in {wd.checkpoints()} can be read: "
-                                            rf"{wd.checkpoint(3)} \(cannot read checkpoint.*--force"):
-        latest_checkpoint(wd, "x")
+    workdir = WorkDir(tmp_path)
+    assert latest_checkpoint(workdir, "x") is None
+    saved_steps(workdir, [3])
+    workdir.checkpoint(3).write_bytes(b"PK\x03\x04 torn")
+    with pytest.raises(PipelineError, match=rf"no checkpoint in {workdir.checkpoints()} can be read: "
+                                            rf"{workdir.checkpoint(3)} \(cannot read checkpoint.*--force"):
+        latest_checkpoint(workdir, "x")
 
 
 def test_a_checkpoint_of_another_run_is_refused_not_skipped(tmp_path):
-    wd = WorkDir(tmp_path)
-    saved_steps(wd, [3, 4], identity="another run")
-    with pytest.raises(PipelineError, match=rf"{wd.checkpoint(4)} belongs to a run with other parameters or inputs "
+    workdir = WorkDir(tmp_path)
+    saved_steps(workdir, [3, 4], identity="another run")
+    with pytest.raises(PipelineError, match=rf"{workdir.checkpoint(4)} belongs to a run with other parameters or inputs "
                                             r"\(identity another run, this run x\); pass --force"):
-        latest_checkpoint(wd, "x")
-    wd.latest_checkpoint().write_text("{")  # a torn pointer: the scan refuses it too
+        latest_checkpoint(workdir, "x")
+    workdir.latest_checkpoint().write_text("{")  # a torn pointer: the scan refuses it too
     with pytest.raises(PipelineError, match=r"step-0000004\.pt belongs to a run with other parameters"):
-        latest_checkpoint(wd, "x")
+        latest_checkpoint(workdir, "x")
 
 
 class RunsCode:
@@ -182,15 +182,15 @@ def test_a_save_keeps_its_own_file_after_a_resume_that_renumbered_the_steps(tmp_
     """A resume under another process count goes on at a lower step number (1 -> 2 processes):
     pruning by step number alone deleted the checkpoint just written, which latest.json names.
     Files above the saved step are superseded by it."""
-    wd = WorkDir(tmp_path)
-    saved_steps(wd, [24, 25])  # written by 1 process
-    save_checkpoint(wd, dataclasses.replace(sample(), step=13), keep=2, is_best=False)  # 2 processes, round start
-    assert sorted(p.name for p in wd.checkpoints().glob("step-*.pt")) == [wd.checkpoint(13).name]
-    assert latest_checkpoint(wd, "x").step == 13
-    save_checkpoint(wd, dataclasses.replace(sample(), step=14), keep=2, is_best=False)
-    save_checkpoint(wd, dataclasses.replace(sample(), step=15), keep=2, is_best=False)
-    assert sorted(p.name for p in wd.checkpoints().glob("step-*.pt")) == [wd.checkpoint(14).name,
-                                                                          wd.checkpoint(15).name]
+    workdir = WorkDir(tmp_path)
+    saved_steps(workdir, [24, 25])  # written by 1 process
+    save_checkpoint(workdir, dataclasses.replace(sample(), step=13), keep=2, is_best=False)  # 2 processes, round start
+    assert sorted(p.name for p in workdir.checkpoints().glob("step-*.pt")) == [workdir.checkpoint(13).name]
+    assert latest_checkpoint(workdir, "x").step == 13
+    save_checkpoint(workdir, dataclasses.replace(sample(), step=14), keep=2, is_best=False)
+    save_checkpoint(workdir, dataclasses.replace(sample(), step=15), keep=2, is_best=False)
+    assert sorted(p.name for p in workdir.checkpoints().glob("step-*.pt")) == [workdir.checkpoint(14).name,
+                                                                          workdir.checkpoint(15).name]
 
 
 def _rule_before_keep_evaluated(steps, current, keep):
@@ -233,12 +233,12 @@ def test_keep_evaluated_spares_the_newest_evaluated_and_never_the_resume_point()
 def test_save_checkpoint_keeps_the_last_n_evaluated_files_and_best(tmp_path):
     """Saves as stage 04 makes them under --keep-evaluated 3 --keep-checkpoints 1: every
     evaluation (held-out metrics in the file) and a save_every step between (none)."""
-    wd = WorkDir(tmp_path)
+    workdir = WorkDir(tmp_path)
     for step, evaluated in ((10, True), (15, False), (20, True), (30, True), (35, False), (40, True)):
         ckpt = dataclasses.replace(sample(), step=step, eval={"expected_accept_length": 1.0 + step / 100}
                                    if evaluated else {})
-        save_checkpoint(wd, ckpt, keep=1, is_best=step == 20, keep_evaluated=3)
-    names = sorted(p.name for p in wd.checkpoints().glob("*.pt"))
-    assert names == sorted(["best.pt"] + [wd.checkpoint(s).name for s in (20, 30, 40)])
-    assert read_checkpoint(wd.best_checkpoint()).step == 20
-    assert latest_checkpoint(wd, "x").step == 40
+        save_checkpoint(workdir, ckpt, keep=1, is_best=step == 20, keep_evaluated=3)
+    names = sorted(p.name for p in workdir.checkpoints().glob("*.pt"))
+    assert names == sorted(["best.pt"] + [workdir.checkpoint(s).name for s in (20, 30, 40)])
+    assert read_checkpoint(workdir.best_checkpoint()).step == 20
+    assert latest_checkpoint(workdir, "x").step == 40

@@ -162,9 +162,9 @@ def test_the_checkpoint_and_latest_json_are_on_disk_before_progress_and_before_a
     events = record_fsyncs_and_renames(monkeypatch)
     tmp_path = tmp_path.resolve()
     s = schedule(1, 1)
-    wd, wdir = WorkDir(tmp_path), tmp_path / "windows"
+    workdir, wdir = WorkDir(tmp_path), tmp_path / "windows"
     fake_round(wdir, 0)
-    path = save_checkpoint(wd, checkpoint_at(s, s.end(0), 1), keep=2, is_best=False)
+    path = save_checkpoint(workdir, checkpoint_at(s, s.end(0), 1), keep=2, is_best=False)
     rounds_of(tmp_path, s).covered(s.end(0), path)
 
     def at(event) -> int:
@@ -172,13 +172,13 @@ def test_the_checkpoint_and_latest_json_are_on_disk_before_progress_and_before_a
         return events.index(event)
 
     progress, gone = wdir / windows.PROGRESS_JSON, wdir / f".deleting-{windows.round_name(0)}"
-    for written in (path, wd.latest_checkpoint(), progress):
+    for written in (path, workdir.latest_checkpoint(), progress):
         renamed = at(("rename", str(written)))
         flushed = [i for i, (kind, p) in enumerate(events) if kind == "fsync" and Path(p).name == written.name]
         assert flushed and flushed[0] < renamed, f"{written.name} renamed before its bytes were fsynced"
         assert ("fsync", str(written.parent)) in events[renamed:], f"{written.name}'s folder not fsynced after it"
     folder_after = lambda f: max(i for i, e in enumerate(events) if e == ("fsync", str(f.parent)))  # noqa: E731
-    assert folder_after(wd.latest_checkpoint()) < at(("rename", str(progress))) < at(("rename", str(gone)))
+    assert folder_after(workdir.latest_checkpoint()) < at(("rename", str(progress))) < at(("rename", str(gone)))
     assert not gone.exists() and windows.read_progress(wdir)["trained_rounds"] == 1
 
 

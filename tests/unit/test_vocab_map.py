@@ -43,18 +43,18 @@ def test_compare_mappings_counts_positions_and_tokens():
 
 
 def test_saved_mapping_loads_back_as_written(tmp_path):
-    wd = WorkDir(tmp_path)
-    wd.stage_dir("vocab").mkdir(parents=True)
+    workdir = WorkDir(tmp_path)
+    workdir.stage_dir("vocab").mkdir(parents=True)
     d2t = np.array([1, 1, 3], dtype=np.int64)
     t2d = np.array([False, True, True, False, False, True, False])
-    files = save_mapping(wd, d2t, t2d)
+    files = save_mapping(workdir, d2t, t2d)
     assert files and all(f.is_file() for f in files)
-    got_d2t, got_t2d = load_mapping(wd)
+    got_d2t, got_t2d = load_mapping(workdir)
     assert got_d2t.dtype == torch.int64 and got_d2t.tolist() == [1, 1, 3]
     assert got_t2d.dtype == torch.bool and got_t2d.tolist() == t2d.tolist()
 
 
 def test_a_missing_mapping_names_the_file_and_the_stage_to_run(tmp_path):
-    wd = WorkDir(tmp_path)
+    workdir = WorkDir(tmp_path)
     with pytest.raises(PipelineError, match=r"d2t\.pt does not exist; run `python 03_build_vocab_mapping\.py` first"):
-        load_mapping(wd)
+        load_mapping(workdir)

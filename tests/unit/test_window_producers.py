@@ -158,14 +158,14 @@ class _Schedule:
 
 
 def test_the_trainer_logs_the_round_it_waits_for_and_its_advice_names_the_windows_dir(tmp_path, caplog):
-    wd = WorkDir(tmp_path / "work")
+    workdir = WorkDir(tmp_path / "work")
     shared = tmp_path / "shared"
     d = shared / windows.round_name(1)
     d.mkdir(parents=True)
     (d / CLAIM_JSON).write_text(json.dumps({
         "host": "other-box", "pid": 4242, "token": "0123456789abcdef", "what": "stage 02, round 1 (shard 1 of 2)",
         "started": "2026-12-01T00:00:00Z"}))
-    rounds = Rounds(wd, None, _Schedule(), windows_dir=str(shared), keep=False, wait_s=0.3, rank=0, world=1)
+    rounds = Rounds(workdir, None, _Schedule(), windows_dir=str(shared), keep=False, wait_s=0.3, rank=0, world=1)
     with caplog.at_level(logging.INFO):
         assert rounds.ensure(20) is False
     lines = [r.getMessage() for r in caplog.records]
@@ -196,10 +196,10 @@ def test_the_loop_never_compares_a_manifest_time_with_its_own_clock(tmp_path, mo
     """A stage 04 manifest left from before, dated ahead of this machine's clock (a file
     server's clock): the loop still runs every round, then stops once stage 04 wrote it anew."""
     work = tmp_path / "work"
-    wd = WorkDir(work)
+    workdir = WorkDir(work)
     plan = plan_of(samples=16)
-    windows.write_or_check_plan(wd.store(), plan)
-    manifest = wd.manifest("train")
+    windows.write_or_check_plan(workdir.store(), plan)
+    manifest = workdir.manifest("train")
     manifest.parent.mkdir(parents=True)
     manifest.write_text("{}")
     ahead = manifest.stat().st_mtime + 3600
@@ -212,8 +212,8 @@ def test_the_loop_never_compares_a_manifest_time_with_its_own_clock(tmp_path, mo
     def fake_stage(cmd, what):
         ran.append(what)
         if what.startswith("stage 04"):
-            trained = windows.read_progress(wd.store() / windows.WINDOWS_DIR)["trained_rounds"] + 1
-            windows.write_progress(wd.store() / windows.WINDOWS_DIR, trained, f"step-{trained}", trained)
+            trained = windows.read_progress(workdir.store() / windows.WINDOWS_DIR)["trained_rounds"] + 1
+            windows.write_progress(workdir.store() / windows.WINDOWS_DIR, trained, f"step-{trained}", trained)
             if trained == plan.rounds:
                 manifest.write_text('{"written": "now"}')
 
@@ -228,11 +228,11 @@ def test_the_loop_extracts_again_a_round_stage_04_rewound(tmp_path, monkeypatch)
     it (eagle3/stages/s04_train/windows.py `Rounds.resumed`), then stops at round 0, deleted.
     The loop goes on with round 0, extracted again, instead of stopping on an error."""
     work = tmp_path / "work"
-    wd = WorkDir(work)
+    workdir = WorkDir(work)
     plan = plan_of(samples=16)
     assert plan.rounds == 2
-    windows.write_or_check_plan(wd.store(), plan)
-    wdir = wd.store() / windows.WINDOWS_DIR
+    windows.write_or_check_plan(workdir.store(), plan)
+    wdir = workdir.store() / windows.WINDOWS_DIR
     windows.write_progress(wdir, 1, "step-1", 1)
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"work_dir": str(work), "target_model": "unused",
@@ -248,11 +248,11 @@ def test_the_loop_extracts_again_a_round_stage_04_rewound(tmp_path, monkeypatch)
             trained = windows.read_progress(wdir)["trained_rounds"] + 1
             windows.write_progress(wdir, trained, f"step-{trained}", trained)
             if trained == plan.rounds:
-                wd.manifest("train").parent.mkdir(parents=True, exist_ok=True)
-                wd.manifest("train").write_text("{}")
+                workdir.manifest("train").parent.mkdir(parents=True, exist_ok=True)
+                workdir.manifest("train").write_text("{}")
 
     monkeypatch.setattr(window_loop, "_run", fake_stage)
     assert run_the_loop(config) == 0
     assert ran == ["stage 02, round 1", "stage 04, round 1", "stage 02, round 0", "stage 04, round 0",
                    "stage 02, round 1", "stage 04, round 1"]
-    assert "rewound" in wd.log_file("window_loop").read_text()
+    assert "rewound" in workdir.log_file("window_loop").read_text()

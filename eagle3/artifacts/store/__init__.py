@@ -8,7 +8,7 @@ errors, manifest and workdir; never a stage):
                there describes every file of the store.
     writer.py  stage 02's side: partial files, finalization, index entries, index.json,
                the free-space check.
-    reader.py  everyone else's: `HiddenStateStore.open(wd, needed_by=...)`, the samples,
+    reader.py  everyone else's: `HiddenStateStore.open(workdir, needed_by=...)`, the samples,
                `collate`.
 
 Every name is re-exported here, so `from eagle3.artifacts.store import X` and

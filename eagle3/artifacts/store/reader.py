@@ -1,7 +1,7 @@
 """The store's read side: `HiddenStateStore.open`, the one reader of the store.
 
 Stage 04, `tools/diagnose/probe_hidden.py`, `tools/check_stores.py` and `tools/forecast.py` open the
-store with `HiddenStateStore.open(wd, needed_by=...)`: it checks stage 02's manifest,
+store with `HiddenStateStore.open(workdir, needed_by=...)`: it checks stage 02's manifest,
 the identity (store.json, eagle3/artifacts/store/format.py) against what the caller expects
 and the index against the identity, then memory-maps each file when it is first read
 and verifies its checksum before any tensor of it is handed out. `collate` pads
@@ -250,7 +250,7 @@ def decode_states(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class HiddenStateStore:
-    """Read side of the store. Open with `HiddenStateStore.open(wd, needed_by=...)`."""
+    """Read side of the store. Open with `HiddenStateStore.open(workdir, needed_by=...)`."""
 
     VERIFY_MODES = ("lazy", "open", "off")
 
@@ -309,7 +309,7 @@ class HiddenStateStore:
                     raise PipelineError(f"{problem}; rerun `python {WorkDir.script('extract')}` to redo it.")
 
     @classmethod
-    def open(cls, wd: WorkDir, *, needed_by: str, aux_layers: Sequence[int] | None = None,
+    def open(cls, workdir: WorkDir, *, needed_by: str, aux_layers: Sequence[int] | None = None,
              tokenizer_fingerprint: str | None = None, hidden_size: int | None = None,
              allow_missing: bool = False, expected_from: str | Mapping[str, str] = "your config",
              verify: str = "lazy") -> "HiddenStateStore":
@@ -328,14 +328,14 @@ class HiddenStateStore:
         reads next (cost measured in bench/bench_store_verify.py); "open": all files now
         (reads the whole store before the first step); "off": sizes only.
         """
-        m = read_manifest(wd, "extract", needed_by=needed_by)
-        store_dir = wd.store()
-        script = wd.script("extract")
+        m = read_manifest(workdir, "extract", needed_by=needed_by)
+        store_dir = workdir.store()
+        script = workdir.script("extract")
         try:
             index = json.loads((store_dir / INDEX_JSON).read_text())
         except (FileNotFoundError, json.JSONDecodeError) as e:
             raise PipelineError(f"{needed_by}: {store_dir / INDEX_JSON} is missing or unreadable ({e}); "
-                                f"rerun `python {script} --work-dir {wd.root}`.") from e
+                                f"rerun `python {script} --work-dir {workdir.root}`.") from e
         if index.get("store_format") != STORE_FORMAT:
             raise PipelineError(f"{store_dir / INDEX_JSON} has store format {index.get('store_format')}, this "
                                 f"code reads {STORE_FORMAT}; rerun `python {script} --force`.")

@@ -100,16 +100,16 @@ class Conversation:
     def done(self) -> bool:
         return self.stopped is not None or len(self.answers) == len(self.turns)
 
-    def prompt_ids(self, t: Turns) -> list[int]:
+    def prompt_ids(self, turns: Turns) -> list[int]:
         """The next turn's prompt (`turn_prompt(..., turn=j)`), built on the turns before."""
         if self.splicer is None:
-            self.splicer = Splicer(t.tok, t.suffix, t.template_kwargs)
+            self.splicer = Splicer(turns.tok, turns.suffix, turns.template_kwargs)
         assert self.splicer.turns == len(self.answers), "one prompt per turn, then its answer"
         return list(self.splicer.head(self.messages, self.turns[len(self.answers)]))
 
-    def add(self, t: Turns, gen: Generation) -> None:
+    def add(self, turns: Turns, gen: Generation) -> None:
         finished = gen.finish_reason != "length"
-        text = t.decode(gen.ids, finished)
+        text = turns.decode(gen.ids, finished)
         if not text.strip():
             self.stopped = EMPTY_ANSWER
             return

@@ -94,7 +94,7 @@ FIXES = {
 
 @dataclass
 class Plan:
-    wd: WorkDir
+    workdir: WorkDir
     records: list[RawRecord]
     params: dict
     inputs: dict
@@ -128,7 +128,7 @@ def stop_ids(tok, suffix: list[int]) -> set[int]:
 
 def plan(cfg: GenerateConfig) -> Plan:
     """Everything checked and read before an engine starts."""
-    wd = WorkDir(cfg.work_dir)
+    workdir = WorkDir(cfg.work_dir)
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
     kw = cfg.template_kwargs
     try:
@@ -151,20 +151,20 @@ def plan(cfg: GenerateConfig) -> Plan:
     # What the chunks depend on; not the work directory, so boxes' chunks combine.
     identity = {"format": FORMAT, "params": {k: v for k, v in params.items() if k != "work_dir"},
                 "inputs": inputs, "num_records": len(records)}
-    return Plan(wd, records, params, inputs, identity, sha256_json(identity),
+    return Plan(workdir, records, params, inputs, identity, sha256_json(identity),
                 Turns(tok, suffix, kw, stop_ids(tok, suffix)), cfg.prompt_field)
 
 
-def check_identity(p: Plan, force: bool) -> None:
+def check_identity(plan: Plan, force: bool) -> None:
     """Refuse to mix chunks of two different runs in one folder."""
-    d, path = p.wd.stage_dir("generate"), p.wd.generate_identity()
+    d, path = plan.workdir.stage_dir("generate"), plan.workdir.generate_identity()
     if force and d.exists():
         log.warning("--force: deleting %s (every box's chunks in it)", d)
         shutil.rmtree(d)
     if path.is_file():
         old = json.loads(path.read_text())
-        if old != json.loads(json.dumps(p.identity)):
-            a, b = old.get("params", {}), p.identity["params"]
+        if old != json.loads(json.dumps(plan.identity)):
+            a, b = old.get("params", {}), plan.identity["params"]
             diff = sorted(k for k in set(a) | set(b) if k not in a or k not in b or a[k] != b[k])
             what = "; ".join(f"{k}: {a.get(k, '(absent)')!r} (in {path}) vs {b.get(k, '(absent)')!r} (this run)"
                              for k in diff) or \
@@ -172,16 +172,16 @@ def check_identity(p: Plan, force: bool) -> None:
             raise PipelineError(f"{d} holds chunks generated with other settings: {what}. Pass --force to "
                                 f"delete them and start over, or rerun with their settings.")
     else:
-        write_json(path, p.identity)
+        write_json(path, plan.identity)
 
 
-def chunk_complete(p: Plan, k: int) -> dict | None:
+def chunk_complete(plan: Plan, k: int) -> dict | None:
     """The chunk's meta when its JSONL is complete and belongs to this run, else None."""
-    meta_path, data = p.wd.generate_chunk_meta(k), p.wd.generate_chunk(k)
+    meta_path, data = plan.workdir.generate_chunk_meta(k), plan.workdir.generate_chunk(k)
     if not meta_path.is_file() or not data.is_file():
         return None
     meta = json.loads(meta_path.read_text())
-    if meta.get("identity") != p.identity_hash:
+    if meta.get("identity") != plan.identity_hash:
         log.warning("%s belongs to another run; redoing chunk %d", meta_path, k)
         return None
     if data.stat().st_size != meta["bytes"] or sha256_file(data) != meta["sha256"]:
@@ -220,45 +220,45 @@ def chunk_counts(lines: list[dict]) -> dict:
             "turns_not_generated": dict(not_generated)}
 
 
-def run_chunk(p: Plan, k: int, engine: Engine, cfg: GenerateConfig,
+def run_chunk(plan: Plan, k: int, engine: Engine, cfg: GenerateConfig,
               on_round: Callable[[int, int], None]) -> dict:
-    items = [from_raw(r, p.prompt_field) for r in p.chunk(k)]
+    items = [from_raw(r, plan.prompt_field) for r in plan.chunk(k)]
     convs = [x for x in items if isinstance(x, Conversation)]
-    regenerate(convs, engine, p.turns, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, on_round=on_round)
+    regenerate(convs, engine, plan.turns, max_new_tokens=cfg.max_new_tokens, seed=cfg.seed, on_round=on_round)
     lines = [x.record() if isinstance(x, Conversation) else x for x in items]
-    data = p.wd.generate_chunk(k)
+    data = plan.workdir.generate_chunk(k)
     with atomic_path(data) as tmp:
         with open(tmp, "w", encoding="utf-8") as f:
             for ln in lines:
                 f.write(json.dumps(ln, ensure_ascii=False) + "\n")
-    meta = {"chunk": k, "identity": p.identity_hash, "bytes": data.stat().st_size, "sha256": sha256_file(data),
+    meta = {"chunk": k, "identity": plan.identity_hash, "bytes": data.stat().st_size, "sha256": sha256_file(data),
             "counts": chunk_counts(lines)}
-    write_json(p.wd.generate_chunk_meta(k), meta)  # last: the completion mark
+    write_json(plan.workdir.generate_chunk_meta(k), meta)  # last: the completion mark
     return meta
 
 
-def make_engine(cfg: GenerateConfig, p: Plan) -> Engine:
+def make_engine(cfg: GenerateConfig, plan: Plan) -> Engine:
     return VllmEngine(cfg.engine_config())
 
 
-def _turns_in(p: Plan, chunks: list[int]) -> int:
+def _turns_in(plan: Plan, chunks: list[int]) -> int:
     n = 0
     for k in chunks:
-        for r in p.chunk(k):
-            c = from_raw(r, p.prompt_field)
+        for r in plan.chunk(k):
+            c = from_raw(r, plan.prompt_field)
             n += len(c.turns) if isinstance(c, Conversation) else 0
     return n
 
 
-def refuse_if_nothing_to_answer(cfg: GenerateConfig, p: Plan) -> None:
+def refuse_if_nothing_to_answer(cfg: GenerateConfig, plan: Plan) -> None:
     """Before any engine starts: stop when not one record can become a conversation."""
     bad: Counter = Counter()
-    for r in p.records:
-        c = from_raw(r, p.prompt_field)
+    for r in plan.records:
+        c = from_raw(r, plan.prompt_field)
         if isinstance(c, Conversation):
             return
         bad[c["bad"]] += 1
-    raise PipelineError(f"stage 00: no conversation to answer in {', '.join(cfg.data)}: {len(p.records)} records, "
+    raise PipelineError(f"stage 00: no conversation to answer in {', '.join(cfg.data)}: {len(plan.records)} records, "
                         f"bad records: {reasons_text(bad)}; {likely_fix(bad, FIXES)}.")
 
 
@@ -296,11 +296,11 @@ class _Progress:
         self.bar.close()
 
 
-def run_chunks(cfg: GenerateConfig, p: Plan, chunks: list[int], engine: Engine,
+def run_chunks(cfg: GenerateConfig, plan: Plan, chunks: list[int], engine: Engine,
                on_round: Callable[[int, int], None]) -> None:
     """Generate `chunks` with one engine. Turns a conversation never reached (it stopped
     early) are reported as done at the end of its chunk, so the bar's total is met."""
-    engine.set_sampling(cfg.temperature, cfg.top_p, sorted(p.turns.stop_ids))
+    engine.set_sampling(cfg.temperature, cfg.top_p, sorted(plan.turns.stop_ids))
     for k in chunks:
         seen = [0]
 
@@ -308,8 +308,8 @@ def run_chunks(cfg: GenerateConfig, p: Plan, chunks: list[int], engine: Engine,
             seen[0] += turns
             on_round(turns, tokens)
 
-        run_chunk(p, k, engine, cfg, count)
-        on_round(max(0, _turns_in(p, [k]) - seen[0]), 0)
+        run_chunk(plan, k, engine, cfg, count)
+        on_round(max(0, _turns_in(plan, [k]) - seen[0]), 0)
 
 
 # --------------------------------------------------------------------------- data parallel
@@ -328,10 +328,10 @@ def _dp_worker(cfg: GenerateConfig, chunks: list[int], rank: int, report: Report
 
 # --------------------------------------------------------------------------- the stage
 
-def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
+def write_results(cfg: GenerateConfig, plan: Plan) -> Manifest:
     metas, missing = {}, []
-    for k in range(p.num_chunks):
-        meta = chunk_complete(p, k)
+    for k in range(plan.num_chunks):
+        meta = chunk_complete(plan, k)
         if meta is None:
             missing.append(k)
         else:
@@ -349,18 +349,18 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
                                                     "new_turns", "generated_tokens", "cut_answers", "samples",
                                                     "turns_in_own_sample", "served_history_tokens")},
                   **{k: dict(sorted(v.items())) for k, v in reasons.items()},
-                  "chunks_expected": p.num_chunks, "chunks_present": len(metas)}
-    t = p.turns
+                  "chunks_expected": plan.num_chunks, "chunks_present": len(metas)}
+    t = plan.turns
     shard_indices = sorted({k % cfg.num_shards for k in missing})
     record = GenerateRecord(
-        target_model=cfg.target_model, tokenizer_fingerprint=p.inputs["tokenizer"],
+        target_model=cfg.target_model, tokenizer_fingerprint=plan.inputs["tokenizer"],
         chat_template_kwargs=t.template_kwargs, stop_token_ids=sorted(t.stop_ids), complete=not missing,
-        num_chunks=p.num_chunks, missing_chunks=len(missing), missing_shard_indices=shard_indices,
+        num_chunks=plan.num_chunks, missing_chunks=len(missing), missing_shard_indices=shard_indices,
         **{k: out_counts[k] for k in RECORDED_COUNTS})
     extra = {
         "missing_chunks_first_100": missing[:100],
         "chunk_format": FORMAT,
-        "identity_hash": p.identity_hash,
+        "identity_hash": plan.identity_hash,
         "chat_template_fingerprint": chat_template_fingerprint(t.tok),
         "assistant_suffix": t.suffix,
     }
@@ -369,19 +369,19 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
         # No manifest: stage 01 must not read an empty set as a finished one. The chunks stay,
         # so a rerun after fixing nothing says the same without generating again.
         raise PipelineError(f"{problem}.")
-    outputs = [p.wd.generate_identity()] + [x for k in metas for x in (p.wd.generate_chunk(k),
-                                                                       p.wd.generate_chunk_meta(k))]
+    outputs = [plan.workdir.generate_identity()] + [x for k in metas for x in (plan.workdir.generate_chunk(k),
+                                                                       plan.workdir.generate_chunk_meta(k))]
     reported = {k: v for k, v in out_counts.items() if k not in RECORDED_COUNTS}  # one home each
-    m = write_manifest(p.wd, "generate", params=p.params, inputs=p.inputs, counts=reported, outputs=outputs,
+    m = write_manifest(plan.workdir, "generate", params=plan.params, inputs=plan.inputs, counts=reported, outputs=outputs,
                        record=record, extra=extra, hash_outputs=False)  # each chunk's meta holds its sha256
     log.info("stage 00: %d/%d chunks; %d records -> %d conversations, %d of %d assistant turns generated (%d of "
              "them new answers to prompts; %d tokens, %d cut at max_new_tokens); %s; bad records %s, dropped %s, "
              "stopped early %s -> %s",
-             len(metas), p.num_chunks, out_counts["records"], out_counts["conversations"],
+             len(metas), plan.num_chunks, out_counts["records"], out_counts["conversations"],
              out_counts["turns_regenerated"], out_counts["input_turns"], out_counts["new_turns"],
              out_counts["generated_tokens"], out_counts["cut_answers"], _samples_text(out_counts),
              out_counts["bad_records"] or "none", out_counts["dropped_conversations"] or "none",
-             out_counts["stopped_early"] or "none", p.wd.stage_dir("generate"))
+             out_counts["stopped_early"] or "none", plan.workdir.stage_dir("generate"))
     lost = sum(out_counts["turns_not_generated"].values())
     if lost:
         log.warning("stage 00: %d of %d input assistant turns (%.1f%%) were not generated (their conversations "
@@ -393,7 +393,7 @@ def write_results(cfg: GenerateConfig, p: Plan) -> Manifest:
     if missing:
         log.warning("%d chunk(s) missing (%s...): run the other boxes (--num-shards %d --shard-index %s), copy "
                     "their chunks into %s, then rerun this command once to complete the manifest", len(missing),
-                    missing[0], cfg.num_shards, shard_indices, p.wd.generate_chunks())
+                    missing[0], cfg.num_shards, shard_indices, plan.workdir.generate_chunks())
     return m
 
 
@@ -410,7 +410,7 @@ def generate_responses(cfg: GenerateConfig, engine: Engine | None = None) -> Man
     """Run stage 00. `engine`: an engine already started (tests and the benchmark share one);
     by default this starts its own (one per data-parallel rank) and closes it."""
     p = plan(cfg)
-    done = already_complete(p.wd, "generate", p.params, p.inputs, force=cfg.force,
+    done = already_complete(p.workdir, "generate", p.params, p.inputs, force=cfg.force,
                             intact=lambda m: record_of(m).complete)  # every box's chunks are in
     if done:
         return done

@@ -216,14 +216,14 @@ def uses_generated(cfg: PrepareConfig) -> bool:
 
 def generated_manifest(cfg: PrepareConfig, tok) -> Manifest:
     """Stage 00's manifest, checked: complete, and from this target's tokenizer."""
-    wd = WorkDir(cfg.work_dir)
-    m = read_manifest(wd, "generate", needed_by=f"{wd.script('prepare')} --data {GENERATED}")
+    workdir = WorkDir(cfg.work_dir)
+    m = read_manifest(workdir, "generate", needed_by=f"{workdir.script('prepare')} --data {GENERATED}")
     gen: GenerateRecord = record_of(m)
     if not gen.complete:
         raise PipelineError(
             f"{m.path}: stage 00 is incomplete ({gen.missing_chunks} chunk(s) missing, shard indices "
             f"{gen.missing_shard_indices}); run the missing boxes, copy their chunks into "
-            f"{wd.generate_chunks()}, and rerun `python {wd.script('generate')}` once without shard flags.")
+            f"{workdir.generate_chunks()}, and rerun `python {workdir.script('generate')}` once without shard flags.")
     check_same("tokenizer fingerprint", gen.tokenizer_fingerprint, tokenizer_fingerprint(tok),
                ours_from=f"{m.path} (stage 00, target {gen.target_model})",
                theirs_from=f"tokenizer of {cfg.target_model}",
@@ -231,10 +231,10 @@ def generated_manifest(cfg: PrepareConfig, tok) -> Manifest:
     return m
 
 
-def generated_records(wd: WorkDir, m: Manifest):
+def generated_records(workdir: WorkDir, manifest: Manifest):
     """Stage 00's lines in input order, as records `_process` recognises."""
-    for k in range(record_of(m).num_chunks):
-        path = wd.generate_chunk(k)
+    for k in range(record_of(manifest).num_chunks):
+        path = workdir.generate_chunk(k)
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 yield RawRecord(str(path), n, json.loads(line))
@@ -270,13 +270,13 @@ def conversation_of(record) -> list[dict]:
     return normalize(record)[0]
 
 
-def read_records(cfg: PrepareConfig, wd: WorkDir, gen: Manifest | None) -> list[RawRecord]:
+def read_records(cfg: PrepareConfig, workdir: WorkDir, gen: Manifest | None) -> list[RawRecord]:
     """Every input record: stage 00's regenerated chats, or the chat files / datasets ids; each
     exact duplicate of an earlier one is a bad record, `duplicate`, before any split."""
     check_local_files(cfg.data)
     if gen is not None:
-        records = list(generated_records(wd, gen))
-        log.info("read %d regenerated records from %s", len(records), wd.generate_chunks())
+        records = list(generated_records(workdir, gen))
+        log.info("read %d regenerated records from %s", len(records), workdir.generate_chunks())
     else:
         records = [r for src in cfg.data for r in iter_records(src, cfg.data_split)]
         log.info("read %d records from %s", len(records), ", ".join(cfg.data))
@@ -360,7 +360,7 @@ def refuse_or_warn_dropped(cfg: PrepareConfig, n: int, split: dict[str, list[Pre
                     likely_fix(t.bad, FIXES))
 
 
-def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]],
+def write_splits(workdir: WorkDir, split: dict[str, list[PreparedSample]],
                  vocab_size: int) -> tuple[list[Path], dict[str, dict[str, int]]]:
     """Each split's dataset and token frequencies: the paths, and their sizes as the record's
     `samples`, `tokens` and `assistant_tokens` (split -> count)."""
@@ -370,14 +370,14 @@ def write_splits(wd: WorkDir, split: dict[str, list[PreparedSample]],
         sizes["samples"][name] = len(samples)
         sizes["tokens"][name] = int(sum(len(s.input_ids) for s in samples))
         sizes["assistant_tokens"][name] = int(freq.sum())
-        save_split(wd.dataset(name), [s.sample_id for s in samples], [s.input_ids for s in samples],
+        save_split(workdir.dataset(name), [s.sample_id for s in samples], [s.input_ids for s in samples],
                    [s.loss_mask for s in samples])
-        outputs += [wd.dataset(name), save_token_freq(wd, name, freq)]
+        outputs += [workdir.dataset(name), save_token_freq(workdir, name, freq)]
     return outputs, sizes
 
 
 def prepare_dataset(cfg: PrepareConfig):
-    wd = WorkDir(cfg.work_dir)
+    workdir = WorkDir(cfg.work_dir)
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     tok = load_tokenizer(cfg.target_model, cfg.trust_remote_code)
     gen = generated_manifest(cfg, tok) if uses_generated(cfg) else None
@@ -385,7 +385,7 @@ def prepare_dataset(cfg: PrepareConfig):
     check_tokenizer(cfg.target_model, tok, trust_remote_code=cfg.trust_remote_code,
                     suffix=assistant_suffix(tok, template_kwargs))
     params, inputs = identity_params(cfg), _input_fingerprints(cfg, tok, gen)
-    done = already_complete(wd, "prepare", params, inputs, force=cfg.force)
+    done = already_complete(workdir, "prepare", params, inputs, force=cfg.force)
     if done:
         return done
     if len(tok) > info.vocab_size:
@@ -393,9 +393,9 @@ def prepare_dataset(cfg: PrepareConfig):
             f"tokenizer of {cfg.target_model} has {len(tok)} tokens but the model's vocab_size is "
             f"{info.vocab_size}; tokenizer and model do not belong together.")
 
-    records = read_records(cfg, wd, gen)
+    records = read_records(cfg, workdir, gen)
     split, t = tokenize_and_split(cfg, records, info.vocab_size, template_kwargs)
-    outputs, sizes = write_splits(wd, split, info.vocab_size)
+    outputs, sizes = write_splits(workdir, split, info.vocab_size)
     record = PrepareRecord(
         target_model=cfg.target_model, tokenizer_fingerprint=inputs["tokenizer"], vocab_size=info.vocab_size,
         chat_template_kwargs=template_kwargs or {}, assistant_suffix=assistant_suffix(tok, template_kwargs),
@@ -406,19 +406,19 @@ def prepare_dataset(cfg: PrepareConfig):
                     "samples_past_max_length": t.past_max_length}
     if gen is not None:
         counts.update(generated_turns=t.generated_turns, generated_turns_reencode_differs=t.reencode_differs)
-    m = write_manifest(wd, "prepare", params=params, inputs=inputs, counts=counts, outputs=outputs, record=record,
+    m = write_manifest(workdir, "prepare", params=params, inputs=inputs, counts=counts, outputs=outputs, record=record,
                        extra={"chat_template_fingerprint": chat_template_fingerprint(tok), "tokenizer_size": len(tok),
                               "data_from": "00_generate" if gen is not None else "chat files"})
-    _log_summary(wd, record, t, generated=gen is not None)
+    _log_summary(workdir, record, t, generated=gen is not None)
     return m
 
 
-def _log_summary(wd: WorkDir, r: PrepareRecord, t: Tally, *, generated: bool) -> None:
+def _log_summary(workdir: WorkDir, r: PrepareRecord, t: Tally, *, generated: bool) -> None:
     bad_txt = ", ".join(f"{k}={v}" for k, v in sorted(t.bad.items())) or "none"
     log.info("stage 01: %d train / %d eval samples, %d / %d tokens (%d / %d assistant); truncated %d; "
              "bad records skipped: %s -> %s", r.samples["train"], r.samples["eval"], r.tokens["train"],
              r.tokens["eval"], r.assistant_tokens["train"], r.assistant_tokens["eval"], t.truncated, bad_txt,
-             wd.stage_dir("prepare"))
+             workdir.stage_dir("prepare"))
     if t.served_samples:
         log.info("stage 01: %d later turns in a sample of their own: the chat template rewrites the history before "
                  "them (e.g. drops earlier reasoning), so each is trained after the history it is served; that "

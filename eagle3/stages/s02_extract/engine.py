@@ -12,18 +12,18 @@ from eagle3.stages.s02_extract.vllm_backend import VllmBackend
 from eagle3.target.head import TargetHead
 
 
-def make_backend(cfg: ExtractConfig, p: Prepared, device: str | None = None):
+def make_backend(cfg: ExtractConfig, prepared: Prepared, device: str | None = None):
     if cfg.backend == "hf":
 
-        return HFBackend(p.info, p.aux_layers, dtype=cfg.dtype, batch_tokens=cfg.batch_tokens,
+        return HFBackend(prepared.info, prepared.aux_layers, dtype=cfg.dtype, batch_tokens=cfg.batch_tokens,
                          trust_remote_code=cfg.trust_remote_code, device=device)
 
-    engine = cfg.engine_config(model=p.info.source, max_model_len=cfg.max_model_len or p.max_tokens + 1)
-    return VllmBackend(p.info, p.aux_layers, engine, cfg.batch_tokens)
+    engine = cfg.engine_config(model=prepared.info.source, max_model_len=cfg.max_model_len or prepared.max_tokens + 1)
+    return VllmBackend(prepared.info, prepared.aux_layers, engine, cfg.batch_tokens)
 
 
-def load_engine(cfg: ExtractConfig, p: Prepared, device: str | None = None):
+def load_engine(cfg: ExtractConfig, prepared: Prepared, device: str | None = None):
     """(backend, target head): everything loaded once per process."""
 
-    head = TargetHead.load(p.info, device)
-    return make_backend(cfg, p, device), head
+    head = TargetHead.load(prepared.info, device)
+    return make_backend(cfg, prepared, device), head

@@ -35,7 +35,7 @@ log = logging.getLogger("eagle3.stages.s02_extract.run")
 class Prepared:
     """Everything checked before any model is loaded."""
 
-    wd: WorkDir
+    workdir: WorkDir
     info: TargetInfo
     aux_layers: list[int]
     params: dict
@@ -46,24 +46,24 @@ class Prepared:
     max_tokens: int
 
 
-def load_split(wd: WorkDir, split: str):
+def load_split(workdir: WorkDir, split: str):
 
-    path = wd.dataset(split)
+    path = workdir.dataset(split)
     try:
         return load_prepared(path).with_format("numpy")
     except FileNotFoundError as e:
         raise PipelineError(f"{path} is missing although stage 01's manifest lists it; rerun "
-                            f"`python {wd.script('prepare')} --force`.") from e
+                            f"`python {workdir.script('prepare')} --force`.") from e
 
 
-def split_lengths(wd: WorkDir, split: str) -> np.ndarray:
-    return np.asarray(load_split(wd, split)["num_tokens"], dtype=np.int64)  # [num_samples]
+def split_lengths(workdir: WorkDir, split: str) -> np.ndarray:
+    return np.asarray(load_split(workdir, split)["num_tokens"], dtype=np.int64)  # [num_samples]
 
 
 def validate(cfg: ExtractConfig) -> Prepared:
-    wd = WorkDir(cfg.work_dir)
-    script = wd.script("extract")
-    prep = read_manifest(wd, "prepare", needed_by=script)
+    workdir = WorkDir(cfg.work_dir)
+    script = workdir.script("extract")
+    prep = read_manifest(workdir, "prepare", needed_by=script)
     pr: PrepareRecord = record_of(prep)
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     aux = validate_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else info.default_aux_layers(),
@@ -73,18 +73,18 @@ def validate(cfg: ExtractConfig) -> Prepared:
     check_same("tokenizer fingerprint", pr.tokenizer_fingerprint, fp,
                ours_from=f"{prep.path} (stage 01, target {pr.target_model})",
                theirs_from=f"tokenizer of {cfg.target_model}",
-               fix=f"pass the target stage 01 used, or rerun `python {wd.script('prepare')} --force` with "
+               fix=f"pass the target stage 01 used, or rerun `python {workdir.script('prepare')} --force` with "
                    f"--target-model {cfg.target_model}")
     if pr.vocab_size != info.vocab_size:
         raise PipelineError(f"stage 01 ({prep.path}) used vocab_size {pr.vocab_size}, "
                             f"{cfg.target_model} has {info.vocab_size}; rerun stage 01 with this target.")
-    lengths = {s: split_lengths(wd, s) for s in SPLITS}
+    lengths = {s: split_lengths(workdir, s) for s in SPLITS}
     num_samples = {s: int(len(v)) for s, v in lengths.items()}
     if not num_samples["train"]:
         raise PipelineError(
-            f"stage 02: {wd.dataset('train')} holds 0 samples (stage 01 counted {pr.records} records, "
+            f"stage 02: {workdir.dataset('train')} holds 0 samples (stage 01 counted {pr.records} records, "
             f"{num_samples['eval']} held-out samples, bad records: {pr.bad_records or 'none'}); rerun "
-            f"`python {wd.script('prepare')} --force` with records that hold assistant turns and a lower "
+            f"`python {workdir.script('prepare')} --force` with records that hold assistant turns and a lower "
             f"--eval-fraction.")
     max_tokens = max((int(v.max()) for v in lengths.values() if len(v)), default=1)
 
@@ -100,26 +100,26 @@ def validate(cfg: ExtractConfig) -> Prepared:
         "backend": cfg.backend, "samples_per_file": cfg.samples_per_file, "num_samples": num_samples,
         "inputs": inputs,
     }
-    return Prepared(wd, info, aux, params, inputs, identity, store.identity_hash(identity), num_samples, max_tokens)
+    return Prepared(workdir, info, aux, params, inputs, identity, store.identity_hash(identity), num_samples, max_tokens)
 
 
-def check_store_identity(p: Prepared, force: bool, claim: claims.Claim | None = None) -> None:
+def check_store_identity(prepared: Prepared, force: bool, claim: claims.Claim | None = None) -> None:
     """Refuse to mix files of two different stores in one folder. `force`: delete the store's
     files first (`delete_store_files`; `claim`: this run's claim on the folder, kept)."""
-    d = p.wd.store()
+    d = prepared.workdir.store()
     path = d / store.STORE_JSON
     if force and d.exists():
         delete_store_files(d, claim)
     d.mkdir(parents=True, exist_ok=True)
     if path.is_file():
         old = json.loads(path.read_text())
-        diff = sorted(k for k in set(old) | set(p.identity) if old.get(k) != p.identity.get(k))
+        diff = sorted(k for k in set(old) | set(prepared.identity) if old.get(k) != prepared.identity.get(k))
         if diff:
-            both = "; ".join(f"{k}: {old.get(k)!r} (in {path}) vs {p.identity.get(k)!r} (this run)" for k in diff)
+            both = "; ".join(f"{k}: {old.get(k)!r} (in {path}) vs {prepared.identity.get(k)!r} (this run)" for k in diff)
             raise PipelineError(f"the store in {d} was built with other settings: {both}. Pass --force to "
                                 f"delete it and start over, or rerun with its settings.")
     else:
-        store.write_identity(d, p.identity)
+        store.write_identity(d, prepared.identity)
 
 
 def delete_store_files(store_dir: Path, claim: claims.Claim | None) -> None:

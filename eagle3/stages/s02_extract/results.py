@@ -26,18 +26,18 @@ from eagle3.stages.s02_extract.plan import FileSpec
 log = logging.getLogger("eagle3.stages.s02_extract.run")
 
 
-def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Manifest:
-    d = p.wd.store()
+def write_results(cfg: ExtractConfig, prepared: Prepared, plan: list[FileSpec]) -> Manifest:
+    d = prepared.workdir.store()
     entries, missing = [], []
     for k, spec in enumerate(plan):
         entry = store.read_entry(d, spec.split, spec.file_no)
-        ok = (entry is not None and entry.get("identity") == p.identity_hash
+        ok = (entry is not None and entry.get("identity") == prepared.identity_hash
               and store.file_problem(d, entry, verify_checksum=False) is None)
         if ok:
             entries.append(entry)
         else:
             missing.append((k, spec))
-    index_path = store.write_index(d, p.identity, entries, p.num_samples, cfg.samples_per_file)
+    index_path = store.write_index(d, prepared.identity, entries, prepared.num_samples, cfg.samples_per_file)
     counts: dict = {}
     for split in SPLITS:
         es = [e for e in entries if e["split"] == split]
@@ -47,14 +47,14 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     counts["files_expected"] = len(plan)
     counts["files_present"] = len(entries)
     counts["bytes"] = sum(e["bytes"] for e in entries)
-    counts["bytes_per_token"] = store.bytes_per_token(p.info.hidden_size, len(p.aux_layers), cfg.store_dtype)
+    counts["bytes_per_token"] = store.bytes_per_token(prepared.info.hidden_size, len(prepared.aux_layers), cfg.store_dtype)
     rejected = {e["name"]: [e["sample_ids"][i] for i in e["rejected"]] for e in entries if e["rejected"]}
     _refuse_or_warn_rejected(cfg, d, counts, complete=not missing)
     encoding = store.encoding_fields(cfg.store_dtype)
     shard_indices = sorted({k % cfg.num_shards for k, _ in missing})
     # The store's identity is store.json (eagle3/artifacts/store/format.py); the record's copies of
     # it are taken from there, for the manifest's reader (docs/RECORDS.md).
-    ident = p.identity
+    ident = prepared.identity
     record = ExtractRecord(
         target_model=ident["target_model"], tokenizer_fingerprint=ident["tokenizer_fingerprint"],
         aux_layer_ids=list(ident["aux_layers"]), hidden_size=ident["hidden_size"], num_layers=ident["num_layers"],
@@ -68,11 +68,11 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
                        "loss_mask[t] or loss_mask[t+1] is 1, -1 elsewhere",
         "missing_files_first_100": [s.name for _, s in missing][:100],
         "rejected_sample_ids": rejected,
-        "identity_hash": p.identity_hash,
+        "identity_hash": prepared.identity_hash,
     }
     outputs = [d / store.STORE_JSON, index_path]
     outputs += [x for e in entries for x in (d / e["name"], d / store.entry_name(e["split"], e["file_no"]))]
-    m = write_manifest(p.wd, "extract", params=p.params, inputs=p.inputs, counts=counts, outputs=outputs,
+    m = write_manifest(prepared.workdir, "extract", params=prepared.params, inputs=prepared.inputs, counts=counts, outputs=outputs,
                        record=record, extra=extra, hash_outputs=False)
     tok = counts["train_tokens"] + counts["eval_tokens"]
     log.info("stage 02: %d/%d files, %d train / %d eval samples, %d tokens, %.1f MB (%d B/token); "
@@ -86,7 +86,7 @@ def write_results(cfg: ExtractConfig, p: Prepared, plan: list[FileSpec]) -> Mani
     return m
 
 
-def _refuse_or_warn_rejected(cfg: ExtractConfig, d: Path, counts: dict, *, complete: bool) -> None:
+def _refuse_or_warn_rejected(cfg: ExtractConfig, folder: Path, counts: dict, *, complete: bool) -> None:
     """No usable train sample in a complete store is an error (no manifest: stage 04 must not
     train on nothing; the files stay, so a rerun says the same without extracting again);
     more than half of a split rejected is a warning. Same counts in both lines."""
@@ -97,17 +97,17 @@ def _refuse_or_warn_rejected(cfg: ExtractConfig, d: Path, counts: dict, *, compl
            f"float32 (--dtype float32)")
     usable = counts["train_samples"] - counts["train_rejected_nonfinite"]
     if complete and counts["train_samples"] and not usable:
-        raise PipelineError(f"stage 02: no usable train sample in {d} ({line}); {fix}; then rerun with --force.")
+        raise PipelineError(f"stage 02: no usable train sample in {folder} ({line}); {fix}; then rerun with --force.")
     if any(2 * counts[f"{s}_rejected_nonfinite"] > counts[f"{s}_samples"] for s in SPLITS):
         log.warning("stage 02: most samples of a split were rejected (%s); %s", line, fix)
 
 
-def store_intact(d: Path, m: Manifest, *, verify_checksums: bool) -> bool:
+def store_intact(folder: Path, manifest: Manifest, *, verify_checksums: bool) -> bool:
     """A finished store whose every file is still there, whole (and, when asked, with its checksum)."""
-    if not record_of(m).complete:
+    if not record_of(manifest).complete:
         return False
-    entries = json.loads((d / store.INDEX_JSON).read_text())["splits"]
-    bad = [store.file_problem(d, e, verify_checksum=verify_checksums)
+    entries = json.loads((folder / store.INDEX_JSON).read_text())["splits"]
+    bad = [store.file_problem(folder, e, verify_checksum=verify_checksums)
            for info in entries.values() for e in info["files"]]
     if any(bad):
         log.warning("stage 02's store is damaged (%s); redoing the damaged files", next(b for b in bad if b))

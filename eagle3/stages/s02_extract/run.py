@@ -54,8 +54,8 @@ def extract_hidden_states(cfg: ExtractConfig) -> Manifest | None:
     if cfg.disk_budget is not None:
         return extract_windowed(cfg)
     p = validate(cfg)
-    d = p.wd.store()
-    done = already_complete(p.wd, "extract", p.params, p.inputs, force=cfg.force,
+    d = p.workdir.store()
+    done = already_complete(p.workdir, "extract", p.params, p.inputs, force=cfg.force,
                             intact=lambda m: store_intact(d, m, verify_checksums=cfg.verify_checksums))
     if done:
         return done
@@ -67,30 +67,30 @@ def extract_hidden_states(cfg: ExtractConfig) -> Manifest | None:
         return _extract_whole_store(cfg, p, claim)
 
 
-def _extract_whole_store(cfg: ExtractConfig, p: Prepared, claim: claims.Claim) -> Manifest:
+def _extract_whole_store(cfg: ExtractConfig, prepared: Prepared, claim: claims.Claim) -> Manifest:
     """This box's files of the whole store, then the index and the manifest (the folder claimed)."""
-    d = p.wd.store()
-    plan = plan_files(p.num_samples, cfg.samples_per_file)
+    d = prepared.workdir.store()
+    plan = plan_files(prepared.num_samples, cfg.samples_per_file)
     mine = box_files(plan, cfg.num_shards, cfg.shard_index)
     for spec in mine:  # leftovers of a killed run (the claim says no other writer runs): redone
         store.remove_partial(d, spec.split, spec.file_no)
-    todo = [s for s in mine if not file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
+    todo = [s for s in mine if not file_complete(d, s, prepared.identity_hash, cfg.verify_checksums)]
     log.info("stage 02: %d files in the store, %d for this box (shard %d/%d), %d to do", len(plan), len(mine),
              cfg.shard_index, cfg.num_shards, len(todo))
     if todo:
-        lengths = {s: split_lengths(p.wd, s) for s in SPLITS}
+        lengths = {s: split_lengths(prepared.workdir, s) for s in SPLITS}
         total = sum(int(lengths[s.split][s.first:s.first + s.count].sum()) for s in todo)
         store.require_free_space(d, [(s.count, int(lengths[s.split][s.first:s.first + s.count].sum())) for s in todo],
-                                 p.info.hidden_size, len(p.aux_layers), cfg.store_dtype, cfg.data_parallel_size)
+                                 prepared.info.hidden_size, len(prepared.aux_layers), cfg.store_dtype, cfg.data_parallel_size)
         with tqdm(total=total, unit="tok", unit_scale=True, desc="extract", smoothing=0.05) as bar:
             if cfg.data_parallel_size > 1:
                 # tokens/s and ETA count from the first engine up, not from the start
                 run_data_parallel(_dp_worker, (cfg,), todo, cfg.data_parallel_size,
                                   on_ready=lambda: bar.reset(bar.total), on_progress=bar.update, what="stage 02")
             else:
-                run_files(cfg, p, todo, bar.update, on_ready=lambda: bar.reset(total), still_ours=claim.check)
+                run_files(cfg, prepared, todo, bar.update, on_ready=lambda: bar.reset(total), still_ours=claim.check)
     claim.check()
-    return write_results(cfg, p, plan)
+    return write_results(cfg, prepared, plan)
 
 
 def _dp_worker(cfg: ExtractConfig, files: list[FileSpec], rank: int, report: Reporter) -> None:

@@ -54,27 +54,27 @@ from eagle3.stages.s02_extract.write import file_complete, write_files
 log = logging.getLogger(__name__)
 
 
-def window_plan(cfg: ExtractConfig, p: Prepared) -> windows.WindowPlan:
-    lengths = {s: split_lengths(p.wd, s).tolist() for s in SPLITS}
+def window_plan(cfg: ExtractConfig, prepared: Prepared) -> windows.WindowPlan:
+    lengths = {s: split_lengths(prepared.workdir, s).tolist() for s in SPLITS}
     return windows.make_plan(lengths["train"], lengths["eval"], disk_budget=windows.parse_bytes(cfg.disk_budget),
                              seed=cfg.window_seed, passes=cfg.extraction_passes,
                              windows_in_budget=cfg.windows_in_budget, spf=cfg.samples_per_file,
-                             H=p.info.hidden_size, A=len(p.aux_layers), dtype=cfg.store_dtype)
+                             H=prepared.info.hidden_size, A=len(prepared.aux_layers), dtype=cfg.store_dtype)
 
 
-def held_out_prepared(p: Prepared, plan: windows.WindowPlan) -> Prepared:
+def held_out_prepared(prepared: Prepared, plan: windows.WindowPlan) -> Prepared:
     """The store folder's own identity: the held-out split only, under this window plan."""
-    ident = {**p.identity, "num_samples": {"train": 0, "eval": p.num_samples["eval"]},
+    ident = {**prepared.identity, "num_samples": {"train": 0, "eval": prepared.num_samples["eval"]},
              "window_plan": plan.fingerprint}
-    params = {**p.params, "window_plan": plan.fingerprint}
-    return dataclasses.replace(p, identity=ident, identity_hash=sha256_json(ident), params=params,
+    params = {**prepared.params, "window_plan": plan.fingerprint}
+    return dataclasses.replace(prepared, identity=ident, identity_hash=sha256_json(ident), params=params,
                                num_samples=ident["num_samples"])
 
 
-def round_prepared(main: Prepared, plan: windows.WindowPlan, r: int) -> Prepared:
-    w = plan.window_of(r)
-    ident = {**main.identity, "num_samples": {"train": len(w["samples"]), "eval": 0}, "round": r,
-             "window": r % plan.num_windows}
+def round_prepared(main: Prepared, plan: windows.WindowPlan, round_index: int) -> Prepared:
+    w = plan.window_of(round_index)
+    ident = {**main.identity, "num_samples": {"train": len(w["samples"]), "eval": 0}, "round": round_index,
+             "window": round_index % plan.num_windows}
     return dataclasses.replace(main, identity=ident, identity_hash=sha256_json(ident),
                                num_samples=ident["num_samples"])
 
@@ -82,8 +82,8 @@ def round_prepared(main: Prepared, plan: windows.WindowPlan, r: int) -> Prepared
 class _Engine:
     """The backend, loaded on first use and closed at the end."""
 
-    def __init__(self, cfg: ExtractConfig, p: Prepared):
-        self.cfg, self.p, self.loaded = cfg, p, None
+    def __init__(self, cfg: ExtractConfig, prepared: Prepared):
+        self.cfg, self.p, self.loaded = cfg, prepared, None
 
     def get(self):
         if self.loaded is None:
@@ -98,28 +98,28 @@ class _Engine:
             self.loaded[0].close()
 
 
-def _extract(engine: _Engine, cfg: ExtractConfig, p: Prepared, d, splits: dict, lengths: dict, what: str,
+def _extract(engine: _Engine, cfg: ExtractConfig, prepared: Prepared, folder, splits: dict, lengths: dict, what: str,
              claim: claims.Claim) -> list:
-    """Extract every file of `p`'s splits into folder d not yet complete there; the plan of files.
-    `claim`: this run's claim on d (so every partial file in it is a dead writer's)."""
-    plan = plan_files(p.num_samples, cfg.samples_per_file)
+    """Extract every file of `prepared`'s splits into `folder` not yet complete there; the plan of files.
+    `claim`: this run's claim on `folder` (so every partial file in it is a dead writer's)."""
+    plan = plan_files(prepared.num_samples, cfg.samples_per_file)
     for spec in plan:  # leftovers of a killed run: never read, always redone
-        store.remove_partial(d, spec.split, spec.file_no)
-    todo = [s for s in plan if not file_complete(d, s, p.identity_hash, cfg.verify_checksums)]
-    log.info("stage 02: %s: %d files, %d to do -> %s", what, len(plan), len(todo), d)
+        store.remove_partial(folder, spec.split, spec.file_no)
+    todo = [s for s in plan if not file_complete(folder, s, prepared.identity_hash, cfg.verify_checksums)]
+    log.info("stage 02: %s: %d files, %d to do -> %s", what, len(plan), len(todo), folder)
     if todo:
         sizes = [(s.count, sum(lengths[s.split][s.first:s.first + s.count])) for s in todo]
-        store.require_free_space(d, sizes, p.info.hidden_size, len(p.aux_layers), cfg.store_dtype)
+        store.require_free_space(folder, sizes, prepared.info.hidden_size, len(prepared.aux_layers), cfg.store_dtype)
         backend, head = engine.get()
         with tqdm(total=sum(t for _, t in sizes), unit="tok", unit_scale=True, desc=what, smoothing=0.05) as bar:
-            write_files(p, backend, head, todo, bar.update, store_dir=d, splits=splits, still_ours=claim.check)
+            write_files(prepared, backend, head, todo, bar.update, store_dir=folder, splits=splits, still_ours=claim.check)
     return plan
 
 
-def _round_done(d, p: Prepared, verify: bool) -> bool:
-    done = windows.read_complete(d)
-    return (done is not None and done.get("identity_hash") == p.identity_hash
-            and windows.window_problem(d, verify_checksums=verify) is None)
+def _round_done(folder, prepared: Prepared, verify: bool) -> bool:
+    done = windows.read_complete(folder)
+    return (done is not None and done.get("identity_hash") == prepared.identity_hash
+            and windows.window_problem(folder, verify_checksums=verify) is None)
 
 
 def budget_need(plan: windows.WindowPlan, present, round_no: int) -> int:
@@ -135,7 +135,7 @@ def _round_states(wdir, rounds, watch: claims.Watch) -> str:
                      for other in rounds) or "none"
 
 
-def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -> claims.Claim:
+def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, round_index: int) -> claims.Claim:
     """Claim round r's folder and return the claim once the round fits the budget beside the
     held-out files and the rounds present (complete or being written, by any box).
 
@@ -145,31 +145,31 @@ def _wait_for_room(cfg: ExtractConfig, plan: windows.WindowPlan, wdir, r: int) -
     (jittered, so the two do not collide again), for up to --wait-s. Another writer's claim on
     round r is refused at once (claims.Claim.acquire). While waiting it logs, at once and every
     `windows.WAIT_LOG_S` seconds, the round it waits for and the state of each round on disk."""
-    rd = wdir / windows.round_name(r)
+    rd = wdir / windows.round_name(round_index)
     started = time.monotonic()
     deadline, next_log, watch = started + cfg.wait_s, started, claims.Watch()
-    what = f"stage 02, round {r} (shard {cfg.shard_index} of {cfg.num_shards})"
+    what = f"stage 02, round {round_index} (shard {cfg.shard_index} of {cfg.num_shards})"
     while True:
         made = not rd.exists()
         claim = claims.Claim.acquire(rd, what=what, take_over_stale_s=cfg.take_over_stale_s)
         present = windows.present_rounds(wdir)
-        need = budget_need(plan, present, r)
+        need = budget_need(plan, present, round_index)
         if need <= plan.disk_budget:
             return claim
         claim.release()
         if made:
             _remove_if_empty(rd)
-        others = [other for other in present if other != r]
+        others = [other for other in present if other != round_index]
         now = time.monotonic()
         if now >= deadline:
             raise PipelineError(
-                f"stage 02: round {r} ({plan.window_of(r)['bytes']:,} bytes) does not fit the --disk-budget "
+                f"stage 02: round {round_index} ({plan.window_of(round_index)['bytes']:,} bytes) does not fit the --disk-budget "
                 f"{plan.disk_budget:,} beside the held-out split and the untrained round(s) {others} in {wdir} "
                 f"({_round_states(wdir, others, watch)}): train them first (`python 04_train_drafter.py` deletes "
                 f"each once its checkpoint covers it), or pass --wait-s SECONDS to wait for that.")
         if now >= next_log:
             log.info("stage 02: round %d (%s) waits for room in the --disk-budget %s (it needs %s with it): on disk "
-                     "beside the held-out split: %s; waited %.0f s of --wait-s %.0f", r, rd,
+                     "beside the held-out split: %s; waited %.0f s of --wait-s %.0f", round_index, rd,
                      windows.human(plan.disk_budget), windows.human(need), _round_states(wdir, others, watch),
                      now - started, cfg.wait_s)
             next_log = now + windows.WAIT_LOG_S
@@ -192,7 +192,7 @@ def rounds_to_do(cfg: ExtractConfig, plan: windows.WindowPlan, main: Prepared, w
     trained = windows.read_progress(wdir)["trained_rounds"]
     if cfg.window is not None:
         if cfg.window >= plan.rounds:
-            raise PipelineError(f"--window {cfg.window}: the plan in {main.wd.store() / windows.PLAN_JSON} has "
+            raise PipelineError(f"--window {cfg.window}: the plan in {main.workdir.store() / windows.PLAN_JSON} has "
                                 f"rounds 0..{plan.rounds - 1} ({plan.summary()}).")
         if cfg.window < trained:
             log.info("stage 02: round %d is already trained (%s): nothing to do", cfg.window,
@@ -241,7 +241,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
     p = validate(cfg)
     plan = window_plan(cfg, p)
     main = held_out_prepared(p, plan)
-    d = p.wd.store()
+    d = p.workdir.store()
     wdir = windows.windows_dir(d, cfg.windows_dir)
     # Box 0 writes the store folder (the held-out split): it holds that folder's claim for
     # the whole run, so a second box 0 is refused before it writes or deletes anything.
@@ -260,11 +260,11 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
         wdir.mkdir(parents=True, exist_ok=True)
         log.info("stage 02: window plan %s: %s", d / windows.PLAN_JSON, plan.summary())
         if store_claim is not None:  # the held-out split, once, kept for the whole run
-            done = already_complete(p.wd, "extract", main.params, main.inputs, force=False,
+            done = already_complete(p.workdir, "extract", main.params, main.inputs, force=False,
                                     intact=lambda m: store_intact(d, m, verify_checksums=cfg.verify_checksums))
             if not done:
-                eval_files = _extract(engine, cfg, main, d, {"eval": load_split(p.wd, "eval")},
-                                      {"eval": split_lengths(p.wd, "eval").tolist()}, "held-out", store_claim)
+                eval_files = _extract(engine, cfg, main, d, {"eval": load_split(p.workdir, "eval")},
+                                      {"eval": split_lengths(p.workdir, "eval").tolist()}, "held-out", store_claim)
                 store_claim.check()
                 write_results(cfg, main, eval_files)
         train = None
@@ -280,7 +280,7 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
                     log.info("stage 02: round %d was finished (or trained) while this run waited", r)
                     continue
                 if train is None:
-                    train, train_lengths = load_split(p.wd, "train"), split_lengths(p.wd, "train").tolist()
+                    train, train_lengths = load_split(p.workdir, "train"), split_lengths(p.workdir, "train").tolist()
                 _write_round(engine, cfg, plan, rp, rd, r, train, train_lengths, claim)
             finally:
                 claim.release()
@@ -289,23 +289,23 @@ def extract_windowed(cfg: ExtractConfig) -> Manifest | None:
         engine.close()
         if store_claim is not None:
             store_claim.release()
-    return read_manifest(p.wd, "extract", needed_by="stage 02") if p.wd.manifest("extract").is_file() else None
+    return read_manifest(p.workdir, "extract", needed_by="stage 02") if p.workdir.manifest("extract").is_file() else None
 
 
-def _write_round(engine: _Engine, cfg: ExtractConfig, plan: windows.WindowPlan, rp: Prepared, rd, r: int, train,
+def _write_round(engine: _Engine, cfg: ExtractConfig, plan: windows.WindowPlan, rp: Prepared, round_dir, round_index: int, train,
                  train_lengths: list[int], claim: claims.Claim) -> None:
     """Round r's files, index and, last, window.json, in its folder (claimed by this run)."""
-    window = plan.window_of(r)
-    files = _extract(engine, cfg, rp, rd, {"train": train.select(window["samples"])},
-                     {"train": [train_lengths[i] for i in window["samples"]]}, f"round {r}", claim)
-    entries = [store.read_entry(rd, s.split, s.file_no) for s in files]
+    window = plan.window_of(round_index)
+    files = _extract(engine, cfg, rp, round_dir, {"train": train.select(window["samples"])},
+                     {"train": [train_lengths[i] for i in window["samples"]]}, f"round {round_index}", claim)
+    entries = [store.read_entry(round_dir, s.split, s.file_no) for s in files]
     claim.check()  # window.json only from the folder's holder
-    store.write_index(rd, rp.identity, entries, rp.num_samples, cfg.samples_per_file)
-    windows.write_complete(rd, {
-        "round": r, "window": r % plan.num_windows, "pass": r // plan.num_windows,
+    store.write_index(round_dir, rp.identity, entries, rp.num_samples, cfg.samples_per_file)
+    windows.write_complete(round_dir, {
+        "round": round_index, "window": round_index % plan.num_windows, "pass": round_index // plan.num_windows,
         "num_samples": len(window["samples"]), "tokens": window["tokens"], "bytes": sum(e["bytes"] for e in entries),
         "identity_hash": rp.identity_hash, "plan": plan.fingerprint,
         "files": [{k: e[k] for k in ("name", "bytes", "checksum")} for e in entries]})
-    log.info("stage 02: round %d (window %d, pass %d): %d samples, %d tokens, %.1f MB -> %s", r,
-             r % plan.num_windows, r // plan.num_windows, len(window["samples"]), window["tokens"],
-             sum(e["bytes"] for e in entries) / 1e6, rd)
+    log.info("stage 02: round %d (window %d, pass %d): %d samples, %d tokens, %.1f MB -> %s", round_index,
+             round_index % plan.num_windows, round_index // plan.num_windows, len(window["samples"]), window["tokens"],
+             sum(e["bytes"] for e in entries) / 1e6, round_dir)

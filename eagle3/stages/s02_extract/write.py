@@ -27,16 +27,16 @@ from eagle3.stages.s02_extract.plan import FileSpec
 log = logging.getLogger("eagle3.stages.s02_extract.run")
 
 
-def file_complete(d: Path, spec: FileSpec, identity_hash: str, verify: bool) -> bool:
+def file_complete(folder: Path, spec: FileSpec, identity_hash: str, verify: bool) -> bool:
     """Whether `spec`'s file in folder d can be kept: its index entry is this store's (identity,
     sample count) and the file is whole (with `verify`, its checksum too); else it is redone."""
-    entry = store.read_entry(d, spec.split, spec.file_no)
+    entry = store.read_entry(folder, spec.split, spec.file_no)
     if entry is None:
         return False
     if entry.get("identity") != identity_hash or entry["num_samples"] != spec.count:
         log.warning("%s belongs to another store; redoing it", spec.name)
         return False
-    problem = store.file_problem(d, entry, verify_checksum=verify)
+    problem = store.file_problem(folder, entry, verify_checksum=verify)
     if problem:
         log.warning("%s; redoing it", problem)
         return False
@@ -49,7 +49,7 @@ def _finish_file(written: Callable[[], None], still_ours: Callable[[], None], *a
     return store.finalize_file(*args, **kwargs)
 
 
-def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Callable[[int], None],
+def write_files(prepared: Prepared, backend, head, files: list[FileSpec], on_tokens: Callable[[int], None],
                 store_dir: Path | None = None, splits: dict | None = None,
                 still_ours: Callable[[], None] = lambda: None) -> None:
     """Extract `files` into the store with a loaded backend: partial file, fill, finalize.
@@ -58,9 +58,9 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
     by default the store folder and stage 01's splits. `still_ours()` raises when the
     folder's claim was lost (eagle3/artifacts/claims.py); called before each finalize.
     Partial files carry this process's name (`claims.writer_name()`)."""
-    d = store_dir or p.wd.store()
+    d = store_dir or prepared.workdir.store()
     writer = claims.writer_name()
-    splits = splits or {s: load_split(p.wd, s) for s in {f.split for f in files}}
+    splits = splits or {s: load_split(prepared.workdir, s) for s in {f.split for f in files}}
     # Waiting for a file's last writes and finalizing it (norm, argmax, checksum: a full
     # pass over it) run in a thread while the engine works on the next file; at most
     # one file waits, to bound memory.
@@ -74,8 +74,8 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
             partial = d / store.partial_name(spec.split, spec.file_no, writer)
             store.create_partial_file(
                 partial, split=spec.split, file_no=spec.file_no, first_sample=spec.first, input_ids=ids,
-                loss_masks=masks, hidden_size=p.info.hidden_size, aux_layers=p.aux_layers,
-                identity_hash=p.identity_hash)
+                loss_masks=masks, hidden_size=prepared.info.hidden_size, aux_layers=prepared.aux_layers,
+                identity_hash=prepared.identity_hash)
             rows = np.cumsum([0] + [len(x) for x in ids])[:-1].tolist()  # token offset of each sample
             written = None
             try:
@@ -93,19 +93,19 @@ def write_files(p: Prepared, backend, head, files: list[FileSpec], on_tokens: Ca
                 raise
             pending = pool.submit(
                 _finish_file, written, still_ours, partial, d / spec.name, split=spec.split, file_no=spec.file_no,
-                first_sample=spec.first, sample_ids=sample_ids, identity_hash=p.identity_hash,
-                normalize=head.normalize, argmax=head.argmax, store_dtype=p.params["store_dtype"])
+                first_sample=spec.first, sample_ids=sample_ids, identity_hash=prepared.identity_hash,
+                normalize=head.normalize, argmax=head.argmax, store_dtype=prepared.params["store_dtype"])
         if pending is not None:
             pending.result()
 
 
-def run_files(cfg: ExtractConfig, p: Prepared, files: list[FileSpec], on_tokens: Callable[[int], None],
+def run_files(cfg: ExtractConfig, prepared: Prepared, files: list[FileSpec], on_tokens: Callable[[int], None],
               device: str | None = None, on_ready: Callable[[], None] = lambda: None, **where) -> None:
     """Extract `files` with one engine in this process; `on_ready` once it is loaded;
     `where`: write_files' store_dir and splits (a window)."""
-    backend, head = load_engine(cfg, p, device)
+    backend, head = load_engine(cfg, prepared, device)
     try:
         on_ready()
-        write_files(p, backend, head, files, on_tokens, **where)
+        write_files(prepared, backend, head, files, on_tokens, **where)
     finally:
         backend.close()

@@ -54,8 +54,8 @@ def mapping_from_ids(draft_ids: np.ndarray, target_vocab_size: int) -> tuple[np.
 
 # -- the stage -------------------------------------------------------------------
 def build_vocab_mapping(cfg: VocabConfig):
-    wd = WorkDir(cfg.work_dir)
-    prep = read_manifest(wd, "prepare", needed_by="stage 03 (vocab mapping)")
+    workdir = WorkDir(cfg.work_dir)
+    prep = read_manifest(workdir, "prepare", needed_by="stage 03 (vocab mapping)")
     pr: PrepareRecord = record_of(prep)
     vocab_size = pr.vocab_size
     if cfg.target_model is not None:
@@ -72,17 +72,17 @@ def build_vocab_mapping(cfg: VocabConfig):
 
     freqs = {}
     for split in ("train", "eval"):
-        freq = load_token_freq(wd, split)
+        freq = load_token_freq(workdir, split)
         if freq.shape != (vocab_size,):
             raise PipelineError(
-                f"{wd.token_freq(split)} has shape {freq.shape}, the target vocab is {vocab_size} "
+                f"{workdir.token_freq(split)} has shape {freq.shape}, the target vocab is {vocab_size} "
                 f"({prep.path}); rerun `python 01_prepare_dataset.py --force`.")
         freqs[split] = freq
 
     params = identity_params(cfg)
     params.pop("target_model")  # checked above; the identity is stage 01's manifest
     inputs = {"prepare": manifest_fingerprint(prep)}
-    done = already_complete(wd, "vocab", params, inputs, force=cfg.force)
+    done = already_complete(workdir, "vocab", params, inputs, force=cfg.force)
     if done:
         return done
 
@@ -91,14 +91,14 @@ def build_vocab_mapping(cfg: VocabConfig):
     distinct = int((freqs["train"] > 0).sum())
     cov = {split: coverage(f, t2d) for split, f in freqs.items()}
 
-    outputs = save_mapping(wd, d2t, t2d)
+    outputs = save_mapping(workdir, d2t, t2d)
     record = VocabRecord(tokenizer_fingerprint=pr.tokenizer_fingerprint, target_vocab_size=vocab_size,
                          draft_vocab_size=cfg.draft_vocab_size, coverage_train=cov["train"], coverage_eval=cov["eval"])
     counts = {
         "distinct_train_tokens": distinct, "padded_ids": max(0, cfg.draft_vocab_size - distinct),
         "train_assistant_tokens": int(freqs["train"].sum()), "eval_assistant_tokens": int(freqs["eval"].sum()),
     }
-    m = write_manifest(wd, "vocab", params=params, inputs=inputs, counts=counts,
+    m = write_manifest(workdir, "vocab", params=params, inputs=inputs, counts=counts,
                        outputs=outputs, record=record)
     log.info("stage 03: draft vocab %d of %d target ids (%d distinct assistant ids seen, %d padded); "
              "coverage of assistant tokens: train %.2f%% (%d tokens, the data that chose the vocab), "

@@ -81,28 +81,28 @@ def checkpoints_to_prune(steps: list[int], current: int, *, keep: int, evaluated
     return [s for s in doomed if s not in spared] + sorted(s for s in steps if s > current)
 
 
-def save_checkpoint(wd: WorkDir, ckpt: TrainCheckpoint, *, keep: int, is_best: bool, keep_evaluated: int = 1) -> Path:
+def save_checkpoint(workdir: WorkDir, ckpt: TrainCheckpoint, *, keep: int, is_best: bool, keep_evaluated: int = 1) -> Path:
     """Write `ckpt` (and best.pt when `is_best`), point latest.json at it, then prune the step
     files `checkpoints_to_prune` names (best.pt is never pruned)."""
-    path = wd.checkpoint(ckpt.step)
+    path = workdir.checkpoint(ckpt.step)
     save_torch(path, ckpt.to_file())
     if is_best:
-        save_torch(wd.best_checkpoint(), ckpt.to_file())
-    write_json(wd.latest_checkpoint(), {"step": ckpt.step, "file": path.name, "identity": ckpt.identity})
-    steps = sorted(s for s in map(wd.checkpoint_step, wd.checkpoints().iterdir()) if s is not None)
-    evaluated = ({wd.checkpoint_step(p) for p, _ in evaluated_checkpoints(wd, up_to=ckpt.step)}
+        save_torch(workdir.best_checkpoint(), ckpt.to_file())
+    write_json(workdir.latest_checkpoint(), {"step": ckpt.step, "file": path.name, "identity": ckpt.identity})
+    steps = sorted(s for s in map(workdir.checkpoint_step, workdir.checkpoints().iterdir()) if s is not None)
+    evaluated = ({workdir.checkpoint_step(p) for p, _ in evaluated_checkpoints(workdir, up_to=ckpt.step)}
                  if keep_evaluated > 1 else set())
     for s in checkpoints_to_prune(steps, ckpt.step, keep=keep, evaluated=evaluated, keep_evaluated=keep_evaluated):
-        wd.checkpoint(s).unlink(missing_ok=True)
+        workdir.checkpoint(s).unlink(missing_ok=True)
     return path
 
 
-def latest_checkpoint(wd: WorkDir, identity: str) -> TrainCheckpoint | None:
+def latest_checkpoint(workdir: WorkDir, identity: str) -> TrainCheckpoint | None:
     """The checkpoint to resume from (see the module docstring), or None when there is none."""
-    pointer, folder = wd.latest_checkpoint(), wd.checkpoints()
-    steps = sorted((s for s in map(wd.checkpoint_step, folder.iterdir()) if s is not None),
+    pointer, folder = workdir.latest_checkpoint(), workdir.checkpoints()
+    steps = sorted((s for s in map(workdir.checkpoint_step, folder.iterdir()) if s is not None),
                    reverse=True) if folder.is_dir() else []
-    candidates = [wd.checkpoint(s) for s in steps]
+    candidates = [workdir.checkpoint(s) for s in steps]
     skipped: list[str] = []
     if not pointer.is_file():
         if not steps:

@@ -132,7 +132,7 @@ class DataSource:
 class WholeSplit(DataSource):
     """The whole train split in one store (no --disk-budget), in epochs."""
 
-    def __init__(self, cfg: TrainConfig, wd: WorkDir, store: HiddenStateStore, batching: Batching, dist: Dist, *,
+    def __init__(self, cfg: TrainConfig, workdir: WorkDir, store: HiddenStateStore, batching: Batching, dist: Dist, *,
                  t2d: torch.Tensor, draft_vocab: int):
         super().__init__(cfg, dist)
         self.train_split = store.split("train")
@@ -144,7 +144,7 @@ class WholeSplit(DataSource):
         if dist.main:
             log.info("train split: %s", self.loss_positions.summary(cfg.max_seq_len, draft_vocab))
         warning = check_loss_positions(self.loss_positions, max_seq_len=cfg.max_seq_len, draft_vocab=draft_vocab,
-                                       mapping_from=str(cfg.init_from or wd.d2t()))
+                                       mapping_from=str(cfg.init_from or workdir.d2t()))
         if warning and dist.main:
             log.warning("%s", warning)
         # Each epoch's step count comes from its own packing (data.py); counting every
@@ -199,25 +199,25 @@ class WholeSplit(DataSource):
 class RoundsOfWindows(DataSource):
     """The train split in rounds of windows (stage 02's --disk-budget; windows.py)."""
 
-    def __init__(self, cfg: TrainConfig, wd: WorkDir, store: HiddenStateStore, batching: Batching, dist: Dist,
+    def __init__(self, cfg: TrainConfig, workdir: WorkDir, store: HiddenStateStore, batching: Batching, dist: Dist,
                  window_plan: WindowPlan):
         super().__init__(cfg, dist)
         if cfg.train_fraction < 1.0:
             raise PipelineError("--train-fraction applies to a whole store; with stage 02's --disk-budget use a "
                                 "smaller stage 01 dataset instead.")
-        lengths, trainable = trainable_samples(wd, cfg.max_seq_len, assistant_only=cfg.loss_on == "assistant")
+        lengths, trainable = trainable_samples(workdir, cfg.max_seq_len, assistant_only=cfg.loss_on == "assistant")
         planned = sum(len(w["samples"]) for w in window_plan.windows)
         if len(lengths) != planned:
-            raise PipelineError(f"{wd.store() / 'windows.json'} plans {planned} train samples, "
-                                f"{wd.dataset('train')} holds {len(lengths)}: rerun stage 02 with --force after "
+            raise PipelineError(f"{workdir.store() / 'windows.json'} plans {planned} train samples, "
+                                f"{workdir.dataset('train')} holds {len(lengths)}: rerun stage 02 with --force after "
                                 f"stage 01 changed.")
         if not trainable.any():
-            raise PipelineError(f"no sample of {wd.dataset('train')} has a position that carries loss within "
+            raise PipelineError(f"no sample of {workdir.dataset('train')} has a position that carries loss within "
                                 f"--max-seq-len {cfg.max_seq_len}; check stage 01's loss mask.")
         self.plan = RoundSchedule(window_plan, lengths, trainable, batching, rank=dist.rank, world=dist.world,
                                   grad_accum=cfg.grad_accum, epochs=cfg.epochs)
         self.total = min(cfg.max_steps, self.plan.total) if cfg.max_steps else self.plan.total
-        self.rounds = Rounds(wd, store, self.plan, windows_dir=cfg.windows_dir, keep=cfg.keep_windows,
+        self.rounds = Rounds(workdir, store, self.plan, windows_dir=cfg.windows_dir, keep=cfg.keep_windows,
                              wait_s=cfg.window_wait_s, rank=dist.rank, world=dist.world)
         self.loss_positions = None
         if dist.main:
@@ -269,12 +269,12 @@ class RoundsOfWindows(DataSource):
         return {"steps_per_round": self.plan.steps, "loss_positions": None}
 
 
-def open_data_source(cfg: TrainConfig, wd: WorkDir, store: HiddenStateStore, batching: Batching, dist: Dist, *,
+def open_data_source(cfg: TrainConfig, workdir: WorkDir, store: HiddenStateStore, batching: Batching, dist: Dist, *,
                      t2d: torch.Tensor, draft_vocab: int) -> DataSource:
     """The rounds when stage 02 ran with --disk-budget (its windows plan), else the whole split.
     `t2d` [V_t] bool and `draft_vocab`: the drafter's mapping, which decides the positions
     that carry loss."""
-    window_plan = read_plan(wd.store())
+    window_plan = read_plan(workdir.store())
     if window_plan is not None:
-        return RoundsOfWindows(cfg, wd, store, batching, dist, window_plan)
-    return WholeSplit(cfg, wd, store, batching, dist, t2d=t2d, draft_vocab=draft_vocab)
+        return RoundsOfWindows(cfg, workdir, store, batching, dist, window_plan)
+    return WholeSplit(cfg, workdir, store, batching, dist, t2d=t2d, draft_vocab=draft_vocab)

@@ -65,7 +65,7 @@ def held_out_batches(lengths: list[int], batching: Batching, eval_batches: int |
 
 @torch.no_grad()
 def evaluate_held_out(model: torch.nn.Module, forward, load, store: HiddenStateStore, batching: Batching,
-                      eval_batches: int | None, d: Dist, ttt_steps: int,
+                      eval_batches: int | None, dist: Dist, ttt_steps: int,
                       mass: HeldOutMass | None = None) -> dict:
     """The held-out metrics summed over every rank (`MetricSum.result()`), the same on each.
 
@@ -78,7 +78,7 @@ def evaluate_held_out(model: torch.nn.Module, forward, load, store: HiddenStateS
     (module doc).
     """
     split = held_out_split(store)
-    batches = held_out_batches(split.lengths(), batching, eval_batches, d.rank, d.world)
+    batches = held_out_batches(split.lengths(), batching, eval_batches, dist.rank, dist.world)
     model.eval()
     acc = MetricSum(ttt_steps, sampling=mass is not None)
     for idx in batches:
@@ -88,6 +88,6 @@ def evaluate_held_out(model: torch.nn.Module, forward, load, store: HiddenStateS
         acc.add(forward(batch).metrics)
     if mass is not None:
         mass.release()
-    acc.all_reduce(d.world)
+    acc.all_reduce(dist.world)
     model.train()
     return acc.result()

@@ -126,30 +126,30 @@ def count_loss_positions(split: SplitView, t2d: torch.Tensor, max_seq_len: int,
     return LossPositions(str(split.store.dir), per_sample=counts, **totals)
 
 
-def check_loss_positions(c: LossPositions, *, max_seq_len: int, draft_vocab: int, mapping_from: str) -> str | None:
+def check_loss_positions(positions: LossPositions, *, max_seq_len: int, draft_vocab: int, mapping_from: str) -> str | None:
     """Refuse a split where nothing carries loss (one line: the store, the counts, the fix).
     Returns the warning to log (the same counts) when more than half of the samples or
     of the assistant positions carry none, else None."""
-    counts = c.summary(max_seq_len, draft_vocab)
-    if c.carrying == 0:
-        within_mask = c.positions - c.beyond_max_seq_len - c.outside_mask  # assistant positions inside the crop
-        if c.samples == 0:
+    counts = positions.summary(max_seq_len, draft_vocab)
+    if positions.carrying == 0:
+        within_mask = positions.positions - positions.beyond_max_seq_len - positions.outside_mask  # assistant positions inside the crop
+        if positions.samples == 0:
             fix = "the store's train split holds no sample: rerun stages 01 and 02 on training data"
         elif within_mask > 0:
             fix = (f"the draft vocabulary ({mapping_from}) never holds the target's prediction: check that stage 03 "
                    f"ran on this store's data and target, or raise --draft-vocab-size in stage 03; with "
                    f"--init-from, --vocab-mode remap trains under stage 03's mapping")
-        elif c.assistant > 0:
+        elif positions.assistant > 0:
             fix = (f"every assistant token lies beyond --max-seq-len {max_seq_len}: raise --max-seq-len (and "
                    f"--batch-tokens with it) to reach the answers")
         else:
             fix = ("stage 01's loss mask marks no assistant token: check that the records hold assistant turns "
                    "and rerun stages 01-03")
-        raise PipelineError(f"{c.source}: no position of the train split carries loss [{counts}]; {fix}.")
-    dropped = c.assistant - c.carrying
-    if 2 * c.samples_without_loss > c.samples or 2 * dropped > c.assistant:
-        return (f"{c.source}: more than half of the train split carries no loss ({c.samples_without_loss} of "
-                f"{c.samples} samples, {dropped} of {c.assistant} assistant positions) [{counts}]; samples without a "
+        raise PipelineError(f"{positions.source}: no position of the train split carries loss [{counts}]; {fix}.")
+    dropped = positions.assistant - positions.carrying
+    if 2 * positions.samples_without_loss > positions.samples or 2 * dropped > positions.assistant:
+        return (f"{positions.source}: more than half of the train split carries no loss ({positions.samples_without_loss} of "
+                f"{positions.samples} samples, {dropped} of {positions.assistant} assistant positions) [{counts}]; samples without a "
                 f"loss-carrying position are left out of training. Raise --max-seq-len, or the draft vocabulary in "
                 f"stage 03, to train on more of the data")
     return None

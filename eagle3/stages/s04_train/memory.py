@@ -50,28 +50,28 @@ from eagle3.drafter.ttt import TTTConfig, ttt_loss
 GIB = 1024**3
 
 
-def param_count(c: DrafterConfig) -> tuple[int, int]:
+def param_count(drafter_config: DrafterConfig) -> tuple[int, int]:
     """(all trainable parameters, those in matmul weights) of the drafter."""
-    H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
-    nh, nkv = c.num_attention_heads, c.num_key_value_heads
-    matmul = (c.num_aux_layers * c.target_hidden_size * H  # fc
+    H, I, D = drafter_config.hidden_size, drafter_config.intermediate_size, drafter_config.head_dim
+    nh, nkv = drafter_config.num_attention_heads, drafter_config.num_key_value_heads
+    matmul = (drafter_config.num_aux_layers * drafter_config.target_hidden_size * H  # fc
               + 2 * H * (nh + 2 * nkv) * D  # q, k, v read 2H
               + nh * D * H  # o_proj
               + 3 * H * I  # gate, up, down
-              + c.draft_vocab_size * H)  # lm_head
+              + drafter_config.draft_vocab_size * H)  # lm_head
     norms = 4 * H  # input_layernorm, hidden_norm, post_attention_layernorm, norm
     return matmul + norms, matmul
 
 
-def bf16_copy_bytes(c: DrafterConfig) -> int:
+def bf16_copy_bytes(drafter_config: DrafterConfig) -> int:
     """Autocast's bf16 weight copies that backward keeps: every matmul weight but fc's."""
-    return 2 * (param_count(c)[1] - c.num_aux_layers * c.target_hidden_size * c.hidden_size)
+    return 2 * (param_count(drafter_config)[1] - drafter_config.num_aux_layers * drafter_config.target_hidden_size * drafter_config.hidden_size)
 
 
-def step_bytes_per_token(c: DrafterConfig, attention: str, row_len: int, checkpoint_steps: bool) -> float:
+def step_bytes_per_token(drafter_config: DrafterConfig, attention: str, row_len: int, checkpoint_steps: bool) -> float:
     """Bytes autograd keeps per token for one TTT step under bf16 autocast (module doc)."""
-    H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
-    nh, nkv, V = c.num_attention_heads, c.num_key_value_heads, c.draft_vocab_size
+    H, I, D = drafter_config.hidden_size, drafter_config.intermediate_size, drafter_config.head_dim
+    nh, nkv, V = drafter_config.num_attention_heads, drafter_config.num_key_value_heads, drafter_config.draft_vocab_size
     if checkpoint_steps:  # the step's hidden input, its valid indices and the kv later steps read
         return 2 * H + 8 + 4 * nkv * D
     b = 28 * H + 8 * I + 4 * (nh + nkv + 1) * D + 4 * nh + 2 * V + 28
@@ -80,7 +80,7 @@ def step_bytes_per_token(c: DrafterConfig, attention: str, row_len: int, checkpo
     return float(b)
 
 
-def saved_bytes_per_token(c: DrafterConfig, ttt_steps: int, attention: str, row_len: int,
+def saved_bytes_per_token(drafter_config: DrafterConfig, ttt_steps: int, attention: str, row_len: int,
                           checkpoint_steps: bool = False, fp32_attention: bool = False) -> float:
     """Activations kept for backward per training token, all K steps together.
 
@@ -89,12 +89,12 @@ def saved_bytes_per_token(c: DrafterConfig, ttt_steps: int, attention: str, row_
     ATEN_CPU_CAPABILITY=default): step j then keeps float32 copies of its query (less the
     bf16 keys it no longer keeps) and of the j + 1 cached keys and values it reads.
     Fitted on measurements at four attention shapes and K = 3, 5 (exact at each)."""
-    once = 2 * c.num_aux_layers * c.target_hidden_size
-    total = once + ttt_steps * step_bytes_per_token(c, attention, row_len, checkpoint_steps)
+    once = 2 * drafter_config.num_aux_layers * drafter_config.target_hidden_size
+    total = once + ttt_steps * step_bytes_per_token(drafter_config, attention, row_len, checkpoint_steps)
     if checkpoint_steps:  # the last step's keys/values are read by no later step
-        total -= 4 * c.num_key_value_heads * c.head_dim
+        total -= 4 * drafter_config.num_key_value_heads * drafter_config.head_dim
     elif fp32_attention and attention == "sdpa":
-        nh, nkv, D, K = c.num_attention_heads, c.num_key_value_heads, c.head_dim, ttt_steps
+        nh, nkv, D, K = drafter_config.num_attention_heads, drafter_config.num_key_value_heads, drafter_config.head_dim, ttt_steps
         total += K * (6 * nh - 4 * nkv) * D + 4 * nkv * D * K * (K + 1)
     return total
 
@@ -122,21 +122,21 @@ class PeakEstimate:
         return f"{self.total / GIB:.1f} GiB ({terms})"
 
 
-def predict_peak(c: DrafterConfig, *, ttt_steps: int, batch_tokens: int, row_len: int, attention: str = "sdpa",
+def predict_peak(drafter_config: DrafterConfig, *, ttt_steps: int, batch_tokens: int, row_len: int, attention: str = "sdpa",
                  checkpoint_steps: bool = False, ddp: bool = False, fp32_attention: bool = False) -> PeakEstimate:
     """Peak memory of one process training on micro-batches of `batch_tokens` tokens in
     rows of `row_len` tokens (only the reference attention depends on it: its blocks
     span a whole row, padded or packed). `ddp`: DistributedDataParallel's gradient
     buckets, another fp32 copy of the gradients. `fp32_attention`: see `saved_bytes_per_token`."""
-    P, _ = param_count(c)
-    V, H = c.draft_vocab_size, c.hidden_size
-    steps = step_bytes_per_token(c, attention, row_len, False)
-    acts = batch_tokens * saved_bytes_per_token(c, ttt_steps, attention, row_len, checkpoint_steps, fp32_attention)
+    P, _ = param_count(drafter_config)
+    V, H = drafter_config.draft_vocab_size, drafter_config.hidden_size
+    steps = step_bytes_per_token(drafter_config, attention, row_len, False)
+    acts = batch_tokens * saved_bytes_per_token(drafter_config, ttt_steps, attention, row_len, checkpoint_steps, fp32_attention)
     transient = batch_tokens * (2 * V + (steps if checkpoint_steps else 0))
     return PeakEstimate(
-        weights=4 * P, grads=4 * P, adamw=8 * P, bf16_copies=bf16_copy_bytes(c),
-        embedding=2 * (c.target_vocab_size + V) * H,
-        batch=batch_tokens * (2 * c.num_aux_layers * c.target_hidden_size + 2 * H + 4 * V + 8 * 4),
+        weights=4 * P, grads=4 * P, adamw=8 * P, bf16_copies=bf16_copy_bytes(drafter_config),
+        embedding=2 * (drafter_config.target_vocab_size + V) * H,
+        batch=batch_tokens * (2 * drafter_config.num_aux_layers * drafter_config.target_hidden_size + 2 * H + 4 * V + 8 * 4),
         activations=acts, backward_peak=transient, ddp_buckets=4 * P if ddp else 0.0)
 
 

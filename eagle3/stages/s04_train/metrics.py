@@ -46,8 +46,8 @@ class MetricSum:
             self.counts += [f"num_valid_{k}" for k in range(K)]
         self.v = torch.zeros(len(self.means) + len(self.counts), dtype=torch.float64)
 
-    def add(self, m: dict) -> None:
-        self.v += torch.tensor([m[key] * m[count] for key, count in self.means] + [m[c] for c in self.counts],
+    def add(self, metrics: dict) -> None:
+        self.v += torch.tensor([metrics[key] * metrics[count] for key, count in self.means] + [metrics[c] for c in self.counts],
                                dtype=torch.float64)
 
     def all_reduce(self, world: int) -> None:
@@ -120,10 +120,10 @@ def read_lines_up_to(path: Path, step: int) -> list[str]:
 class MetricsLog:
     """Rank 0: metrics.jsonl (appended; resumed runs continue it) and the trackers of --report-to."""
 
-    def __init__(self, wd: WorkDir, enabled: bool, resume_step: int, report_to: list[str] | None = None,
+    def __init__(self, workdir: WorkDir, enabled: bool, resume_step: int, report_to: list[str] | None = None,
                  run_config: dict | None = None):
         self.enabled = enabled
-        self.path = wd.train_metrics()
+        self.path = workdir.train_metrics()
         self.trackers: list[Tracker] = []
         if not self.enabled:
             return
@@ -132,7 +132,7 @@ class MetricsLog:
             text = "".join(k + "\n" for k in read_lines_up_to(self.path, resume_step))
             with atomic_path(self.path, expected_bytes=len(text.encode())) as tmp:
                 tmp.write_text(text)
-        self.trackers = open_trackers(resolve(report_to or ["auto"]), wd, run_config or {})
+        self.trackers = open_trackers(resolve(report_to or ["auto"]), workdir, run_config or {})
 
     def write(self, split: str, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -147,13 +147,13 @@ class MetricsLog:
             t.close()
 
 
-def fmt(split: str, step: int, total: int, m: dict, K: int, extra: str = "") -> str:
+def fmt(split: str, step: int, total: int, metrics: dict, K: int, extra: str = "") -> str:
     """One fixed-format log line; `K`: the TTT steps, whose full_acc_k it shows, and on
     held-out lines the acceptance under sampling per step and its expected length."""
-    accs = " ".join(f"{m[f'full_acc_{k}']:.3f}" for k in range(K))
+    accs = " ".join(f"{metrics[f'full_acc_{k}']:.3f}" for k in range(K))
     sampled = ""
-    if "sample_accept_length" in m:
-        probs = " ".join(f"{m[f'accept_prob_{k}']:.3f}" for k in range(K))
-        sampled = f" | sampled: accept {probs}, len {m['sample_accept_length']:.3f}"
-    return (f"{split:5s} step {step:6d}/{total} | loss_0 {m['loss_0']:.4f} | full_acc {accs} | "
-            f"accept_len {m['expected_accept_length']:.3f}{sampled}{extra}")
+    if "sample_accept_length" in metrics:
+        probs = " ".join(f"{metrics[f'accept_prob_{k}']:.3f}" for k in range(K))
+        sampled = f" | sampled: accept {probs}, len {metrics['sample_accept_length']:.3f}"
+    return (f"{split:5s} step {step:6d}/{total} | loss_0 {metrics['loss_0']:.4f} | full_acc {accs} | "
+            f"accept_len {metrics['expected_accept_length']:.3f}{sampled}{extra}")

@@ -134,13 +134,13 @@ def bf16_autocast_pays(device: torch.device) -> bool:
     return device.type == "cuda" or bf16_pays()
 
 
-def log_memory_prediction(cfg: TrainConfig, dcfg: DrafterConfig, device: torch.device, d: Dist) -> None:
+def log_memory_prediction(cfg: TrainConfig, drafter_config: DrafterConfig, device: torch.device, dist: Dist) -> None:
     """Log eagle3/stages/s04_train/memory.py's predicted peak per process (bf16 autocast, as on GPUs);
     warn when it exceeds 85% of this GPU."""
     # The reference attention's score blocks span a whole row: a packed row is batch_tokens long.
     row = cfg.batch_tokens if (cfg.packing and cfg.attention == "reference") else cfg.max_seq_len
-    est = predict_peak(dcfg, ttt_steps=cfg.ttt_steps, batch_tokens=cfg.batch_tokens, row_len=row,
-                       attention=cfg.attention, checkpoint_steps=cfg.checkpoint_steps, ddp=d.world > 1,
+    est = predict_peak(drafter_config, ttt_steps=cfg.ttt_steps, batch_tokens=cfg.batch_tokens, row_len=row,
+                       attention=cfg.attention, checkpoint_steps=cfg.checkpoint_steps, ddp=dist.world > 1,
                        fp32_attention=device.type == "cpu" and not bf16_fused_attention_ok())
     log.info("predicted peak memory per process under bf16 autocast (--batch-tokens %d, --max-seq-len %d, "
              "--attention %s, --checkpoint-steps %s): %s", cfg.batch_tokens, cfg.max_seq_len, cfg.attention,
@@ -171,14 +171,14 @@ class StageInputs:
         return sha256_json({"params": self.params, "inputs": self.inputs})
 
 
-def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
+def read_inputs(cfg: TrainConfig, workdir: WorkDir) -> StageInputs:
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
-    prep = read_record(wd, "prepare", needed_by="stage 04 (train)")
-    vocab_m = read_manifest(wd, "vocab", needed_by="stage 04 (train)")
-    store = HiddenStateStore.open(wd, needed_by="stage 04 (train)",
+    prep = read_record(workdir, "prepare", needed_by="stage 04 (train)")
+    vocab_m = read_manifest(workdir, "vocab", needed_by="stage 04 (train)")
+    store = HiddenStateStore.open(workdir, needed_by="stage 04 (train)",
                                   tokenizer_fingerprint=prep.tokenizer_fingerprint,
                                   hidden_size=info.hidden_size,
-                                  expected_from={"tokenizer_fingerprint": str(wd.manifest("prepare")),
+                                  expected_from={"tokenizer_fingerprint": str(workdir.manifest("prepare")),
                                                  "hidden_size": f"{cfg.target_model}'s config (--target-model)"})
     if store.vocab_size != info.vocab_size:
         raise PipelineError(f"the store was extracted from a target with vocab {store.vocab_size}, "
@@ -188,9 +188,9 @@ def read_inputs(cfg: TrainConfig, wd: WorkDir) -> StageInputs:
     validate_aux_layers(store.aux_layers, info.num_layers,
                         source=f"the aux layer ids of {store.dir / STORE_JSON} for {cfg.target_model}",
                         fix="pass the same --target-model as stage 02, or rerun stage 02 with --force and ids")
-    d2t, t2d = load_mapping(wd)
+    d2t, t2d = load_mapping(workdir)
     if t2d.shape[0] != info.vocab_size:
-        raise PipelineError(f"{wd.t2d()} covers {t2d.shape[0]} target ids, {cfg.target_model} has "
+        raise PipelineError(f"{workdir.t2d()} covers {t2d.shape[0]} target ids, {cfg.target_model} has "
                             f"{info.vocab_size}; rerun stage 03 for this target.")
     inputs = {"extract": manifest_fingerprint(store.manifest), "vocab": manifest_fingerprint(vocab_m)}
     if cfg.init_from:
@@ -204,9 +204,9 @@ def build_drafter(cfg: TrainConfig, src: StageInputs) -> tuple[Eagle3Drafter, In
     torch.manual_seed(cfg.seed)  # the initial weights are a function of --seed
     if cfg.init_from:
         return drafter_from(cfg, src)
-    dcfg = drafter_config_for_target(src.info, cfg, len(src.d2t))
-    dcfg.num_aux_layers = src.store.num_aux  # what stage 02 captured, whatever the target's default
-    drafter = Eagle3Drafter(dcfg, attention=cfg.attention)
+    drafter_config = drafter_config_for_target(src.info, cfg, len(src.d2t))
+    drafter_config.num_aux_layers = src.store.num_aux  # what stage 02 captured, whatever the target's default
+    drafter = Eagle3Drafter(drafter_config, attention=cfg.attention)
     drafter.set_vocab_mapping(src.d2t, src.t2d)
     if cfg.init_layer is not None:
         layer = init_from_target_layer(drafter, src.info, cfg.init_layer)
@@ -281,14 +281,14 @@ def check_start_figures(start: dict, cfg: TrainConfig, draft_vocab: int, mapping
 class Trainer:
     """One stage-04 run on this process: built from the checked inputs, driven by `fit`."""
 
-    def __init__(self, cfg: TrainConfig, wd: WorkDir, src: StageInputs, device: torch.device, d: Dist):
-        self.cfg, self.wd, self.src, self.device, self.d = cfg, wd, src, device, d
+    def __init__(self, cfg: TrainConfig, workdir: WorkDir, src: StageInputs, device: torch.device, dist: Dist):
+        self.cfg, self.workdir, self.src, self.device, self.d = cfg, workdir, src, device, dist
         self.store = src.store
 
         # The drafter and the frozen target weights each step reads.
         drafter, self.init_report = build_drafter(cfg, src)
         self.drafter = drafter.to(device)
-        self.dcfg = drafter.config
+        self.drafter_config = drafter.config
         self.bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and bf16_autocast_pays(device))
         # [V_t, H], [V_d, H]
         self.embed, self.lm_rows = frozen_target_weights(cfg, src.info, drafter, device, self.bf16)
@@ -299,18 +299,18 @@ class Trainer:
         # held-out acceptance under sampling: the target's whole lm_head, read at the first evaluation
         self.held_out_mass = HeldOutMass(lambda: load_lm_head(src.info), self.draft_ids, device)
         self.model = TTTModel(self.drafter, self.ttt)  # one forward = the whole K-step unroll (what DDP wraps)
-        if d.world > 1:
+        if dist.world > 1:
             self.model = wrap_ddp(self.model, device)  # no buffer broadcast: a forward is never a collective
-        if d.main:
-            log_memory_prediction(cfg, self.dcfg, device, d)
+        if dist.main:
+            log_memory_prediction(cfg, self.drafter_config, device, dist)
 
         # The schedule: optimizer steps of grad_accum micro-batches per process.
         self.batching = Batching(cfg.batch_tokens, cfg.max_seq_len, cfg.seed, packed=cfg.packing)
-        self.data = open_data_source(cfg, wd, self.store, self.batching, d, t2d=self.drafter.t2d,
-                                     draft_vocab=self.dcfg.draft_vocab_size)
+        self.data = open_data_source(cfg, workdir, self.store, self.batching, dist, t2d=self.drafter.t2d,
+                                     draft_vocab=self.drafter_config.draft_vocab_size)
         self.total = self.data.total
         self.params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.opt, self.sched = optimizer_and_schedule(self.params, cfg, self.total, d.main)
+        self.opt, self.sched = optimizer_and_schedule(self.params, cfg, self.total, dist.main)
 
         # Progress: with the weights, optimizer and RNG, what a checkpoint holds.
         self.step = 0
@@ -350,7 +350,7 @@ class Trainer:
         if self.cfg.loss_on == "all":
             batch["loss_mask"] = batch["attention_mask"].to(torch.int8)
         if self.cfg.aux_noise > 0:
-            batch["aux"] = noisy_aux(batch["aux"], self.cfg.aux_noise, self.dcfg.num_aux_layers)
+            batch["aux"] = noisy_aux(batch["aux"], self.cfg.aux_noise, self.drafter_config.num_aux_layers)
         return batch
 
     # -- one optimizer step --------------------------------------------------------
@@ -417,10 +417,10 @@ class Trainer:
         """
         start = self.evaluate()
         self.metrics.write("eval", 0, start)
-        V = self.dcfg.draft_vocab_size
+        V = self.drafter_config.draft_vocab_size
         log.info(fmt("start", 0, self.total, start, self.ttt.num_steps,
                      f" | ce_0 {start['ce_0']:.4f}, uniform ln({V}) = {math.log(V):.3f}"))
-        check_start_figures(start, self.cfg, V, mapping=self.cfg.init_from or self.wd.d2t())
+        check_start_figures(start, self.cfg, V, mapping=self.cfg.init_from or self.workdir.d2t())
         if self.cfg.init_from:
             # A fine-tune must never export something worse than its start: the starting
             # weights are the first candidate for best.pt, and a trained step replaces
@@ -429,7 +429,7 @@ class Trainer:
             self.best = {"expected_accept_length": start["expected_accept_length"], "step": 0, "metrics": start}
             self.save(is_best=True)
             log.info("the initial drafter (held-out expected accept length %.3f) is saved as %s; a trained step "
-                     "replaces it only by doing better", start["expected_accept_length"], self.wd.best_checkpoint())
+                     "replaces it only by doing better", start["expected_accept_length"], self.workdir.best_checkpoint())
 
     # -- logging and checkpoints ----------------------------------------------------
     def new_window(self) -> None:
@@ -452,7 +452,7 @@ class Trainer:
         every rank's generator states, gathered by `save`; `evaluated`: the held-out metrics
         at this step ({} when not evaluated here)."""
         return TrainCheckpoint(
-            model=self.drafter.state_dict(), drafter_config=self.dcfg.to_dict(), aux_layers=self.store.aux_layers,
+            model=self.drafter.state_dict(), drafter_config=self.drafter_config.to_dict(), aux_layers=self.store.aux_layers,
             optimizer=self.opt.state_dict(), scheduler=self.sched.state_dict(), step=self.step,
             **self.data.position(self.step), batch_geometry=self.batch_geometry(),
             rounds_trained=self.data.rounds_trained(self.step), rng=rng,
@@ -472,7 +472,7 @@ class Trainer:
         set_rng_state(ckpt.rng, self.d.rank, self.d.world, self.device)
         self.step, self.best = ckpt.step, ckpt.best
         # Another process count may go on at another step (over windows), or be refused.
-        step = self.data.resume_step(ckpt, self.wd.checkpoint(ckpt.step))
+        step = self.data.resume_step(ckpt, self.workdir.checkpoint(ckpt.step))
         if step != ckpt.step:
             self.step = step
             move_schedule(self.opt, self.sched, step)
@@ -485,12 +485,12 @@ class Trainer:
         rng = rng_states_of_all_ranks(self.device)
         if self.d.main:  # the ranks hold the same weights (DDP)
             ckpt = self.state_dict(rng, self.last_eval if is_best or evaluated else {})
-            save_checkpoint(self.wd, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best,
+            save_checkpoint(self.workdir, ckpt, keep=self.cfg.keep_checkpoints, is_best=is_best,
                             keep_evaluated=self.cfg.keep_evaluated)
 
     def resume(self) -> None:
-        ckpt = latest_checkpoint(self.wd, self.src.identity)
-        path = self.wd.checkpoint(ckpt.step) if ckpt is not None else None
+        ckpt = latest_checkpoint(self.workdir, self.src.identity)
+        path = self.workdir.checkpoint(ckpt.step) if ckpt is not None else None
         ckpt = self.data.resumed(ckpt, path)
         if ckpt is not None:
             self.load_state_dict(ckpt)
@@ -505,8 +505,8 @@ class Trainer:
         cfg = self.cfg
         self.resume()
         self.metrics = MetricsLog(  # drops lines past the resumed checkpoint; feeds the trackers of --report-to
-            self.wd, self.d.main, self.resumed_from, report_to=cfg.report_to,
-            run_config=run_config(self.src.params, self.src.identity, self.src.inputs, self.dcfg.to_dict(),
+            self.workdir, self.d.main, self.resumed_from, report_to=cfg.report_to,
+            run_config=run_config(self.src.params, self.src.identity, self.src.inputs, self.drafter_config.to_dict(),
                                   self.store.aux_layers, self.d.world, all_settings(cfg)) if self.d.main else None)
         bar = tqdm(total=self.total, initial=self.step, desc="train", unit="step", disable=not self.d.main)
         self.data.start_prefetch(self.step, self.device)
@@ -532,7 +532,7 @@ class Trainer:
                 if is_best or candidate or self.step % cfg.save_every == 0 or end or part_end:
                     self.save(is_best, evaluated=candidate)
                 if part_end:
-                    self.data.covered(self.step, self.wd.checkpoint(self.step))
+                    self.data.covered(self.step, self.workdir.checkpoint(self.step))
                 if cfg.stop_after is not None and cfg.stop_after <= self.step < self.total:
                     log.warning("--stop-after %d: stopping here as if killed; rerun without it to resume",
                                 cfg.stop_after)
@@ -547,7 +547,7 @@ class Trainer:
         """The stage's manifest (rank 0): the best held-out figures and where its checkpoint is."""
         if not self.d.main:
             return None
-        wd, best = self.wd, self.best
+        workdir, best = self.workdir, self.best
         # With --init-from the starting weights are step 0's candidate (check_start).
         best_is_initial = best["step"] == 0
         counts = {**self.data.counts(self.step), "processes": self.d.world, "best_is_initial": best_is_initial,
@@ -556,17 +556,17 @@ class Trainer:
             ttt_steps=self.ttt.num_steps, aux_layer_ids=list(self.store.aux_layers), steps=self.step,
             best_step=best["step"], best_expected_accept_length=best["expected_accept_length"],
             best_eval=best.get("metrics"),
-            best_checkpoint=wd.best_checkpoint().relative_to(wd.stage_dir("train")).as_posix())
-        extra = {"drafter_config": self.dcfg.to_dict(),
+            best_checkpoint=workdir.best_checkpoint().relative_to(workdir.stage_dir("train")).as_posix())
+        extra = {"drafter_config": self.drafter_config.to_dict(),
                  "init_from": self.init_report.to_json() if self.init_report else None}
-        m = write_manifest(wd, "train", params=self.src.params, inputs=self.src.inputs, counts=counts,
-                           outputs=[wd.best_checkpoint(), wd.train_metrics()], record=record, extra=extra,
+        m = write_manifest(workdir, "train", params=self.src.params, inputs=self.src.inputs, counts=counts,
+                           outputs=[workdir.best_checkpoint(), workdir.train_metrics()], record=record, extra=extra,
                            hash_outputs=False)
         if best_is_initial:
             log.warning("no trained step beat the initial drafter (held-out expected accept length %.3f at step 0); "
                         "best.pt holds the initial weights of %s: lower --learning-rate, or fine-tune on more data",
                         best["expected_accept_length"], self.cfg.init_from)
-        for line in end_of_run_lines(wd, self.step, self.ttt.num_steps, best, self.last_eval, self.step,
+        for line in end_of_run_lines(workdir, self.step, self.ttt.num_steps, best, self.last_eval, self.step,
                                      self.cfg.init_from):
             log.info("%s", line)
         return m
@@ -575,24 +575,24 @@ class Trainer:
 # -- the stage -------------------------------------------------------------------------
 def train_drafter(cfg: TrainConfig) -> Manifest | None:
     """Stage 04's entry point: the manifest, or None on a rank other than 0 or on --stop-after."""
-    wd = WorkDir(cfg.work_dir)
+    workdir = WorkDir(cfg.work_dir)
     device = pick_device(cfg.device)
     configure_cuda_allocator(device)  # before init_distributed: torch reads it when CUDA initialises
     d = init_distributed(device, timeout_s=cfg.dist_timeout_s)
     try:
-        src = read_inputs(cfg, wd)
-        done = already_complete(wd, "train", src.params, src.inputs, force=cfg.force)
+        src = read_inputs(cfg, workdir)
+        done = already_complete(workdir, "train", src.params, src.inputs, force=cfg.force)
         if done:
             return done
-        if cfg.force and d.main and wd.stage_dir("train").exists():
-            shutil.rmtree(wd.stage_dir("train"))
+        if cfg.force and d.main and workdir.stage_dir("train").exists():
+            shutil.rmtree(workdir.stage_dir("train"))
             # Over windows, training from scratch needs every round again: stage 02 re-extracts
             # the ones deleted once no round counts as trained.
-            wdir = windows_dir(wd.store(), cfg.windows_dir)
-            if read_plan(wd.store()) is not None and (wdir / PROGRESS_JSON).is_file():
+            wdir = windows_dir(workdir.store(), cfg.windows_dir)
+            if read_plan(workdir.store()) is not None and (wdir / PROGRESS_JSON).is_file():
                 (wdir / PROGRESS_JSON).unlink()
         barrier()  # no rank may read a checkpoint rank 0 is deleting
-        manifest = Trainer(cfg, wd, src, device, d).fit()
+        manifest = Trainer(cfg, workdir, src, device, d).fit()
         # Every rank leaves together: a rank that tears its group down while rank 0 still
         # writes the manifest can abort in the transport's teardown (gloo) after a good run.
         # Only on success: after an exception on one rank, a barrier would wait for its timeout.

@@ -28,31 +28,31 @@ def run_config(params: dict, identity: str, inputs: dict, drafter_config: dict, 
             "drafter_config": drafter_config, "aux_layer_ids": list(aux_layers), "processes": processes}
 
 
-def _figures(m: dict | None, K: int) -> str:
-    if not m:
+def _figures(metrics: dict | None, K: int) -> str:
+    if not metrics:
         return "no held-out figures"
-    acc = [m.get(f"full_acc_{k}") for k in range(K)]
+    acc = [metrics.get(f"full_acc_{k}") for k in range(K)]
     sampled = ""
-    if m.get("sample_accept_length") is not None:
-        probs = " ".join(readable.fixed(m.get(f"accept_prob_{k}"), 3) for k in range(K))
-        sampled = (f"; under sampling {readable.num(m['sample_accept_length'])} (acceptance per step {probs}, the "
+    if metrics.get("sample_accept_length") is not None:
+        probs = " ".join(readable.fixed(metrics.get(f"accept_prob_{k}"), 3) for k in range(K))
+        sampled = (f"; under sampling {readable.num(metrics['sample_accept_length'])} (acceptance per step {probs}, the "
                    f"target's mass outside the draft vocabulary counted as rejected)")
-    return (f"expected accept length {readable.num(m.get('expected_accept_length'))} "
+    return (f"expected accept length {readable.num(metrics.get('expected_accept_length'))} "
             f"(1 + full_acc {' + '.join(readable.fixed(a, 3) for a in acc)}){sampled}, "
-            f"loss_0 {readable.num(m.get('loss_0'))}, {readable.count(m.get('num_valid'))} held-out positions")
+            f"loss_0 {readable.num(metrics.get('loss_0'))}, {readable.count(metrics.get('num_valid'))} held-out positions")
 
 
-def end_of_run_lines(wd: WorkDir, steps: int, K: int, best: dict, last_eval: dict | None,
+def end_of_run_lines(workdir: WorkDir, steps: int, K: int, best: dict, last_eval: dict | None,
                      last_eval_step: int, init_from: str | None) -> list[str]:
     """The block stage 04 logs when a run ends."""
-    best_path = wd.best_checkpoint()
+    best_path = workdir.best_checkpoint()
     lines = [f"stage 04 finished: {readable.count(steps)} steps, K = {K} train-time-test steps; curves in "
-             f"{wd.train_metrics()}",
+             f"{workdir.train_metrics()}",
              f"  best held-out step {best.get('step')}: {_figures(best.get('metrics'), K)}"]
     if last_eval is not None and last_eval_step != best.get("step"):
         lines.append(f"  last held-out step {last_eval_step}: {_figures(last_eval, K)}")
     origin = (f"the initial weights of {init_from} (no trained step beat them)" if best.get("step") == 0 and init_from
               else f"step {best.get('step')}")
     lines.append(f"  the exported drafter will come from {best_path} ({origin}): `python {WorkDir.script('export')} "
-                 f"--work-dir {Path(wd.root)} --target-model TARGET` exports it (its default --checkpoint)")
+                 f"--work-dir {Path(workdir.root)} --target-model TARGET` exports it (its default --checkpoint)")
     return lines

@@ -109,10 +109,10 @@ class Tracker:
 class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
-    def __init__(self, wd: WorkDir, config: dict):
+    def __init__(self, workdir: WorkDir, config: dict):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.w = SummaryWriter(str(wd.tensorboard_dir()))
+        self.w = SummaryWriter(str(workdir.tensorboard_dir()))
         self.w.add_text("run_config", "```\n" + json.dumps(config, indent=1, default=str) + "\n```", 0)
 
     def log(self, step: int, values: dict[str, float]) -> None:
@@ -129,10 +129,10 @@ class WandbTracker(Tracker):
 
     name = "wandb"
 
-    def __init__(self, wd: WorkDir, config: dict, run_name: str):
+    def __init__(self, workdir: WorkDir, config: dict, run_name: str):
         import wandb
 
-        root = wd.tracker_dir()
+        root = workdir.tracker_dir()
         root.mkdir(parents=True, exist_ok=True)
         id_file = root / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
@@ -152,12 +152,12 @@ class MlflowTracker(Tracker):
 
     name = "mlflow"
 
-    def __init__(self, wd: WorkDir, config: dict, run_name: str):
+    def __init__(self, workdir: WorkDir, config: dict, run_name: str):
         import mlflow
 
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri((wd.tracker_dir() / "mlruns").resolve().as_uri())
+            mlflow.set_tracking_uri((workdir.tracker_dir() / "mlruns").resolve().as_uri())
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", DEFAULT_PROJECT))
         self.run = mlflow.start_run(run_name=run_name)
         # MLflow params are short strings: the flat config, each value cut to its limit.
@@ -175,7 +175,7 @@ class TrackioTracker(Tracker):
 
     name = "trackio"
 
-    def __init__(self, wd: WorkDir, config: dict, run_name: str):
+    def __init__(self, workdir: WorkDir, config: dict, run_name: str):
         import trackio
 
         self.trackio = trackio
@@ -188,18 +188,18 @@ class TrackioTracker(Tracker):
         self.trackio.finish()
 
 
-def open_trackers(names: list[str], wd: WorkDir, config: dict) -> list[Tracker]:
+def open_trackers(names: list[str], workdir: WorkDir, config: dict) -> list[Tracker]:
     """The chosen trackers (names already `resolve`d), each given the run's config."""
-    run_name = Path(wd.root).resolve().name
+    run_name = Path(workdir.root).resolve().name
     out: list[Tracker] = []
     for n in names:
         if n == "tensorboard":
-            out.append(TensorBoardTracker(wd, config))
+            out.append(TensorBoardTracker(workdir, config))
         elif n == "wandb":
-            out.append(WandbTracker(wd, config, run_name))
+            out.append(WandbTracker(workdir, config, run_name))
         elif n == "mlflow":
-            out.append(MlflowTracker(wd, config, run_name))
+            out.append(MlflowTracker(workdir, config, run_name))
         else:
-            out.append(TrackioTracker(wd, config, run_name))
+            out.append(TrackioTracker(workdir, config, run_name))
         log.info("stage 04 reports to %s", n)
     return out

@@ -82,9 +82,9 @@ def _kill_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def trainable_samples(wd: WorkDir, max_seq_len: int, assistant_only: bool) -> tuple[list[int], np.ndarray]:
+def trainable_samples(workdir: WorkDir, max_seq_len: int, assistant_only: bool) -> tuple[list[int], np.ndarray]:
     """Stage 01's train split: (lengths, whether each sample has a position that can carry loss)."""
-    ds = load_split(wd.dataset("train")).with_format("numpy")
+    ds = load_split(workdir.dataset("train")).with_format("numpy")
     lengths = [int(n) for n in ds["num_tokens"]]
     if not assistant_only:
         return lengths, np.array([min(n, max_seq_len) > 2 for n in lengths], dtype=bool)
@@ -123,9 +123,9 @@ class RoundSchedule:
                 return r, step - self.starts[r]
         raise AssertionError((step, self.total))
 
-    def end(self, r: int) -> int:
+    def end(self, round_index: int) -> int:
         """The global step count once round r is trained."""
-        return self.starts[r] + self.steps[r]
+        return self.starts[round_index] + self.steps[round_index]
 
     def rounds_done(self, step: int) -> int:
         return sum(1 for r in range(len(self.steps)) if self.end(r) <= step)
@@ -193,18 +193,18 @@ class RoundSchedule:
 class Rounds:
     """The rounds' folders as the trainer meets them: open in order, delete once covered."""
 
-    def __init__(self, wd: WorkDir, main: HiddenStateStore, schedule: RoundSchedule, *, windows_dir: str | None,
+    def __init__(self, workdir: WorkDir, main: HiddenStateStore, schedule: RoundSchedule, *, windows_dir: str | None,
                  keep: bool, wait_s: float, rank: int = 0, world: int = 1):
-        self.wd, self.main, self.schedule = wd, main, schedule
-        self.dir = windows.windows_dir(wd.store(), windows_dir)
+        self.workdir, self.main, self.schedule = workdir, main, schedule
+        self.dir = windows.windows_dir(workdir.store(), windows_dir)
         self.keep, self.wait_s = keep, wait_s
         self.rank, self.world, self.main_rank = rank, world, rank == 0
         self.current: int | None = None
         self.split = None
         self.index_of: list[int | None] = []  # window position -> index in the round's split (None: rejected)
 
-    def _open(self, r: int) -> bool:
-        d = self.dir / windows.round_name(r)
+    def _open(self, round_index: int) -> bool:
+        d = self.dir / windows.round_name(round_index)
         if windows.read_complete(d) is None:
             return False  # not extracted yet, or still being written
         # Every rank checks the sizes, and reads its share of the files (file i: rank i mod
@@ -217,21 +217,21 @@ class Rounds:
             if problem:
                 break
         if problem:
-            raise PipelineError(f"stage 04: round {r} is damaged ({problem}); rerun `python "
-                                f"{WorkDir.script('extract')} --window {r}` with your --config and --disk-budget: it "
+            raise PipelineError(f"stage 04: round {round_index} is damaged ({problem}); rerun `python "
+                                f"{WorkDir.script('extract')} --window {round_index}` with your --config and --disk-budget: it "
                                 f"checks every file of the round and redoes the damaged ones.")
         # The round's identity is its store.json, which its index.json names by hash (eagle3/artifacts/store).
-        need, script = "stage 04 (train)", f"{WorkDir.script('extract')} --window {r}"
+        need, script = "stage 04 (train)", f"{WorkDir.script('extract')} --window {round_index}"
         index = json.loads((d / store.INDEX_JSON).read_text())
         identity = store.read_identity(d, needed_by=need, fix=f"delete {d} and rerun `python {script}`")
         index = {**index, "identity": store.index_identity(index, identity, d, needed_by=need, script=script)}
         ours = {k: v for k, v in index["identity"].items() if k not in _ROUND_KEYS}
         theirs = {k: v for k, v in self.main.index["identity"].items() if k not in _ROUND_KEYS}
-        if ours != theirs or index["identity"].get("round") != r:
+        if ours != theirs or index["identity"].get("round") != round_index:
             diff = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
             raise PipelineError(f"stage 04: {d} was extracted for another store or round (differs in {diff or 'round'} "
-                                f"from {self.wd.store() / store.INDEX_JSON}); delete it and rerun stage 02 with "
-                                f"--window {r}.")
+                                f"from {self.workdir.store() / store.INDEX_JSON}); delete it and rerun stage 02 with "
+                                f"--window {round_index}.")
         # The checksums were verified just now (each rank its share): the reader checks sizes only.
         st = HiddenStateStore(d, index, None, verify="off", needed_by="stage 04 (train)")
         self.split = st.split("train")
@@ -241,9 +241,9 @@ class Rounds:
             for j in range(e["num_samples"]):
                 mapping.append(None if j in rejected else k)
                 k += j not in rejected
-        self.index_of, self.current = mapping, r
-        log.info("stage 04: training on round %d (%s, %d samples, steps %d..%d)", r, d, len(mapping),
-                 self.schedule.starts[r], self.schedule.end(r))
+        self.index_of, self.current = mapping, round_index
+        log.info("stage 04: training on round %d (%s, %d samples, steps %d..%d)", round_index, d, len(mapping),
+                 self.schedule.starts[round_index], self.schedule.end(round_index))
         return True
 
     def ensure(self, step: int) -> bool:
@@ -275,7 +275,7 @@ class Rounds:
             self.split, self.current = None, None
             # The advice names the windows folder when it is not the default: without it the
             # round would be written into the work dir's own windows folder, never read here.
-            shared = "" if self.dir == windows.windows_dir(self.wd.store(), None) else f" --windows-dir {self.dir}"
+            shared = "" if self.dir == windows.windows_dir(self.workdir.store(), None) else f" --windows-dir {self.dir}"
             log.warning("stage 04: round %d is not extracted yet (%s has no complete %s on %s; the folder is %s): "
                         "stopping at step %d of %d. Run `python %s --window %d%s` (same --config and "
                         "--disk-budget), then rerun this command; `python -m eagle3.tools.window_loop` does both "
@@ -286,19 +286,19 @@ class Rounds:
             return False
         return True
 
-    def _wait_open(self, r: int) -> bool:
+    def _wait_open(self, round_index: int) -> bool:
         """Open round r on this rank, waiting up to --window-wait-s for it to be complete; rank 0
         logs, at once and every `windows.WAIT_LOG_S` seconds, the round it waits for and its
         folder's state (missing, claimed by host:pid and the heartbeat's age, ...)."""
         started = time.monotonic()
         deadline, next_log, watch = started + self.wait_s, started, windows.Watch()
-        while not self._open(r):
+        while not self._open(round_index):
             now = time.monotonic()
             if now >= deadline:
                 return False
             if self.main_rank and now >= next_log:
-                d = self.dir / windows.round_name(r)
-                log.info("stage 04: waiting for round %d (%s): %s; waited %.0f s of --window-wait-s %.0f", r, d,
+                d = self.dir / windows.round_name(round_index)
+                log.info("stage 04: waiting for round %d (%s): %s; waited %.0f s of --window-wait-s %.0f", round_index, d,
                          windows.round_state(d, watch), now - started, self.wait_s)
                 next_log = now + windows.WAIT_LOG_S
             time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
@@ -345,7 +345,7 @@ class Rounds:
         barrier()  # no rank maps a file rank 0 is about to delete
         if not self.main_rank:
             return
-        pointer = self.wd.latest_checkpoint()
+        pointer = self.workdir.latest_checkpoint()
         assert checkpoint.is_file() and json.loads(pointer.read_text())["file"] == checkpoint.name, (
             f"round(s) up to {done - 1} would be deleted, but {pointer} does not name {checkpoint}: the trainer must "
             f"save at every round's end before `covered`")

@@ -25,28 +25,28 @@ NOT_MEASURED = ("_Not measured yet. `python {script} --config CONFIG` serves the
                 "greedy and sampled, speedup and break-even)._")
 
 
-def _manifest(wd: WorkDir, stage: str, need: str) -> Manifest | None:
+def _manifest(workdir: WorkDir, stage: str, need: str) -> Manifest | None:
     """A stage's manifest when it ran here; None when it did not or cannot be read (the card
     then says what is not recorded rather than stopping the export)."""
-    if not wd.manifest(stage).is_file():
+    if not workdir.manifest(stage).is_file():
         return None
     try:
-        return read_manifest(wd, stage, needed_by=need)
+        return read_manifest(workdir, stage, needed_by=need)
     except PipelineError:
         return None
 
 
-def _sources(m: Manifest | None) -> str:
-    data = (m.params or {}).get("data") if m is not None else None
+def _sources(manifest: Manifest | None) -> str:
+    data = (manifest.params or {}).get("data") if manifest is not None else None
     if not data:
         return "not recorded"
     items = data if isinstance(data, list) else [data]
     return ", ".join(f"`{d}`" for d in items)
 
 
-def data_lines(wd: WorkDir, need: str) -> list[str]:
+def data_lines(workdir: WorkDir, need: str) -> list[str]:
     """Samples, tokens, where they came from, and whether the target regenerated the answers."""
-    gen_m, prep_m = _manifest(wd, "generate", need), _manifest(wd, "prepare", need)
+    gen_m, prep_m = _manifest(workdir, "generate", need), _manifest(workdir, "prepare", need)
     lines = []
     if prep_m is not None:
         p = record_of(prep_m)
@@ -71,9 +71,9 @@ def data_lines(wd: WorkDir, need: str) -> list[str]:
     return lines or ["- not recorded (stages 00-01 did not run in the export's work directory)"]
 
 
-def recipe_lines(wd: WorkDir, need: str, report: dict) -> list[str]:
+def recipe_lines(workdir: WorkDir, need: str, report: dict) -> list[str]:
     """Steps, learning rate, K, initialisation: stage 04's parameters and record."""
-    m = _manifest(wd, "train", need)
+    m = _manifest(workdir, "train", need)
     if m is None:
         return ["- not recorded (stage 04 did not finish in the export's work directory)"]
     p, r = m.params or {}, record_of(m)
@@ -96,10 +96,10 @@ def recipe_lines(wd: WorkDir, need: str, report: dict) -> list[str]:
     ]
 
 
-def held_out_lines(wd: WorkDir, need: str, report: dict) -> list[str]:
+def held_out_lines(workdir: WorkDir, need: str, report: dict) -> list[str]:
     """The held-out expected acceptance of the exported checkpoint (docs/CONVENTIONS.md §5)."""
     eal = report["expected_accept_length"]
-    m = _manifest(wd, "train", need)
+    m = _manifest(workdir, "train", need)
     best = record_of(m).best_eval if m is not None else None
     K = record_of(m).ttt_steps if m is not None else None
     lines = [f"- **Expected accept length** (1 + sum of full_acc_k, chain drafting of K = {K or 'n/a'}): "
@@ -111,13 +111,13 @@ def held_out_lines(wd: WorkDir, need: str, report: dict) -> list[str]:
     return lines
 
 
-def card_text(report: dict, wd: WorkDir, *, target: str, base_model: str | None, license: str | None,
+def card_text(report: dict, workdir: WorkDir, *, target: str, base_model: str | None, license: str | None,
               trust_remote_code: bool) -> str:
     """The whole card of a fresh export (stage 06's section still empty). `base_model`: the
     target's Hub id (None: left out of the front matter, said in the card)."""
     need = f"the model card ({WorkDir.script('export')})"
     dc, layers, cov = report["drafter_config"], report["layers"], report["vocab"]
-    train_m = _manifest(wd, "train", need)
+    train_m = _manifest(workdir, "train", need)
     K = record_of(train_m).ttt_steps if train_m is not None else 3
     drafter = str(report["out_dir"])
     # Users serve the Hub model; the local folder only when there is no Hub id.
@@ -165,15 +165,15 @@ def card_text(report: dict, wd: WorkDir, *, target: str, base_model: str | None,
         "",
         "## Training data",
         "",
-        *data_lines(wd, need),
+        *data_lines(workdir, need),
         "",
         "## Recipe",
         "",
-        *recipe_lines(wd, need, report),
+        *recipe_lines(workdir, need, report),
         "",
         "## Held-out expected acceptance (training time)",
         "",
-        *held_out_lines(wd, need, report),
+        *held_out_lines(workdir, need, report),
         "",
         "## Serve it",
         "",

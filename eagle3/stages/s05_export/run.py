@@ -61,20 +61,20 @@ REPORT_JSON, REPORT_MD = WorkDir(Path()).export_report("json").name, WorkDir(Pat
 STAGE_SCRIPT = WorkDir.script("export")
 
 
-def resolve_checkpoint(wd: WorkDir, checkpoint: Path | None) -> tuple[Path, Manifest | None]:
+def resolve_checkpoint(workdir: WorkDir, checkpoint: Path | None) -> tuple[Path, Manifest | None]:
     """The checkpoint to export and stage 04's manifest (None when it has none yet).
 
     Default ("best"): the train record's `best_checkpoint`. An explicit --checkpoint needs
     no finished training.
     """
     train_m = None
-    if wd.manifest("train").is_file():
-        train_m = read_manifest(wd, "train", needed_by=STAGE_SCRIPT)
+    if workdir.manifest("train").is_file():
+        train_m = read_manifest(workdir, "train", needed_by=STAGE_SCRIPT)
     if checkpoint is not None:
         return Path(checkpoint), train_m
     if train_m is None:
-        train_m = read_manifest(wd, "train", needed_by=f"{STAGE_SCRIPT} (default --checkpoint: the best one)")
-    return wd.stage_dir("train") / record_of(train_m).best_checkpoint, train_m  # relative to 04_train/
+        train_m = read_manifest(workdir, "train", needed_by=f"{STAGE_SCRIPT} (default --checkpoint: the best one)")
+    return workdir.stage_dir("train") / record_of(train_m).best_checkpoint, train_m  # relative to 04_train/
 
 
 def chosen_by(cfg: ExportConfig, ckpt: TrainCheckpoint, train_m: Manifest | None) -> str:
@@ -108,7 +108,7 @@ def expected_accept_length(ckpt: TrainCheckpoint, train_m: Manifest | None) -> t
     return None, f"no held-out evaluation recorded at this checkpoint's step ({step})"
 
 
-def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> dict[str, Any]:
+def vocab_coverage(workdir: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> dict[str, Any]:
     """Share of stage 01's assistant tokens (per split) the exported draft vocab can predict."""
 
     out: dict[str, Any] = {}
@@ -118,27 +118,27 @@ def vocab_coverage(wd: WorkDir, d2t: torch.Tensor | None, vocab_size: int) -> di
     t2d = np.zeros(vocab_size, dtype=bool)
     t2d[ids[(ids >= 0) & (ids < vocab_size)]] = True
     for split in ("train", "eval"):
-        f = wd.token_freq(split)
+        f = workdir.token_freq(split)
         if not f.is_file():
             continue
-        freq = load_token_freq(wd, split)
+        freq = load_token_freq(workdir, split)
         if freq.shape != (vocab_size,):
             out[split] = {"note": f"{f} has shape {freq.shape}, not ({vocab_size},): another target?"}
             continue
         out[split] = {"coverage": coverage(freq, t2d), "assistant_tokens": int(freq.sum())}
     if not out:
-        out["note"] = f"no token frequencies in {wd.stage_dir('prepare')} (stage 01 not run here)"
+        out["note"] = f"no token frequencies in {workdir.stage_dir('prepare')} (stage 01 not run here)"
     # Stage 03's own figures, for the mapping it built (the exported one may differ: a
     # fine-tune can keep its source drafter's mapping, convention 3).
-    if wd.manifest("vocab").is_file():
+    if workdir.manifest("vocab").is_file():
         try:
-            r03 = read_record(wd, "vocab", needed_by=STAGE_SCRIPT)
+            r03 = read_record(workdir, "vocab", needed_by=STAGE_SCRIPT)
             out["stage03_manifest"] = {"coverage_train": r03.coverage_train, "coverage_eval": r03.coverage_eval,
                                        "draft_vocab_size": r03.draft_vocab_size}
         except PipelineError as e:
             out["stage03_manifest"] = {"note": str(e)}
-    if wd.d2t().is_file():
-        ids03 = target_ids(load_mapping(wd)[0]).numpy()
+    if workdir.d2t().is_file():
+        ids03 = target_ids(load_mapping(workdir)[0]).numpy()
         out["vs_stage03"] = {
             "positions_differing": int((ids03 != ids).sum()) if len(ids03) == len(ids) else None,
             "tokens_shared": int(len(np.intersect1d(ids03, ids))),
@@ -159,37 +159,37 @@ def embed_tokens(info: TargetInfo) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the report
 
-def report_markdown(r: dict) -> str:
+def report_markdown(report: dict) -> str:
     """The readable summary of an export report."""
-    dc = r["drafter_config"]
+    dc = report["drafter_config"]
     lines = [
         "# EAGLE-3 drafter export",
         "",
-        f"- written to: `{r['out_dir']}` ({r['dtype']}, {len(r['tensors'])} tensors"
-        f"{', with embed_tokens' if r['include_embed_tokens'] else ''})",
-        f"- from checkpoint: `{r['checkpoint']['path']}` (step {r['checkpoint'].get('step')}, "
-        f"sha256 {r['checkpoint']['sha256'][:12]}), chosen by {r['checkpoint'].get('chosen_by')}",
-        f"- target: `{r['target']['source']}` ({r['target']['architecture']}, {r['target']['num_layers']} layers, "
-        f"hidden {r['target']['hidden_size']}, vocab {r['target']['vocab_size']}, context "
-        f"{r['target']['max_position_embeddings']})",
+        f"- written to: `{report['out_dir']}` ({report['dtype']}, {len(report['tensors'])} tensors"
+        f"{', with embed_tokens' if report['include_embed_tokens'] else ''})",
+        f"- from checkpoint: `{report['checkpoint']['path']}` (step {report['checkpoint'].get('step')}, "
+        f"sha256 {report['checkpoint']['sha256'][:12]}), chosen by {report['checkpoint'].get('chosen_by')}",
+        f"- target: `{report['target']['source']}` ({report['target']['architecture']}, {report['target']['num_layers']} layers, "
+        f"hidden {report['target']['hidden_size']}, vocab {report['target']['vocab_size']}, context "
+        f"{report['target']['max_position_embeddings']})",
         f"- drafter: {shape_name(dc.get('fc_norm', False), dc.get('norm_output', False))}, hidden "
         f"{dc['hidden_size']}, {dc['num_attention_heads']} heads x {dc['head_dim']} "
         f"({dc['num_key_value_heads']} kv), draft vocab {dc['draft_vocab_size']}, max_position_embeddings "
-        f"{r['config']['max_position_embeddings']}",
+        f"{report['config']['max_position_embeddings']}",
         "",
         "## Aux layers each engine will capture",
         "",
-        f"Trained on {r['layers']['trained']} (convention 1: residual stream after k layers). config.json: top-level "
-        f"{r['layers']['config_top_level']}, eagle_config {r['layers']['config_nested']}.",
+        f"Trained on {report['layers']['trained']} (convention 1: residual stream after k layers). config.json: top-level "
+        f"{report['layers']['config_top_level']}, eagle_config {report['layers']['config_nested']}.",
         "",
     ]
-    for rule, got in r["layers"]["captured"].items():
-        ok = "ok" if got == r["layers"]["trained"] else "MISMATCH"
+    for rule, got in report["layers"]["captured"].items():
+        ok = "ok" if got == report["layers"]["trained"] else "MISMATCH"
         lines.append(f"- {RULES[rule].split(':')[0]}: {got} ({ok})")
-    for p in r["layers"]["problems"]:
+    for p in report["layers"]["problems"]:
         lines.append(f"- PROBLEM: {p}")
     lines += ["", "## Draft vocabulary", ""]
-    cov = r["vocab"]
+    cov = report["vocab"]
     for split in ("train", "eval"):
         if isinstance(cov.get(split), dict) and "coverage" in cov[split]:
             lines.append(f"- coverage of {split} assistant tokens: {readable.pct(cov[split]['coverage'])} "
@@ -204,15 +204,15 @@ def report_markdown(r: dict) -> str:
         v = cov["vs_stage03"]
         lines.append(f"- against stage 03's mapping: {v['positions_differing']} positions differ, "
                      f"{v['tokens_shared']} tokens shared")
-    d = r["d2t"]
+    d = report["d2t"]
     if d:
         lines.append(f"- d2t: {d['size']} ids, ascending {d['ascending']}, duplicates {d['duplicates']}, "
                      f"out of range {d['out_of_range']}")
-    eal = r["expected_accept_length"]
+    eal = report["expected_accept_length"]
     lines += ["", "## Quality", "",
               f"- held-out expected accept length: {readable.num(eal['value'])} ({eal['source']})", ""]
-    if r["findings"]:
-        lines += ["## Notes", ""] + [f"- {f}" for f in r["findings"]] + [""]
+    if report["findings"]:
+        lines += ["## Notes", ""] + [f"- {f}" for f in report["findings"]] + [""]
     return "\n".join(lines)
 
 
@@ -222,7 +222,7 @@ def report_markdown(r: dict) -> str:
 class ExportInputs:
     """What stage 05 reads before writing anything, and the identity it records."""
 
-    wd: WorkDir
+    workdir: WorkDir
     info: TargetInfo
     facts: TargetFacts
     layers: list[int]  # convention 1 ids stage 02 extracted
@@ -236,23 +236,23 @@ class ExportInputs:
     @property
     def in_stage_dir(self) -> bool:
         """The drafter goes inside WORK/05_export (then its files are the manifest's outputs too)."""
-        stage_dir, out = self.wd.export_dir().resolve(), self.out_dir.resolve()
+        stage_dir, out = self.workdir.export_dir().resolve(), self.out_dir.resolve()
         return out == stage_dir or stage_dir in out.parents
 
 
 def export_inputs(cfg: ExportConfig) -> ExportInputs:
     """The target, stage 02's layer ids, the checkpoint and the output folder, checked."""
-    wd = WorkDir(cfg.work_dir)
+    workdir = WorkDir(cfg.work_dir)
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
-    extract_m = read_manifest(wd, "extract", needed_by=STAGE_SCRIPT)
+    extract_m = read_manifest(workdir, "extract", needed_by=STAGE_SCRIPT)
     layers = list(record_of(extract_m).aux_layer_ids)  # convention 1
-    ckpt_path, train_m = resolve_checkpoint(wd, cfg.checkpoint)
-    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else wd.export_dir()
+    ckpt_path, train_m = resolve_checkpoint(workdir, cfg.checkpoint)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else workdir.export_dir()
     params = {**identity_params(cfg), "out_dir": str(out_dir)}
     inputs = {"checkpoint": sha256_file(ckpt_path) if ckpt_path.is_file() else str(ckpt_path),
               "extract": manifest_fingerprint(extract_m),
               "target_config": sha256_json(info.text_config)}
-    return ExportInputs(wd, info, TargetFacts.from_info(info), layers, extract_m, ckpt_path, train_m, out_dir,
+    return ExportInputs(workdir, info, TargetFacts.from_info(info), layers, extract_m, ckpt_path, train_m, out_dir,
                         params, inputs)
 
 
@@ -312,7 +312,7 @@ def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, ckpt: TrainCh
             "captured": {rule: captured_layers(rule, hf, info.num_layers) for rule in rules_for(x.facts.family)},
             "problems": problems,
         },
-        "vocab": vocab_coverage(x.wd, d2t, info.vocab_size),
+        "vocab": vocab_coverage(x.workdir, d2t, info.vocab_size),
         "d2t": d2t_summary(d2t, info.vocab_size) if d2t is not None else None,
         "expected_accept_length": {"value": eal, "source": eal_src},
         "tensors": tensors,
@@ -324,12 +324,12 @@ def build_report(x: ExportInputs, cfg: ExportConfig, dc, hf: dict, ckpt: TrainCh
 
 def write_report_and_manifest(x: ExportInputs, report: dict) -> Manifest:
     """The report (json and md) and stage 05's manifest, written last."""
-    wd, out_dir = x.wd, x.out_dir
-    wd.export_dir().mkdir(parents=True, exist_ok=True)
-    write_json(wd.export_report("json"), report)
-    with atomic_path(wd.export_report("md")) as tmp:
+    workdir, out_dir = x.workdir, x.out_dir
+    workdir.export_dir().mkdir(parents=True, exist_ok=True)
+    write_json(workdir.export_report("json"), report)
+    with atomic_path(workdir.export_report("md")) as tmp:
         tmp.write_text(report_markdown(report))
-    outputs = [wd.export_report("json"), wd.export_report("md")]
+    outputs = [workdir.export_report("json"), workdir.export_report("md")]
     if x.in_stage_dir:
         outputs += [out_dir / CONFIG_NAME, out_dir / WEIGHTS_NAME]
     counts = {"tensors": len(report["tensors"]), "draft_vocab_size": report["drafter_config"]["draft_vocab_size"],
@@ -337,7 +337,7 @@ def write_report_and_manifest(x: ExportInputs, report: dict) -> Manifest:
     record = ExportRecord(drafter_dir=str(out_dir), drafter_files=report["files"], aux_layer_ids=list(x.layers),
                           checkpoint_step=report["checkpoint"]["step"],
                           expected_accept_length=report["expected_accept_length"]["value"])
-    return write_manifest(wd, "export", params=x.params, inputs=x.inputs, counts=counts, outputs=outputs,
+    return write_manifest(workdir, "export", params=x.params, inputs=x.inputs, counts=counts, outputs=outputs,
                           record=record)
 
 
@@ -354,7 +354,7 @@ def trained_reach(x: ExportInputs, hf: dict) -> dict[str, Any] | None:
 def export_drafter(cfg: ExportConfig) -> Path:
     """Stage 05: write the drafter folder, the export report and the manifest; return the folder."""
     x = export_inputs(cfg)
-    if already_complete(x.wd, "export", x.params, x.inputs, force=cfg.force,
+    if already_complete(x.workdir, "export", x.params, x.inputs, force=cfg.force,
                         intact=lambda m: _drafter_intact(x.out_dir, m)):
         return x.out_dir
     dc, ckpt = checked_checkpoint(x)
@@ -364,7 +364,7 @@ def export_drafter(cfg: ExportConfig) -> Path:
                                        dtype=cfg.dtype)
     if cfg.include_embed_tokens:
         state = {**state, "embed_tokens.weight": embed_tokens(x.info)}
-    _check_out_dir(x.out_dir, x.wd.export_dir(), cfg.force)
+    _check_out_dir(x.out_dir, x.workdir.export_dir(), cfg.force)
     findings = save_drafter_dir(x.out_dir, state, hf, dtype=cfg.dtype, include_embed_tokens=cfg.include_embed_tokens,
                                 overwrite=True, target=x.facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
     # The engines that would capture other layers (let through by --allow-engine-mismatch):
@@ -382,7 +382,7 @@ def export_drafter(cfg: ExportConfig) -> Path:
         log.warning("the target %s is a local folder: the model card names no base_model; pass --base-model "
                     "HUB_ID (e.g. in the config's export section) so the Hub links the drafter to its target",
                     cfg.target_model)
-    write_card(x.out_dir / CARD_NAME, card_text(report, x.wd, target=x.info.source, base_model=base_model,
+    write_card(x.out_dir / CARD_NAME, card_text(report, x.workdir, target=x.info.source, base_model=base_model,
                                                 license=target_license(cfg.target_model),
                                                 trust_remote_code=cfg.trust_remote_code))
     m = write_report_and_manifest(x, report)
@@ -393,7 +393,7 @@ def export_drafter(cfg: ExportConfig) -> Path:
              "expected accept length %s; report %s", x.ckpt_path, x.out_dir, x.layers,
              report["layers"]["config_top_level"], report["layers"]["config_nested"],
              readable.pct(cov), readable.num(eal),
-             x.wd.export_report("md"))
+             x.workdir.export_report("md"))
     log.debug("manifest %s", m.path)
     return x.out_dir
 
@@ -409,9 +409,9 @@ def _check_out_dir(out_dir: Path, stage_dir: Path, force: bool) -> None:
                             f"Choose an empty or new folder, or pass --force.")
 
 
-def _drafter_intact(out_dir: Path, m: Manifest) -> bool:
+def _drafter_intact(out_dir: Path, manifest: Manifest) -> bool:
     """The weights and config as exported, and a card (stage 06 edits it, so only its presence
     counts: an export from before cards existed is redone once, to get one)."""
-    files = record_of(m).drafter_files
+    files = record_of(manifest).drafter_files
     return bool(files) and (out_dir / CARD_NAME).is_file() and all(
         (out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())

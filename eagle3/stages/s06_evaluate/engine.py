@@ -338,10 +338,10 @@ def _failure(name: str, returncode: int, log_path: Path, req: dict) -> PipelineE
         f"vllm` on a GPU box), {memory}, or {hint}.")
 
 
-def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
+def run_engine(name: str, req: dict, workdir: WorkDir, cfg: EvaluateConfig) -> dict:
     """Serve `req` in a worker process; its result, or a PipelineError naming the run's log."""
 
-    req_path, out_path, log_path = wd.engine_request(name), wd.engine_result(name), wd.engine_log(name)
+    req_path, out_path, log_path = workdir.engine_request(name), workdir.engine_result(name), workdir.engine_log(name)
     for folder in (req_path.parent, log_path.parent):
         folder.mkdir(parents=True, exist_ok=True)
     write_json(req_path, req)
@@ -366,12 +366,12 @@ def run_engine(name: str, req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict:
     return result
 
 
-def read_engine_result(wd: WorkDir, engine: str) -> dict:
-    """One engine's raw result in `wd` (acceptance passes with their per-request histograms,
+def read_engine_result(workdir: WorkDir, engine: str) -> dict:
+    """One engine's raw result in `workdir` (acceptance passes with their per-request histograms,
     timing passes, start time), from the newest run file that holds it: its own run's, or the
     timed `plain+trained` run's. A PipelineError naming the folder when stage 06 served no such
     engine there."""
-    folder = wd.engine_result(engine).parent
+    folder = workdir.engine_result(engine).parent
     for path in sorted(folder.glob("*.result.json"), key=lambda p: p.stat().st_mtime, reverse=True):
         runs = json.loads(path.read_text()).get("runs") or {}
         if engine in runs:

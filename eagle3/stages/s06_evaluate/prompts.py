@@ -51,14 +51,14 @@ def assistant_turns(loss_mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))
 
 
-def held_out_prompts(wd: WorkDir, num_prompts: int | None, max_prompt_len: int) -> tuple[list[Prompt], dict]:
+def held_out_prompts(workdir: WorkDir, num_prompts: int | None, max_prompt_len: int) -> tuple[list[Prompt], dict]:
     """Prompts from stage 01's eval split: each assistant turn's context, as token ids.
 
     Order: every conversation's first turn, then every second turn, ..., so a small
     `num_prompts` still spreads over conversations. Turns whose context exceeds
     `max_prompt_len` are skipped (and counted).
     """
-    path = wd.dataset("eval")
+    path = workdir.dataset("eval")
     ds = load_split(path)  # an empty split (--eval-fraction 0) reads as no rows: the error below names the fix
     by_turn: dict[int, list[Prompt]] = {}
     too_long = 0

@@ -185,23 +185,23 @@ def _per_position(values) -> str:
     return " ".join(_fmt(a) for a in (values or []))
 
 
-def speed_phrase(r: dict) -> str:
+def speed_phrase(results: dict) -> str:
     """"1.07x [0.96, 1.19]: no difference shown" (the speedup, its paired 95% interval, the verdict)."""
-    sp, ci = r.get("speedup"), r.get("speedup_ci95") or [None, None]
-    verdict = r.get("speedup_verdict")
+    sp, ci = results.get("speedup"), results.get("speedup_ci95") or [None, None]
+    verdict = results.get("speedup_verdict")
     text = readable.with_range(sp, ci[0], ci[1], unit="x")
     # results.json of earlier versions has no interval key at all: nothing to say about it then.
-    missing = "speedup_ci95" in r and r["speedup_ci95"] is None and sp is not None
+    missing = "speedup_ci95" in results and results["speedup_ci95"] is None and sp is not None
     return text + (f": {verdict}" if verdict else "") + (" (no interval: fewer than 2 timed prompts)" if missing
                                                          else "")
 
 
-def break_even_phrase(r: dict) -> str:
+def break_even_phrase(results: dict) -> str:
     """"1.39 [1.31, 1.48]: the drafter beats it" (L*, its paired interval, the comparison with L)."""
-    be, ci = r.get("break_even_acceptance_length"), r.get("break_even_ci95") or [None, None]
+    be, ci = results.get("break_even_acceptance_length"), results.get("break_even_ci95") or [None, None]
     verdict = {True: "the drafter beats it", False: "the drafter does NOT beat it",
-               None: "no difference shown" if be is not None and r.get("acceptance_length") is not None
-               else "n/a"}[r.get("beats_break_even")]
+               None: "no difference shown" if be is not None and results.get("acceptance_length") is not None
+               else "n/a"}[results.get("beats_break_even")]
     return f"{readable.with_range(be, ci[0], ci[1])}: {verdict}"
 
 
@@ -211,38 +211,38 @@ def _timed(timing: dict, n) -> str:
     return f"{timing['prompts']} of {n} prompts" + (f" in {passes} interleaved passes" if passes else "")
 
 
-def report_lines(r: dict) -> list[str]:
-    K = r["num_speculative_tokens"]
-    exp = r["expected_accept_length_training"]
-    tps = r["tokens_per_s"]
-    n = (r.get("prompts") or {}).get("count")
-    ci = r.get("acceptance_length_ci95")
+def report_lines(results: dict) -> list[str]:
+    K = results["num_speculative_tokens"]
+    exp = results["expected_accept_length_training"]
+    tps = results["tokens_per_s"]
+    n = (results.get("prompts") or {}).get("count")
+    ci = results.get("acceptance_length_ci95")
     # A figure this run has no source for (no training here, no baseline served) leaves its part out.
     lines = [
-        f"acceptance length (K={K}): {readable.with_interval(r['acceptance_length'], ci)}"
-        + f" ({_temp(r.get('acceptance_temperature', 0.0))}, {n} prompts) measured in {r['engine']['name']} "
-        f"{r['engine']['version']} ({r['engine']['platform']})"
+        f"acceptance length (K={K}): {readable.with_interval(results['acceptance_length'], ci)}"
+        + f" ({_temp(results.get('acceptance_temperature', 0.0))}, {n} prompts) measured in {results['engine']['name']} "
+        f"{results['engine']['version']} ({results['engine']['platform']})"
         + (f", training-time expected {readable.num(exp['value'])} (1 + sum of full_acc_k, k<{exp.get('k')})"
            if exp.get("value") is not None else f"; no training-time estimate ({exp.get('source')})"),
-        f"acceptance per position: measured {_per_position(r['acceptance_per_position'])}"
+        f"acceptance per position: measured {_per_position(results['acceptance_per_position'])}"
         + (f" | training full_acc {_per_position(exp.get('full_acc'))}" if exp.get("full_acc") else ""),
     ]
-    if r["untrained_acceptance_length"] is not None:
-        lines.append(f"untrained drafter: acceptance length {readable.num(r['untrained_acceptance_length'])}")
-    for row in r.get("acceptance") or []:
+    if results["untrained_acceptance_length"] is not None:
+        lines.append(f"untrained drafter: acceptance length {readable.num(results['untrained_acceptance_length'])}")
+    for row in results.get("acceptance") or []:
         t, u = row["trained"], row.get("untrained")
         lines.append(f"  {_temp(row['temperature']):>7}: trained {_pm(t)} per position "
                      f"{_per_position(t.get('acceptance_per_position'))}"
                      + (f" | untrained {_pm(u)}" if u else ""))
-    cats = (r.get("categories") or {}).get("names") or []
+    cats = (results.get("categories") or {}).get("names") or []
     if cats:
-        head = " | ".join(_temp(row["temperature"]) for row in r["acceptance"])
-        lines.append(f"acceptance length by {r['categories']['field']} ({head}):")
+        head = " | ".join(_temp(row["temperature"]) for row in results["acceptance"])
+        lines.append(f"acceptance length by {results['categories']['field']} ({head}):")
         for name in cats:
-            vals = " | ".join(_pm(row["trained"]["by_category"].get(name)) for row in r["acceptance"])
-            lines.append(f"  {name} (n={r['categories']['prompts'][name]}): {vals}")
-    timing = r.get("timing") or {}
-    problems = r.get("timing_problems") or []
+            vals = " | ".join(_pm(row["trained"]["by_category"].get(name)) for row in results["acceptance"])
+            lines.append(f"  {name} (n={results['categories']['prompts'][name]}): {vals}")
+    timing = results.get("timing") or {}
+    problems = results.get("timing_problems") or []
     if timing.get("prompts") and problems:
         lines.append(f"tokens/s, speedup and break-even (single stream, {_timed(timing, n)}, greedy): {NO_VERDICT}")
     elif timing.get("prompts"):
@@ -250,23 +250,23 @@ def report_lines(r: dict) -> list[str]:
         lines += [
             f"tokens/s (single stream, {_timed(timing, n)}, greedy): plain "
             f"{readable.num(tps['plain'])}, "
-            f"with drafter {readable.num(tps['speculative'])} -> speedup {speed_phrase(r)} "
+            f"with drafter {readable.num(tps['speculative'])} -> speedup {speed_phrase(results)} "
             f"(per prompt {readable.num(sp.get('min'))}-{readable.num(sp.get('max'))}x, decode only "
-            f"{readable.num(r['decode_speedup'])}x; acceptance length on these prompts "
+            f"{readable.num(results['decode_speedup'])}x; acceptance length on these prompts "
             f"{readable.num(timing.get('acceptance_length'))})",
-            f"break-even acceptance length {break_even_phrase(r)} (speculative step "
-            f"{readable.num(_ms(r['step_cost_s']['speculative_step']))} ms / plain step "
-            f"{readable.num(_ms(r['step_cost_s']['plain_decode_step']))} ms; measured L "
-            f"{readable.with_interval(r['acceptance_length'], ci)})",
+            f"break-even acceptance length {break_even_phrase(results)} (speculative step "
+            f"{readable.num(_ms(results['step_cost_s']['speculative_step']))} ms / plain step "
+            f"{readable.num(_ms(results['step_cost_s']['plain_decode_step']))} ms; measured L "
+            f"{readable.with_interval(results['acceptance_length'], ci)})",
         ]
     else:
         lines.append("tokens/s, speedup and break-even: not measured (--timing-prompts 0)")
     for problem in problems:
         lines.append(f"UNRELIABLE TIMINGS: {problem}; other load on the machine? Rerun `python "
                      f"{WorkDir.script('evaluate')} --force` on an idle machine (acceptance figures are unaffected).")
-    if r.get("outputs_match_plain") is not None and r["outputs_match_plain"] < 1.0:
-        lines.append(f"note: {readable.pct(r['outputs_match_plain'], 2)} of greedy speculative outputs equal plain "
-                     f"greedy ones (greedy verification is exact up to {r['settings']['dtype']} rounding of batched "
+    if results.get("outputs_match_plain") is not None and results["outputs_match_plain"] < 1.0:
+        lines.append(f"note: {readable.pct(results['outputs_match_plain'], 2)} of greedy speculative outputs equal plain "
+                     f"greedy ones (greedy verification is exact up to {results['settings']['dtype']} rounding of batched "
                      f"verify)")
     return lines
 
@@ -290,14 +290,14 @@ def hardware(engine: dict, settings: dict) -> str:
     return f"CPU: {name}, {len(os.sched_getaffinity(0))} cores"
 
 
-def card_table(r: dict, when: str) -> str:
+def card_table(results: dict, when: str) -> str:
     """Stage 06's section of the model card (Markdown): acceptance per temperature, position and
     category with 95% intervals, the untrained floor, speed and break-even with their intervals,
     the engine and the hardware. `when`: the date of the measurement."""
-    K = r["num_speculative_tokens"]
-    rows = r.get("acceptance") or []
-    eng, settings = r["engine"], r.get("settings") or {}
-    prompts = r.get("prompts") or {}
+    K = results["num_speculative_tokens"]
+    rows = results.get("acceptance") or []
+    eng, settings = results["engine"], results.get("settings") or {}
+    prompts = results.get("prompts") or {}
     heads = [_temp(row["temperature"]) for row in rows]
     out = [f"Measured by `{WorkDir.script('evaluate')}` on {when}: vLLM {eng.get('version')} on "
            f"{hardware(eng, settings)}, K = {K} speculative tokens, {prompts.get('count')} prompts "
@@ -312,17 +312,17 @@ def card_table(r: dict, when: str) -> str:
     if rows and rows[0].get("untrained"):
         out.append("| untrained drafter (the floor) | " + " | ".join(
             _pm(row.get("untrained")) if row.get("untrained") else "-" for row in rows) + " |")
-    cats = (r.get("categories") or {}).get("names") or []
+    cats = (results.get("categories") or {}).get("names") or []
     for name in cats:
-        out.append(f"| {r['categories']['field']}: {name} (n={r['categories']['prompts'][name]}) | "
+        out.append(f"| {results['categories']['field']}: {name} (n={results['categories']['prompts'][name]}) | "
                    + " | ".join(_pm(row["trained"]["by_category"].get(name)) for row in rows) + " |")
-    exp = r.get("expected_accept_length_training") or {}
+    exp = results.get("expected_accept_length_training") or {}
     out.append("")
     if exp.get("value") is not None:
         out.append(f"Training-time estimate for K = {exp.get('k')}: {readable.num(exp['value'])}.")
-    timing = r.get("timing") or {}
-    tps = r.get("tokens_per_s") or {}
-    problems = r.get("timing_problems") or []
+    timing = results.get("timing") or {}
+    tps = results.get("tokens_per_s") or {}
+    problems = results.get("timing_problems") or []
     passes = f" in {timing['passes']} interleaved passes" if timing.get("passes") else ""
     if timing.get("prompts") and problems:
         out.append(f"Speed, single stream, greedy, {timing['prompts']} prompts timed{passes}: {NO_VERDICT} ("
@@ -331,9 +331,9 @@ def card_table(r: dict, when: str) -> str:
     elif timing.get("prompts"):
         out += [f"Speed, single stream, greedy, {timing['prompts']} prompts timed{passes}: "
                 f"{readable.num(tps.get('plain'))} tokens/s without the drafter, "
-                f"{readable.num(tps.get('speculative'))} with it; speedup {speed_phrase(r)}.",
+                f"{readable.num(tps.get('speculative'))} with it; speedup {speed_phrase(results)}.",
                 f"Break-even acceptance length L* (a speculative step's cost in plain steps, decode only): "
-                f"{break_even_phrase(r)}. Timings hold for this hardware and these engine settings only."]
+                f"{break_even_phrase(results)}. Timings hold for this hardware and these engine settings only."]
     else:
         out.append("Speed: not measured (--timing-prompts 0).")
     return "\n".join(out) + "\n"
@@ -341,10 +341,10 @@ def card_table(r: dict, when: str) -> str:
 
 # --------------------------------------------------------------------------- plot
 
-def _plot_positions(a, r: dict) -> None:
+def _plot_positions(a, results: dict) -> None:
     """Acceptance per draft position: trained at each temperature, untrained, training full_acc_k."""
-    K = r["num_speculative_tokens"]
-    rows = r.get("acceptance") or []
+    K = results["num_speculative_tokens"]
+    rows = results.get("acceptance") or []
     x = np.arange(K)
     bars = [(f"trained {_temp(row['temperature'])} (L={_fmt(row['trained'].get('acceptance_length'))})",
              row["trained"].get("acceptance_per_position") or [0.0] * K) for row in rows]
@@ -356,7 +356,7 @@ def _plot_positions(a, r: dict) -> None:
     for i, (label, vals) in enumerate(bars):
         a.bar(x - 0.4 + w * (i + 0.5), vals, w, label=label,
               color="tab:gray" if label.startswith("untrained") else None)
-    exp = r["expected_accept_length_training"].get("full_acc")
+    exp = results["expected_accept_length_training"].get("full_acc")
     if exp:
         a.plot(np.arange(len(exp)), exp, "o--", color="black", label="training full_acc_k (held-out)")
     a.set_xticks(x, [str(k) for k in x])
@@ -367,10 +367,10 @@ def _plot_positions(a, r: dict) -> None:
     a.legend(fontsize=7)
 
 
-def _plot_categories(c, r: dict, cats: list[str]) -> None:
+def _plot_categories(c, results: dict, cats: list[str]) -> None:
     """Acceptance length per category and temperature, with the 95% interval over prompts."""
-    K = r["num_speculative_tokens"]
-    rows = r.get("acceptance") or []
+    K = results["num_speculative_tokens"]
+    rows = results.get("acceptance") or []
     y = np.arange(len(cats))
     h = 0.8 / max(1, len(rows))
     for i, row in enumerate(rows):
@@ -380,7 +380,7 @@ def _plot_categories(c, r: dict, cats: list[str]) -> None:
     c.set_yticks(y, cats, fontsize=7)
     c.set_xlabel(f"acceptance length (K={K}; bars: 95% interval over prompts)")
     c.set_xlim(1, K + 1)
-    c.set_title(f"by {r['categories']['field']}")
+    c.set_title(f"by {results['categories']['field']}")
     c.legend(fontsize=7)
 
 
@@ -407,7 +407,7 @@ def _plot_training(b, curve: list[dict], ttt_steps: int, colors: list[str]) -> N
         b.text(0.5, 0.5, "no stage 04 metrics", ha="center", va="center", transform=b.transAxes)
 
 
-def write_plot(path: Path, r: dict, curve: list[dict], ttt_steps: int) -> None:
+def write_plot(path: Path, results: dict, curve: list[dict], ttt_steps: int) -> None:
     """Left: acceptance per draft position (trained at each temperature, untrained, training
     full_acc_k). Middle (with categories): acceptance length per category and temperature.
     Right: full_acc_k over stage 04's steps (held-out evals as markers, train windows as lines);
@@ -418,11 +418,11 @@ def write_plot(path: Path, r: dict, curve: list[dict], ttt_steps: int) -> None:
     import matplotlib.pyplot as plt
 
 
-    cats = (r.get("categories") or {}).get("names") or []
+    cats = (results.get("categories") or {}).get("names") or []
     fig, axes = plt.subplots(1, 3 if cats else 2, figsize=(15 if cats else 10, 3.8))
-    _plot_positions(axes[0], r)
+    _plot_positions(axes[0], results)
     if cats:
-        _plot_categories(axes[1], r, cats)
+        _plot_categories(axes[1], results, cats)
     _plot_training(axes[-1], curve, ttt_steps, plt.rcParams["axes.prop_cycle"].by_key()["color"])
     fig.tight_layout()
     with atomic_path(path) as tmp:

@@ -140,19 +140,19 @@ def write_untrained_drafter(drafter_dir: Path, out_dir: Path, seed: int) -> Path
 
 # --------------------------------------------------------------------------- training-time figures
 
-def training_expectation(wd: WorkDir, K: int, step: int | None, train: TrainRecord | None) -> dict[str, Any]:
+def training_expectation(workdir: WorkDir, K: int, step: int | None, train: TrainRecord | None) -> dict[str, Any]:
     """Training-time expected accept length for K tokens: 1 + sum_{k<K} full_acc_k (convention 5),
     from the held-out evaluation of the exported checkpoint's `step` (stage 05's record), else
     stage 04's best one; `train`: stage 04's record (None: it did not finish here)."""
     if train is None:
-        return {"value": None, "k": K, "source": f"no stage 04 manifest in this work dir ({wd.manifest('train')})"}
-    curve = read_train_metrics(wd)
+        return {"value": None, "k": K, "source": f"no stage 04 manifest in this work dir ({workdir.manifest('train')})"}
+    curve = read_train_metrics(workdir)
     evals = [m for m in curve if m.get("split") == "eval"]
     row = next((m for m in reversed(evals) if m.get("step") == step), None)
-    source = f"{wd.train_metrics()} (held-out eval at the exported step {step})"
+    source = f"{workdir.train_metrics()} (held-out eval at the exported step {step})"
     if row is None:
         row = train.best_eval
-        source = f"{wd.manifest('train')} (best held-out eval, step {train.best_step})"
+        source = f"{workdir.manifest('train')} (best held-out eval, step {train.best_step})"
     if not row:
         return {"value": None, "k": K, "source": "no stage 04 held-out metrics in this work dir"}
     trained_k = train.ttt_steps
@@ -161,16 +161,16 @@ def training_expectation(wd: WorkDir, K: int, step: int | None, train: TrainReco
             "ttt_steps": trained_k, "all_steps": float(row.get("expected_accept_length", float("nan")))}
 
 
-def _resolve_drafter(wd: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest | None]:
+def _resolve_drafter(workdir: WorkDir, cfg: EvaluateConfig) -> tuple[Path, Manifest | None]:
     """(drafter folder, stage 05 manifest); the manifest is None when the drafter is not this
     work dir's export, so no training figures of another drafter are set beside its measurement."""
     if cfg.drafter_dir is None:
-        export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
+        export_m = read_manifest(workdir, "export", needed_by=STAGE_SCRIPT)
         return Path(record_of(export_m).drafter_dir), export_m
     drafter_dir = Path(cfg.drafter_dir)
-    if not wd.manifest("export").is_file():
+    if not workdir.manifest("export").is_file():
         return drafter_dir, None
-    export_m = read_manifest(wd, "export", needed_by=STAGE_SCRIPT)
+    export_m = read_manifest(workdir, "export", needed_by=STAGE_SCRIPT)
     exported = Path(record_of(export_m).drafter_dir)
     if exported.resolve() != drafter_dir.resolve():
         log.info("%s is not this work dir's export (%s): no training-time figures beside it", drafter_dir, exported)
@@ -211,10 +211,10 @@ def _prompt_source_fingerprint(cfg: EvaluateConfig) -> dict | None:
     return {"dataset": cfg.prompts, "split": cfg.prompts_split}  # a datasets id: its name is all we have
 
 
-def _load_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, max_prompt: int,
+def _load_prompts(cfg: EvaluateConfig, workdir: WorkDir, tok, max_prompt: int,
                   prep: Manifest | None) -> tuple[list[Prompt], dict]:
     if cfg.prompts is None:
-        return held_out_prompts(wd, cfg.num_prompts, max_prompt)
+        return held_out_prompts(workdir, cfg.num_prompts, max_prompt)
     return file_prompts(cfg.prompts, cfg.prompts_split, tok, cfg.prompt_field, cfg.category_field,
                         cfg.num_prompts, max_prompt, (record_of(prep).chat_template_kwargs if prep else None))
 
@@ -231,9 +231,9 @@ class _Drafter:
         return record_of(self.export) if self.export is not None else None
 
 
-def _read_drafter(wd: WorkDir, cfg: EvaluateConfig) -> _Drafter:
+def _read_drafter(workdir: WorkDir, cfg: EvaluateConfig) -> _Drafter:
 
-    drafter_dir, export_m = _resolve_drafter(wd, cfg)
+    drafter_dir, export_m = _resolve_drafter(workdir, cfg)
     cfg_file = drafter_dir / CONFIG_NAME
     if not cfg_file.is_file():
         raise PipelineError(f"{drafter_dir} has no {CONFIG_NAME}; pass a drafter folder with --drafter-dir or run "
@@ -257,20 +257,20 @@ def _identity(cfg: EvaluateConfig, drafter: _Drafter, prep: Manifest | None, inf
     return params, inputs
 
 
-def _train_record(wd: WorkDir, drafter: _Drafter) -> TrainRecord | None:
+def _train_record(workdir: WorkDir, drafter: _Drafter) -> TrainRecord | None:
     """Stage 04's record, only for the drafter stage 05 exported here (the training figures
     describe no other drafter) and when stage 04 finished here."""
-    if drafter.export is None or not wd.manifest("train").is_file():
+    if drafter.export is None or not workdir.manifest("train").is_file():
         return None
-    return read_record(wd, "train", needed_by=STAGE_SCRIPT)
+    return read_record(workdir, "train", needed_by=STAGE_SCRIPT)
 
 
-def _expectation(wd: WorkDir, cfg: EvaluateConfig, drafter: _Drafter, train: TrainRecord | None) -> dict[str, Any]:
+def _expectation(workdir: WorkDir, cfg: EvaluateConfig, drafter: _Drafter, train: TrainRecord | None) -> dict[str, Any]:
     """Stage 04's expected accept length, only for the drafter stage 05 exported here."""
     K = cfg.num_speculative_tokens
     if drafter.export is None:
         return {"value": None, "k": K, "source": f"{drafter.dir} was not exported from this work dir"}
-    expectation = training_expectation(wd, K, drafter.exported.checkpoint_step, train)
+    expectation = training_expectation(workdir, K, drafter.exported.checkpoint_step, train)
     if expectation.get("ttt_steps") and K > expectation["ttt_steps"]:
         log.warning("K = %d speculative tokens, but the drafter was trained with %d train-time-test steps: "
                     "positions past %d were never trained (retrain with --ttt-steps >= %d)",
@@ -278,7 +278,7 @@ def _expectation(wd: WorkDir, cfg: EvaluateConfig, drafter: _Drafter, train: Tra
     return expectation
 
 
-def _choose_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, info, prep: Manifest | None
+def _choose_prompts(cfg: EvaluateConfig, workdir: WorkDir, tok, info, prep: Manifest | None
                     ) -> tuple[list[Prompt], dict, int]:
     """The prompts that fit the engine's context with room to answer, their description, and
     the engine's max_model_len (the longest prompt + max_new_tokens + K + 1 unless given)."""
@@ -288,7 +288,7 @@ def _choose_prompts(cfg: EvaluateConfig, wd: WorkDir, tok, info, prep: Manifest 
     if max_prompt < 1:
         raise PipelineError(f"max_model_len {limit} leaves no room for prompts after --max-new-tokens "
                             f"{cfg.max_new_tokens}; raise --max-model-len or lower --max-new-tokens.")
-    prompts, prompt_info = _load_prompts(cfg, wd, tok, max_prompt, prep)
+    prompts, prompt_info = _load_prompts(cfg, workdir, tok, max_prompt, prep)
     longest = max(len(p.prompt_ids) for p in prompts)
     return prompts, prompt_info, cfg.max_model_len or min(limit, longest + cfg.max_new_tokens + K + 1)
 
@@ -302,7 +302,7 @@ class _Run:
     timing: list[Block]
 
 
-def _plan_runs(wd: WorkDir, cfg: EvaluateConfig, drafter_dir: Path, timed: list[int]) -> list[_Run]:
+def _plan_runs(workdir: WorkDir, cfg: EvaluateConfig, drafter_dir: Path, timed: list[int]) -> list[_Run]:
     """The worker runs; writes the untrained baseline drafter when one is served.
 
     Timed in `pairs` (the default), the plain target and the trained drafter share one worker,
@@ -327,7 +327,7 @@ def _plan_runs(wd: WorkDir, cfg: EvaluateConfig, drafter_dir: Path, timed: list[
     else:  # plain has nothing to do without greedy or timing
         plan = [_Run(e["name"], [e], []) for e in (plain, trained) if e["temperatures"]]
     if cfg.baseline_untrained:
-        untrained_dir = write_untrained_drafter(drafter_dir, wd.untrained_drafter(), cfg.seed)
+        untrained_dir = write_untrained_drafter(drafter_dir, workdir.untrained_drafter(), cfg.seed)
         # The floor at the headline temperature only: it accepts ~nothing at any temperature.
         plan.append(_Run("untrained", [{"name": "untrained", "drafter": str(untrained_dir),
                                         "temperatures": cfg.temperature[:1]}], []))
@@ -342,7 +342,7 @@ def _base_request(cfg: EvaluateConfig, prompts: list[Prompt], max_model_len: int
             "prompts": [p.prompt_ids for p in prompts]}
 
 
-def _serve(plan: list[_Run], base_req: dict, wd: WorkDir, cfg: EvaluateConfig) -> dict[str, dict]:
+def _serve(plan: list[_Run], base_req: dict, workdir: WorkDir, cfg: EvaluateConfig) -> dict[str, dict]:
     """Each planned run, one after the other, each in its own process; per engine, its result
     with the run's engine and platform facts (an engine started more than once, in the
     `passes` order: its first start's, with the timing passes of every start)."""
@@ -351,7 +351,7 @@ def _serve(plan: list[_Run], base_req: dict, wd: WorkDir, cfg: EvaluateConfig) -
     raw: dict[str, dict] = {}
     for run in tqdm(plan, desc="engine runs", unit="run"):
         result = run_engine(run.name, {**base_req, "engines": run.engines,
-                                       "timing_blocks": [list(astuple(b)) for b in run.timing]}, wd, cfg)
+                                       "timing_blocks": [list(astuple(b)) for b in run.timing]}, workdir, cfg)
         common = {k: v for k, v in result.items() if k != "runs"}
         for name, engine_result in result["runs"].items():
             if name in raw:
@@ -426,9 +426,9 @@ def _log_capture(capture: dict[str, Any], drafter_dir: Path) -> None:
                     ", ".join(f"{r} {ids}" for r, ids in wrong.items()), trained, drafter_dir)
 
 
-def _trained_reach(wd: WorkDir, drafter: _Drafter, info) -> dict[str, Any] | None:
+def _trained_reach(workdir: WorkDir, drafter: _Drafter, info) -> dict[str, Any] | None:
     """The longest position stage 04 trained against the target's context (eagle3/serving/positions.py)."""
-    params = read_manifest(wd, "train", needed_by=STAGE_SCRIPT).params
+    params = read_manifest(workdir, "train", needed_by=STAGE_SCRIPT).params
     if params.get("max_seq_len") is None or params.get("ttt_steps") is None:
         return None
     return position_reach(max_seq_len=params["max_seq_len"], ttt_steps=params["ttt_steps"],
@@ -441,9 +441,9 @@ def _log_report(results: dict, warn: bool = True) -> None:
         (log.warning if warn and line.startswith("UNRELIABLE") else log.info)("%s", line)
 
 
-def _measured_on(wd: WorkDir) -> str:
+def _measured_on(workdir: WorkDir) -> str:
     """The date of the measurement: the day results.json was written (UTC)."""
-    t = wd.evaluate_results().stat().st_mtime
+    t = workdir.evaluate_results().stat().st_mtime
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d")
 
 
@@ -456,29 +456,29 @@ def _update_card(drafter_dir: Path, results: dict, when: str) -> None:
         log.info("stage 06: %s has no model card with eagle3:evaluate markers; no card updated", drafter_dir)
 
 
-def select_checkpoint(cfg: EvaluateConfig, wd: WorkDir, prep: Manifest | None) -> dict:
+def select_checkpoint(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | None) -> dict:
     """--select-checkpoint (eagle3/stages/s06_evaluate/selection.py): serve each kept checkpoint
     greedy on the stage's prompts, one engine run each, acceptance only; write selection.json,
     log the table, and have stage 05 export the best (atomically: its folder is replaced only
     once the new one is complete). Returns selection.json's dict."""
-    export_m = read_manifest(wd, "export", needed_by=f"{STAGE_SCRIPT} --select-checkpoint")
+    export_m = read_manifest(workdir, "export", needed_by=f"{STAGE_SCRIPT} --select-checkpoint")
     export_dir = Path(record_of(export_m).drafter_dir)
-    cands = selection.candidates(wd)
+    cands = selection.candidates(workdir)
     hf, _ = load_drafter_dir(export_dir)
     info, tok = _check_target(cfg, prep if cfg.prompts is None else None, hf, export_dir)
     refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)
-    prompts, prompt_info, max_model_len = _choose_prompts(cfg, wd, tok, info, prep)
+    prompts, prompt_info, max_model_len = _choose_prompts(cfg, workdir, tok, info, prep)
     base_req = {**_base_request(cfg, prompts, max_model_len), "timing_blocks": []}
     log.info("stage 06 --select-checkpoint: serving %d checkpoints (steps %s) greedy on %d prompts from %s",
              len(cands), ", ".join(str(c.step) for c in cands), prompt_info["count"], prompt_info["source"])
     served = {}
     for c in cands:
         folder = selection.write_candidate_drafter(read_checkpoint(c.path), c.path, export_dir,
-                                                   wd.selection_candidate(c.step),
+                                                   workdir.selection_candidate(c.step),
                                                    dtype=export_m.params.get("dtype", "bfloat16"))
         name = f"candidate-{folder.name}"
         result = run_engine(name, {**base_req, "engines": [{"name": name, "drafter": str(folder),
-                                                             "temperatures": [0.0]}]}, wd, cfg)
+                                                             "temperatures": [0.0]}]}, workdir, cfg)
         served[c.step] = selection.per_prompt_counts(result["runs"][name]["acceptance"][0]["histograms"],
                                                      cfg.num_speculative_tokens)
     rows = selection.compare(cands, served)
@@ -487,20 +487,20 @@ def select_checkpoint(cfg: EvaluateConfig, wd: WorkDir, prep: Manifest | None) -
     out = {"candidates": rows, "chosen_step": chosen["step"], "chosen_checkpoint": chosen["checkpoint"],
            "chosen_by": chosen_by, "prompts": prompt_info, "num_speculative_tokens": cfg.num_speculative_tokens,
            "max_new_tokens": cfg.max_new_tokens}
-    write_json(wd.selection_results(), out)
+    write_json(workdir.selection_results(), out)
     for line in selection.table_lines(rows, chosen):
         log.info("%s", line)
     cmd = selection.export_command(export_m.params, Path(chosen["checkpoint"]), chosen_by)
     log.info("stage 06 --select-checkpoint: exporting step %d with stage 05 (log: %s)", chosen["step"],
-             wd.engine_log("export-chosen"))
-    wd.engine_log("export-chosen").parent.mkdir(parents=True, exist_ok=True)
-    with open(wd.engine_log("export-chosen"), "w") as logf:
+             workdir.engine_log("export-chosen"))
+    workdir.engine_log("export-chosen").parent.mkdir(parents=True, exist_ok=True)
+    with open(workdir.engine_log("export-chosen"), "w") as logf:
         p = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT)
     if p.returncode != 0:
-        tail = "\n    ".join(wd.engine_log("export-chosen").read_text(errors="replace").splitlines()[-15:])
+        tail = "\n    ".join(workdir.engine_log("export-chosen").read_text(errors="replace").splitlines()[-15:])
         raise PipelineError(f"stage 05 failed to export the chosen checkpoint {chosen['checkpoint']} (exit status "
                             f"{p.returncode}); the previous export in {export_dir} is unchanged. "
-                            f"{wd.engine_log('export-chosen')} ends with:\n    {tail}\nRun the command by hand to "
+                            f"{workdir.engine_log('export-chosen')} ends with:\n    {tail}\nRun the command by hand to "
                             f"see it: {' '.join(cmd)}")
     return out
 
@@ -508,32 +508,32 @@ def select_checkpoint(cfg: EvaluateConfig, wd: WorkDir, prep: Manifest | None) -
 def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     """Stage 06: serve plain / trained / untrained, write results.json, the plot and the manifest."""
 
-    wd = WorkDir(cfg.work_dir)
+    workdir = WorkDir(cfg.work_dir)
     # Stage 01's prompts are its token ids; a prompt set is tokenized here, so needs no stage 01.
-    prep = (read_manifest(wd, "prepare", needed_by=STAGE_SCRIPT)
-            if cfg.prompts is None or wd.manifest("prepare").is_file() else None)
+    prep = (read_manifest(workdir, "prepare", needed_by=STAGE_SCRIPT)
+            if cfg.prompts is None or workdir.manifest("prepare").is_file() else None)
     if cfg.select_checkpoint:  # the export is replaced by the checkpoint served best, then measured below
-        select_checkpoint(cfg, wd, prep)
-    drafter = _read_drafter(wd, cfg)
+        select_checkpoint(cfg, workdir, prep)
+    drafter = _read_drafter(workdir, cfg)
     info, tok = _check_target(cfg, prep if cfg.prompts is None else None, drafter.config, drafter.dir)
     params, inputs = _identity(cfg, drafter, prep, info)
-    if already_complete(wd, "evaluate", params, inputs, force=cfg.force):
-        results = json.loads(wd.evaluate_results().read_text())
+    if already_complete(workdir, "evaluate", params, inputs, force=cfg.force):
+        results = json.loads(workdir.evaluate_results().read_text())
         _log_report(results, warn=False)
-        _update_card(drafter.dir, results, _measured_on(wd))  # a card written since gets the same table
+        _update_card(drafter.dir, results, _measured_on(workdir))  # a card written since gets the same table
         return results
 
     refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)  # every run plan serves the drafter
-    train = _train_record(wd, drafter)
-    expectation = _expectation(wd, cfg, drafter, train)
+    train = _train_record(workdir, drafter)
+    expectation = _expectation(workdir, cfg, drafter, train)
     capture = layer_capture(drafter.config, info)
     _log_capture(capture, drafter.dir)
     for line in yarn_reading_warnings(drafter.config, installed_engine_versions()):  # an SGLang beside vLLM
         log.warning("%s: %s", drafter.dir, line)
-    reach = _trained_reach(wd, drafter, info) if train is not None else None
+    reach = _trained_reach(workdir, drafter, info) if train is not None else None
     if reach is not None:
         log.info("stage 06: %s", reach_line(reach))
-    prompts, prompt_info, max_model_len = _choose_prompts(cfg, wd, tok, info, prep)
+    prompts, prompt_info, max_model_len = _choose_prompts(cfg, workdir, tok, info, prep)
     timed = timing_subset(prompts, cfg.timing_prompts)
     names = categories(prompts)
     log.info("stage 06: %d prompts from %s (of %d; mean %.0f tokens%s) x %d new tokens at most, K = %d, "
@@ -542,20 +542,20 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
              f"; {len(names)} categories" if names else "", cfg.max_new_tokens, cfg.num_speculative_tokens,
              cfg.temperature, len(timed), drafter.dir)
 
-    wd.evaluate_dir().mkdir(parents=True, exist_ok=True)
-    wd.manifest("evaluate").unlink(missing_ok=True)  # the manifest marks completion: drop a stale one first
+    workdir.evaluate_dir().mkdir(parents=True, exist_ok=True)
+    workdir.manifest("evaluate").unlink(missing_ok=True)  # the manifest marks completion: drop a stale one first
     base_req = _base_request(cfg, prompts, max_model_len)
-    raw = _serve(_plan_runs(wd, cfg, drafter.dir, timed), base_req, wd, cfg)
+    raw = _serve(_plan_runs(workdir, cfg, drafter.dir, timed), base_req, workdir, cfg)
     results = _results(raw, cfg, prompts, prompt_info, base_req, timed, drafter.dir, expectation)
     results["settings"]["aux_layers"] = capture
 
-    write_json(wd.evaluate_results(), results)
-    write_plot(wd.evaluate_plot(), results, read_train_metrics(wd) if train is not None else [],
+    write_json(workdir.evaluate_results(), results)
+    write_plot(workdir.evaluate_plot(), results, read_train_metrics(workdir) if train is not None else [],
                train.ttt_steps if train is not None else 0)
-    write_manifest(wd, "evaluate", params=params, inputs=inputs, counts=_manifest_counts(results, prompt_info, timed),
-                   outputs=[wd.evaluate_results(), wd.evaluate_plot()],
+    write_manifest(workdir, "evaluate", params=params, inputs=inputs, counts=_manifest_counts(results, prompt_info, timed),
+                   outputs=[workdir.evaluate_results(), workdir.evaluate_plot()],
                    record=EvaluateRecord(drafter_dir=str(drafter.dir), target_model=cfg.target_model))
     _log_report(results)
-    _update_card(drafter.dir, results, _measured_on(wd))
-    log.info("stage 06: results -> %s, plot -> %s", wd.evaluate_results(), wd.evaluate_plot())
+    _update_card(drafter.dir, results, _measured_on(workdir))
+    log.info("stage 06: results -> %s, plot -> %s", workdir.evaluate_results(), workdir.evaluate_plot())
     return results

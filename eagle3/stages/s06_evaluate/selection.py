@@ -43,20 +43,20 @@ class Candidate:
     held_out: float | None  # stage 04's held-out expected accept length at this step
 
 
-def candidates(wd: WorkDir) -> list[Candidate]:
+def candidates(workdir: WorkDir) -> list[Candidate]:
     """The checkpoints to serve, by step: every step file holding held-out metrics, and
     best.pt when its step is not among them (pruned as older than the last N). Refused
     below two: there would be nothing to choose."""
-    found = [Candidate(wd.checkpoint_step(p), p, c.eval.get("expected_accept_length"))
-             for p, c in evaluated_checkpoints(wd)]
-    best = wd.best_checkpoint()
+    found = [Candidate(workdir.checkpoint_step(p), p, c.eval.get("expected_accept_length"))
+             for p, c in evaluated_checkpoints(workdir)]
+    best = workdir.best_checkpoint()
     if best.is_file():
         ckpt = read_checkpoint(best)
         if ckpt.step not in {c.step for c in found}:
             found.append(Candidate(ckpt.step, best, (ckpt.eval or {}).get("expected_accept_length")))
     found.sort(key=lambda c: c.step)
     if len(found) < 2:
-        raise PipelineError(f"--select-checkpoint needs at least 2 evaluated checkpoints in {wd.checkpoints()}, "
+        raise PipelineError(f"--select-checkpoint needs at least 2 evaluated checkpoints in {workdir.checkpoints()}, "
                             f"found {len(found)} ({', '.join(c.path.name for c in found) or 'none'}); {FIX}.")
     return found
 

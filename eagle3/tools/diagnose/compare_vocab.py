@@ -74,12 +74,12 @@ def draft_vocabulary(path: Path | str) -> VocabMapping:
         else:  # no d2t: both engines use the identity over draft_vocab_size
             ids = np.arange(int(files.config.get("draft_vocab_size") or V), dtype=np.int64)
         return VocabMapping(str(path), ids, int(V) if V else None)
-    wd = _work_dir_of(path)
-    if wd.stage_dir("vocab").is_dir():  # stage 03's files, through their one reader
-        d2t, t2d = vocab_map.load_mapping(wd)
-        return VocabMapping(str(wd.d2t()), _ids_from_array(d2t.numpy(), str(wd.d2t())), int(t2d.shape[0]))
+    workdir = _work_dir_of(path)
+    if workdir.stage_dir("vocab").is_dir():  # stage 03's files, through their one reader
+        d2t, t2d = vocab_map.load_mapping(workdir)
+        return VocabMapping(str(workdir.d2t()), _ids_from_array(d2t.numpy(), str(workdir.d2t())), int(t2d.shape[0]))
     raise PipelineError(f"{path} holds no drafter ({CONFIG_NAME}) and is neither a work dir with a "
-                        f"{wd.stage_dir('vocab').name}/ folder nor that folder; pass a drafter folder, a stage 03 "
+                        f"{workdir.stage_dir('vocab').name}/ folder nor that folder; pass a drafter folder, a stage 03 "
                         f"folder, a work dir, or a d2t/t2d file.")
 
 
@@ -103,13 +103,13 @@ def compare_vocab(a_path: str, b_path: str, dataset: str | None = None) -> dict[
     a, b = draft_vocabulary(a_path), draft_vocabulary(b_path)
     r = compare_mappings(a, b)
     if dataset is not None:
-        wd = WorkDir(dataset)
+        workdir = WorkDir(dataset)
         r["coverage"] = {}
         for split in ("train", "eval"):
-            f = wd.token_freq(split)
+            f = workdir.token_freq(split)
             if not f.is_file():
                 continue
-            freq = load_token_freq(wd, split)
+            freq = load_token_freq(workdir, split)
             for m in (a, b):
                 if m.vocab_size is not None and m.vocab_size != len(freq):
                     raise PipelineError(f"{m.source} is for a vocab of {m.vocab_size}, {f} counts {len(freq)} "
@@ -117,20 +117,20 @@ def compare_vocab(a_path: str, b_path: str, dataset: str | None = None) -> dict[
             r["coverage"][split] = {"assistant_tokens": int(freq.sum()), "a": mapping_coverage(a, freq),
                                     "b": mapping_coverage(b, freq)}
         if not r["coverage"]:
-            raise PipelineError(f"{wd.stage_dir('prepare')} has no token_freq_*.npy; run "
-                                f"`python {wd.script('prepare')} --work-dir {dataset}` first.")
+            raise PipelineError(f"{workdir.stage_dir('prepare')} has no token_freq_*.npy; run "
+                                f"`python {workdir.script('prepare')} --work-dir {dataset}` first.")
     return r
 
 
-def format_compare(r: dict[str, Any]) -> str:
-    out = [f"A: {r['a']['source']} (draft vocab {r['a']['draft_vocab_size']}, target vocab {r['a']['vocab_size']})",
-           f"B: {r['b']['source']} (draft vocab {r['b']['draft_vocab_size']}, target vocab {r['b']['vocab_size']})",
-           f"positions differing: {r['positions_differing']}/{r['positions_compared']}",
-           f"tokens shared: {r['tokens_shared']}; only in A: {r['only_in_a']}; only in B: {r['only_in_b']}"]
-    for split, c in (r.get("coverage") or {}).items():
+def format_compare(report: dict[str, Any]) -> str:
+    out = [f"A: {report['a']['source']} (draft vocab {report['a']['draft_vocab_size']}, target vocab {report['a']['vocab_size']})",
+           f"B: {report['b']['source']} (draft vocab {report['b']['draft_vocab_size']}, target vocab {report['b']['vocab_size']})",
+           f"positions differing: {report['positions_differing']}/{report['positions_compared']}",
+           f"tokens shared: {report['tokens_shared']}; only in A: {report['only_in_a']}; only in B: {report['only_in_b']}"]
+    for split, c in (report.get("coverage") or {}).items():
         out.append(f"coverage of {split} assistant tokens ({c['assistant_tokens']}): A {100 * c['a']:.2f}%, "
                    f"B {100 * c['b']:.2f}%")
-    if r["positions_differing"]:
+    if report["positions_differing"]:
         out.append("note: lm_head rows follow d2t (convention 3); weights of one with the mapping of the other "
                    "predict the wrong tokens")
     return "\n".join(out)
@@ -144,6 +144,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    r = compare_vocab(a.a, a.b, a.dataset)
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    r = compare_vocab(args.a, args.b, args.dataset)
     return r, format_compare(r), 0

@@ -69,24 +69,24 @@ def inspect_drafter(path: Path | str, target_config: str | None = None) -> dict[
     }
 
 
-def format_inspect(r: dict[str, Any]) -> str:
-    c = r["config"]
-    out = [f"drafter {r['path']}  ({', '.join(r['weight_files'])})", ""]
+def format_inspect(report: dict[str, Any]) -> str:
+    c = report["config"]
+    out = [f"drafter {report['path']}  ({', '.join(report['weight_files'])})", ""]
     out.append(f"config: {c['architectures']} model_type={c['model_type']} layers={c['num_hidden_layers']} "
                f"hidden={c['hidden_size']} heads={c['num_attention_heads']}/{c['num_key_value_heads']} "
-               f"head_dim={c['head_dim'] if c['head_dim'] is not None else 'absent -> ' + str(r['head_dim_used'])} "
+               f"head_dim={c['head_dim'] if c['head_dim'] is not None else 'absent -> ' + str(report['head_dim_used'])} "
                f"intermediate={c['intermediate_size']}")
     out.append(f"        vocab={c['vocab_size']} draft_vocab={c['draft_vocab_size']} "
                f"target_hidden={c['target_hidden_size']} max_position_embeddings={c['max_position_embeddings']} "
                f"tie_word_embeddings={c['tie_word_embeddings']} dtype={c['torch_dtype']}")
-    sh = r["shape"]
+    sh = report["shape"]
     served = sh["first_versions"]
     out.append(f"shape:  {sh['name']} (fc_norm={sh['fc_norm']} norm_output={sh['norm_output']})"
                + (f"; served by vLLM >= {served['vllm']}, SGLang >= {served['sglang']}" if served else ""))
     out += ["", f"{'tensor':44s} {'shape':>16s} {'dtype':9s} {'vLLM':7s} SGLang"]
-    for t in r["tensors"]:
+    for t in report["tensors"]:
         out.append(f"{t['name']:44s} {str(t['shape']):>16s} {t['dtype']:9s} {t['vllm']:7s} {t['sglang']}")
-    d = r["d2t"]
+    d = report["d2t"]
     out.append("")
     if d:
         out.append(f"d2t: {d['size']} ids, {d['dtype']}, "
@@ -94,7 +94,7 @@ def format_inspect(r: dict[str, Any]) -> str:
                    f"ascending={d['ascending']} duplicates={d['duplicates']} out_of_range={d['out_of_range']}")
     else:
         out.append("d2t: absent")
-    L = r["layers"]
+    L = report["layers"]
     out += ["", f"aux layers: trained on {L['trained']} ({L['from']}); config top-level {L['config_top_level']}, "
                 f"eagle_config {L['config_nested']}"]
     width = max((len(RULES[rule].split(":")[0]) for rule in L["captured"]), default=0)
@@ -102,16 +102,16 @@ def format_inspect(r: dict[str, Any]) -> str:
         mark = "" if got is None or got == L["trained"] or L["trained"] is None else "   <-- differs"
         label = RULES[rule].split(":")[0]
         out.append(f"  {label:{width}s} captures {got if got is not None else '[2, N//2, N-3] of the target'}{mark}")
-    if r["target"]:
-        t = r["target"]
+    if report["target"]:
+        t = report["target"]
         out.append(f"target {t['source']}: {t['family']} family, {t['num_layers']} layers, hidden {t['hidden_size']}, "
                    f"vocab {t['vocab_size']}, context {t['max_position_embeddings']}")
     out.append("")
     order = {"error": 0, "warning": 1, "info": 2}
-    for f in sorted(r["findings"], key=lambda f: order[f["level"]]):
+    for f in sorted(report["findings"], key=lambda f: order[f["level"]]):
         out.append(f"{f['level'].upper():7s} [{f['engine']}] {f['topic']}: {f['message']}")
-    out += ["", "OK: both engines load this drafter as trained" if r["ok"]
-            else f"FAIL: {r['errors']} problem(s) that fail or silently misbehave in an engine"]
+    out += ["", "OK: both engines load this drafter as trained" if report["ok"]
+            else f"FAIL: {report['errors']} problem(s) that fail or silently misbehave in an engine"]
     return "\n".join(out)
 
 
@@ -122,6 +122,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    r = inspect_drafter(a.dir, a.target_config)
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    r = inspect_drafter(args.dir, args.target_config)
     return r, format_inspect(r), (0 if r["ok"] else 1)

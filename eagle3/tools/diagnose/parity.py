@@ -38,10 +38,10 @@ def reference_for(folder: Path, checkpoint: str | None, work_dir: str | None) ->
     dtype = json.loads((folder / CONFIG_NAME).read_text()).get("torch_dtype") or "bfloat16"
     if checkpoint:
         return check.reference_from_checkpoint(checkpoint, dtype)
-    wd = WorkDir(work_dir) if work_dir else WorkDir(folder.parent)
-    if work_dir or (folder.resolve() == wd.stage_dir("export").resolve() and wd.manifest("train").is_file()):
-        train = read_record(wd, "train", needed_by=f"diagnose {NAME}")
-        return check.reference_from_checkpoint(wd.stage_dir("train") / train.best_checkpoint, dtype)
+    workdir = WorkDir(work_dir) if work_dir else WorkDir(folder.parent)
+    if work_dir or (folder.resolve() == workdir.stage_dir("export").resolve() and workdir.manifest("train").is_file()):
+        train = read_record(workdir, "train", needed_by=f"diagnose {NAME}")
+        return check.reference_from_checkpoint(workdir.stage_dir("train") / train.best_checkpoint, dtype)
     return check.reference_from_folder(folder)
 
 
@@ -75,16 +75,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    folder = Path(a.dir)
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    folder = Path(args.dir)
     if not (folder / CONFIG_NAME).is_file():
         raise PipelineError(f"{folder} has no {CONFIG_NAME}; pass a drafter folder (e.g. WORK/05_export).")
-    engines = [e.strip() for e in a.engines.split(",") if e.strip()]
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in engines if e not in ("vllm", "sglang")]
     if unknown or not engines:
-        raise PipelineError(f"--engines {a.engines!r}: name vllm and/or sglang.")
-    reference = reference_for(folder, a.checkpoint, a.work_dir)
-    offsets = [int(x) for x in a.positions.split(",") if x.strip()]
-    case = parity_case(folder, reference, a.target_config, a.prefix, offsets, a.steps)
-    report = check.check_parity([case], engines, tolerance=a.tolerance, sglang=a.sglang_python)
+        raise PipelineError(f"--engines {args.engines!r}: name vllm and/or sglang.")
+    reference = reference_for(folder, args.checkpoint, args.work_dir)
+    offsets = [int(x) for x in args.positions.split(",") if x.strip()]
+    case = parity_case(folder, reference, args.target_config, args.prefix, offsets, args.steps)
+    report = check.check_parity([case], engines, tolerance=args.tolerance, sglang=args.sglang_python)
     return report, check.format_report(report), (0 if report["ok"] else 1)

@@ -89,18 +89,18 @@ def probe_hidden(a_path: str, b_path: str, split: str = "eval", max_samples: int
             "cosine": table}
 
 
-def format_probe(r: dict[str, Any]) -> str:
-    labels = list(r["tokens_per_range"])
-    out = [f"A: {r['a']['store']} ({r['a']['target']}, layers {r['a']['aux_layers']})",
-           f"B: {r['b']['store']} ({r['b']['target']}, layers {r['b']['aux_layers']})",
-           f"split {r['split']}: {r['samples_compared']} samples, {r['tokens_compared']} tokens compared; "
-           f"{r['samples_skipped_other_tokens']} skipped (different tokens)",
+def format_probe(report: dict[str, Any]) -> str:
+    labels = list(report["tokens_per_range"])
+    out = [f"A: {report['a']['store']} ({report['a']['target']}, layers {report['a']['aux_layers']})",
+           f"B: {report['b']['store']} ({report['b']['target']}, layers {report['b']['aux_layers']})",
+           f"split {report['split']}: {report['samples_compared']} samples, {report['tokens_compared']} tokens compared; "
+           f"{report['samples_skipped_other_tokens']} skipped (different tokens)",
            "", "mean cosine similarity (layer A/B x position range)",
            f"{'layer':10s} {'all':>7s} " + " ".join(f"{lab:>12s}" for lab in labels)]
-    for name, row in r["cosine"].items():
+    for name, row in report["cosine"].items():
         cells = " ".join(f"{row[lab]:12.4f}" if row[lab] is not None else f"{'-':>12s}" for lab in labels)
         out.append(f"{name:10s} {row['all']:7.4f} {cells}")
-    out.append(f"{'tokens':10s} {r['tokens_compared']:7d} " + " ".join(f"{r['tokens_per_range'][lab]:12d}"
+    out.append(f"{'tokens':10s} {report['tokens_compared']:7d} " + " ".join(f"{report['tokens_per_range'][lab]:12d}"
                                                                       for lab in labels))
     return "\n".join(out)
 
@@ -116,7 +116,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    ranges = tuple(sorted({int(x) for x in a.ranges.split(",") if x.strip()} | {0}))
-    r = probe_hidden(a.a, a.b, a.split, a.max_samples, ranges)
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    ranges = tuple(sorted({int(x) for x in args.ranges.split(",") if x.strip()} | {0}))
+    r = probe_hidden(args.a, args.b, args.split, args.max_samples, ranges)
     return r, format_probe(r), 0

@@ -31,8 +31,8 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
 
     cfg = build_config(ExtractConfig, "extract", config, {"work_dir": work_dir, "store_dtype": store_dtype,
                                                           "disk_budget": disk_budget}, sections=STAGE_CONFIGS)
-    wd = WorkDir(cfg.work_dir)
-    prep = read_record(wd, "prepare", needed_by="diagnose store-size")
+    workdir = WorkDir(cfg.work_dir)
+    prep = read_record(workdir, "prepare", needed_by="diagnose store-size")
     info = read_target_info(cfg.target_model, cfg.trust_remote_code)
     aux = validate_aux_layers(cfg.aux_layers if cfg.aux_layers is not None else info.default_aux_layers(),
                               info.num_layers, source=f"extract.aux_layers for {cfg.target_model}")
@@ -57,7 +57,7 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
                            "needed_bytes": store.bytes_to_write(files, H, A, name, cfg.data_parallel_size)}
     plan = None
     if cfg.disk_budget is not None:
-        lengths = {s: [int(n) for n in load_split(wd.dataset(s))["num_tokens"]] for s in SPLITS}
+        lengths = {s: [int(n) for n in load_split(workdir.dataset(s))["num_tokens"]] for s in SPLITS}
         p = windows.make_plan(lengths["train"], lengths["eval"], disk_budget=windows.parse_bytes(cfg.disk_budget),
                               seed=cfg.window_seed, passes=cfg.extraction_passes,
                               windows_in_budget=cfg.windows_in_budget, spf=spf, H=H, A=A, dtype=cfg.store_dtype)
@@ -66,9 +66,9 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
                 "peak_bytes": p.peak_bytes, "seed": p.seed,
                 "per_window": [{"samples": len(w["samples"]), "tokens": w["tokens"], "bytes": w["bytes"]}
                                for w in p.windows]}
-    free = free_bytes(wd.root)
-    present = sum(f.stat().st_size for f in wd.store().glob("*.safetensors")) if wd.store().is_dir() else 0
-    return {"config": config, "work_dir": str(wd.root), "prepare_manifest": str(wd.manifest("prepare")),
+    free = free_bytes(workdir.root)
+    present = sum(f.stat().st_size for f in workdir.store().glob("*.safetensors")) if workdir.store().is_dir() else 0
+    return {"config": config, "work_dir": str(workdir.root), "prepare_manifest": str(workdir.manifest("prepare")),
             "target_model": cfg.target_model, "hidden_size": H, "num_layers": info.num_layers, "aux_layers": aux,
             "samples": samples, "tokens": tokens, "files": len(files), "samples_per_file": spf,
             "store_dtype": cfg.store_dtype, "encodings": encodings, "free_bytes": free, "present_bytes": present,
@@ -76,23 +76,23 @@ def store_size(config: str | None, work_dir: str | None = None, store_dtype: str
             "ok": free >= (plan["peak_bytes"] if plan else encodings[cfg.store_dtype]["needed_bytes"]) - present}
 
 
-def format_store_size(r: dict[str, Any]) -> str:
+def format_store_size(report: dict[str, Any]) -> str:
     def gb(n: int) -> str:
         return f"{n / 1e9:,.2f} GB"
 
-    s, t = r["samples"], r["tokens"]
-    out = [f"store of stage 02 for {r['config'] or 'the flags given'} (work dir {r['work_dir']})",
+    s, t = report["samples"], report["tokens"]
+    out = [f"store of stage 02 for {report['config'] or 'the flags given'} (work dir {report['work_dir']})",
            f"dataset: {s['train']:,} train + {s['eval']:,} eval samples, {t['train'] + t['eval']:,} tokens "
-           f"({r['prepare_manifest']}); {r['files']} files of up to {r['samples_per_file']} samples",
-           f"target:  {r['target_model']}: hidden {r['hidden_size']}, {r['num_layers']} layers, aux layers "
-           f"{r['aux_layers']}", "",
+           f"({report['prepare_manifest']}); {report['files']} files of up to {report['samples_per_file']} samples",
+           f"target:  {report['target_model']}: hidden {report['hidden_size']}, {report['num_layers']} layers, aux layers "
+           f"{report['aux_layers']}", "",
            f"{'store_dtype':12s}{'dtype':15s}{'B/token':>9s}{'store size':>28s}{'free needed to write':>24s}"]
-    for name, e in r["encodings"].items():
-        mark = "   <- this run (--store-dtype)" if name == r["store_dtype"] else ""
+    for name, e in report["encodings"].items():
+        mark = "   <- this run (--store-dtype)" if name == report["store_dtype"] else ""
         out.append(f"{name:12s}{e['dtype']:15s}{e['bytes_per_token']:>9,}{e['store_bytes']:>18,} B {gb(e['store_bytes']):>8s}"
                    f"{gb(e['needed_bytes']):>24s}{mark}")
     out.append("")
-    w = r.get("windows")
+    w = report.get("windows")
     if w:
         out.append(f"windows under --disk-budget {windows.human(w['disk_budget'])} (seed {w['seed']}, {w['windows_in_budget']} "
                    f"window(s) on disk at once): {w['windows']} windows x {w['passes']} extraction pass(es) = "
@@ -102,12 +102,12 @@ def format_store_size(r: dict[str, Any]) -> str:
         for i, x in enumerate(w["per_window"]):
             out.append(f"{i:>8d}{x['samples']:>10,}{x['tokens']:>16,}{x['bytes']:>20,}")
         out.append("")
-    if r["present_bytes"]:
-        out.append(f"already in the store: {gb(r['present_bytes'])} (a rerun writes only the missing files)")
-    need = r["encodings"][r["store_dtype"]]["needed_bytes"] - r["present_bytes"]
-    out.append(f"free where the work dir lies: {gb(r['free_bytes'])}: "
-               + (f"enough for {r['store_dtype']}" if r["ok"] else
-                  f"NOT enough for {r['store_dtype']} (needs {gb(need)}): stage 02 will refuse to start; free space, "
+    if report["present_bytes"]:
+        out.append(f"already in the store: {gb(report['present_bytes'])} (a rerun writes only the missing files)")
+    need = report["encodings"][report["store_dtype"]]["needed_bytes"] - report["present_bytes"]
+    out.append(f"free where the work dir lies: {gb(report['free_bytes'])}: "
+               + (f"enough for {report['store_dtype']}" if report["ok"] else
+                  f"NOT enough for {report['store_dtype']} (needs {gb(need)}): stage 02 will refuse to start; free space, "
                   f"use another --work-dir, --store-dtype fp8, or split over boxes with --num-shards"))
     return "\n".join(out)
 
@@ -122,6 +122,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
-    r = store_size(a.config, a.work_dir, a.store_dtype, a.disk_budget)
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+    r = store_size(args.config, args.work_dir, args.store_dtype, args.disk_budget)
     return r, format_store_size(r), (0 if r["ok"] else 1)

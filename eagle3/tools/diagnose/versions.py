@@ -87,27 +87,27 @@ def check_versions(installed: dict[str, tuple[str, str] | None],
     return {"packages": rows, "ok": not bad, "problems": [x["package"] for x in bad], "rope": []}
 
 
-def format_versions(r: dict[str, Any]) -> str:
+def format_versions(report: dict[str, Any]) -> str:
     out = [f"{'package':13s} {'installed':22s} {'needed':18s} status"]
     notes = {"ok": "ok", "too-old": "TOO OLD", "too-new": "TOO NEW", "missing": "MISSING (required)",
              "absent": "not installed (only needed to serve with it)",
              "unsure": "CHECK: may predate the fixes below"}
-    for x in r["packages"]:
+    for x in report["packages"]:
         have = x["installed"] or "-"
         if x["distribution"] and x["distribution"] != x["package"]:
             have += f" ({x['distribution']})"
         need = f">= {x['minimum']}" + (f", < {x['below']}" if x["below"] else "")
         out.append(f"{x['package']:13s} {have:22s} {need:18s} {notes[x['status']]}")
     out.append("")
-    for x in r["packages"]:
+    for x in report["packages"]:
         if x["status"] != "ok":
             out.append(f"{x['package']} >= {x['minimum']}: {x['why']}")
-    for line in r.get("rope", []):
+    for line in report.get("rope", []):
         out.append(f"ROPE: {line}")
-    if r["ok"]:
+    if report["ok"]:
         out.append("OK: every installed engine meets the minimums for serving and training these drafters")
     else:
-        out.append(f"FAIL: {', '.join(r['problems'])} outside the supported versions; install the versions "
+        out.append(f"FAIL: {', '.join(report['problems'])} outside the supported versions; install the versions "
                    f"above (README, \"Engine versions\")")
     return "\n".join(out)
 
@@ -119,10 +119,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def run(a: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str, int]:
     installed = installed_versions()
     r = check_versions(installed)
-    r["rope"] = rope_warnings(installed, getattr(a, "drafter_dir", None))
+    r["rope"] = rope_warnings(installed, getattr(args, "drafter_dir", None))
     if r["rope"]:
         r["ok"] = False
         r["problems"] = sorted(set(r["problems"]) | {line.split(" ")[0] for line in r["rope"]})

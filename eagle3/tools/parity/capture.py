@@ -51,9 +51,9 @@ def capture_parity(cases: Sequence[CaptureCase], *, samples: int = 4, split: str
         work = Path(tmp)
         jobs, stored = {}, {}
         for i, case in enumerate(cases):
-            wd = WorkDir(case.work_dir)
-            store = HiddenStateStore.open(wd, needed_by="the SGLang capture parity")
-            record = read_record(wd, "extract", needed_by="the SGLang capture parity")
+            workdir = WorkDir(case.work_dir)
+            store = HiddenStateStore.open(workdir, needed_by="the SGLang capture parity")
+            record = read_record(workdir, "extract", needed_by="the SGLang capture parity")
             layers = [int(k) for k in store.aux_layers]
             view = store.split(split)
             rows = [view[j] for j in range(min(samples, len(view)))]
@@ -64,7 +64,7 @@ def capture_parity(cases: Sequence[CaptureCase], *, samples: int = 4, split: str
             jobs[case.name] = {"name": case.name, "target": str(Path(case.target or record.target_model).resolve()),
                                "nested_ids": nested, "samples": str(work / f"ids-{i}.safetensors"),
                                "out": str(work / f"capture-{i}")}
-            stored[case.name] = (rows, layers, str(wd.root))
+            stored[case.name] = (rows, layers, str(workdir.root))
         run_worker("sglang", {"engine": "sglang", "captures": list(jobs.values())}, work, sglang)
         results = {name: protocol.read_result(job["out"]) for name, job in jobs.items()}
     return {name: _judge(*stored[name][:2], jobs[name], *results[name], record_dir=stored[name][2]) for name in jobs}
@@ -100,16 +100,16 @@ def _judge(rows, layers: list[int], job: dict[str, Any], tensors: dict[str, torc
     return report
 
 
-def format_capture(r: dict[str, Any]) -> str:
-    out = [f"SGLang {(r.get('versions') or {}).get('sglang')} {r.get('architecture')} on {r['target']}: "
-           f"{r['samples']} samples, {r['tokens']} tokens; nested ids {r['nested_ids']} -> captures "
-           f"{r.get('captured_layers')}, store holds {r['trained_layers']}"]
-    if r.get("error"):
-        out.append(f"FAIL: SGLang's target did not run: {r['error']['message']} at {r['error'].get('at')}")
+def format_capture(report: dict[str, Any]) -> str:
+    out = [f"SGLang {(report.get('versions') or {}).get('sglang')} {report.get('architecture')} on {report['target']}: "
+           f"{report['samples']} samples, {report['tokens']} tokens; nested ids {report['nested_ids']} -> captures "
+           f"{report.get('captured_layers')}, store holds {report['trained_layers']}"]
+    if report.get("error"):
+        out.append(f"FAIL: SGLang's target did not run: {report['error']['message']} at {report['error'].get('at')}")
         return "\n".join(out)
-    for e in r["layers"]:
+    for e in report["layers"]:
         out.append(f"{'PASS' if e['ok'] else 'FAIL'} layer {e['layer']}: median {e.get('median', float('nan')):.4f}, "
                    f"p90 {e.get('p90', float('nan')):.4f} (tolerance {TOL_MEDIAN}, {TOL_P90})")
-    f = r["final"]
+    f = report["final"]
     out.append(f"{'PASS' if f['ok'] else 'FAIL'} final: median {f['median']:.4f}, p90 {f['p90']:.4f}")
     return "\n".join(out)
