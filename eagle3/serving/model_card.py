@@ -7,8 +7,8 @@ YAML front matter (`base_model`, `library_name`, `pipeline_tag`, `tags`, `licens
 the target's own card states one; docs/STAGES.md "The model card"), then Markdown.
 
 Also here, because a card and the docs must show the same thing: the serve commands of
-both engines (as README "Serve the drafter" writes them) with the minimum engine versions of
-eagle3/serving/engine_rules.py.
+both engines (as README "Serve the drafter" writes them); the minimum engine versions beside
+them are eagle3/serving/engine_rules.py `minimum_version`.
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 
 from eagle3.artifacts.atomic import atomic_path
-from eagle3.serving.engine_rules import VERSION_RULES
 
 CARD_NAME = "README.md"  # the file the Hub renders as a repository's card
 # Where stage 06's table lives in the card; only the text between them is ever replaced.
@@ -27,11 +26,6 @@ EVALUATE_END = "<!-- eagle3:evaluate:end -->"
 LIBRARY_NAME = "transformers"
 PIPELINE_TAG = "text-generation"
 TAGS = ("eagle3", "speculative-decoding", "draft-model", "vllm", "sglang")
-
-
-def minimum_version(package: str) -> str:
-    """The minimum version of `package` the pipeline's rules hold for (engine_rules.VERSION_RULES)."""
-    return next(r.minimum for r in VERSION_RULES if r.package == package)
 
 
 def _yaml_scalar(v) -> str:

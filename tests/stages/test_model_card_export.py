@@ -11,7 +11,8 @@ from fixtures import TINY_TRAIN, copy_stages
 from huggingface_hub import ModelCard
 
 from eagle3.artifacts.workdir import WorkDir
-from eagle3.serving.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END, minimum_version
+from eagle3.serving.engine_rules import minimum_version
+from eagle3.serving.model_card import CARD_NAME, EVALUATE_BEGIN, EVALUATE_END
 from eagle3.stages.s05_export.config import ExportConfig
 from eagle3.stages.s05_export.run import export_drafter
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 from huggingface_hub import ModelCard
 
+from eagle3.serving.engine_rules import minimum_version
 from eagle3.serving.model_card import (CARD_NAME, EVALUATE_BEGIN, EVALUATE_END, evaluate_section, front_matter, hub_id,
-                                       minimum_version, replace_evaluate_section, serve_commands, target_license,
-                                       write_evaluate_section)
+                                       replace_evaluate_section, serve_commands, target_license, write_evaluate_section)
 from eagle3.stages.s06_evaluate.report import card_table
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,8 +17,8 @@ from eagle3.artifacts.workdir import WorkDir
 from eagle3.core import readable
 from eagle3.core.errors import PipelineError
 from eagle3.drafter.shape import shape_name
-from eagle3.serving.engine_rules import SHAPE_FIRST_VERSIONS
-from eagle3.serving.model_card import evaluate_section, front_matter, minimum_version, serve_commands
+from eagle3.serving.engine_rules import SHAPE_FIRST_VERSIONS, minimum_version
+from eagle3.serving.model_card import evaluate_section, front_matter, serve_commands
 
 NOT_MEASURED = ("_Not measured yet. `python {script} --config CONFIG` serves the target with this drafter in "
                 "vLLM and writes its figures here (acceptance per position and category with 95% intervals, "
