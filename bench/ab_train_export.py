@@ -28,6 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parent.parent
 VARYING = {"tokens_per_s", "seconds", "elapsed_s", "time"}  # figures of the machine, not of the weights
 
@@ -47,11 +49,9 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def run_mode(repo: Path, work: Path, config: Path, target: str | None, max_steps: int, extra: list[str]) -> dict:
+def run_mode(repo: Path, work: Path, config: Path, target: str, max_steps: int, extra: list[str]) -> dict:
     """Stage 04 then 05 of `repo` in `work`; the figures that must not move."""
-    common = ["--config", str(config.resolve()), "--work-dir", str(work)]
-    if target:
-        common += ["--target-model", target]
+    common = ["--config", str(config.resolve()), "--work-dir", str(work), "--target-model", target]
     if not (work / "05_export" / "model.safetensors").is_file():
         subprocess.run([sys.executable, "04_train_drafter.py", *common, "--max-steps", str(max_steps), *extra],
                        cwd=repo, check=True)
@@ -94,23 +94,25 @@ def main() -> None:
                     help="a checkout to run (give two or more)")
     ap.add_argument("--windows-from", type=Path, help="work dir whose 02_hidden_states/ holds produced rounds")
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-135m.yaml")
-    ap.add_argument("--target-model", help="the target's folder (default: the config's, relative to each repo)")
+    ap.add_argument("--target-model", help="the target's folder (default: the config's, relative to this checkout, "
+                                           "so every checkout reads the same one)")
     ap.add_argument("--max-steps", type=int, default=40)
     ap.add_argument("--out", type=Path, default=ROOT / "work" / "ab-train-export")
     args = ap.parse_args()
     repos = dict(item.split("=", 1) for item in args.repo)
+    target = args.target_model or str(ROOT / yaml.safe_load(args.config.read_text())["target_model"])
     modes = {"whole": {}, **({"windows": {}} if args.windows_from else {})}
     for label, repo in repos.items():
         whole = args.out / label / "whole"
         link_stages(args.work_dir, whole, ("00_generate", "01_dataset", "02_hidden_states", "03_vocab"))
-        modes["whole"][label] = run_mode(Path(repo).resolve(), whole, args.config, args.target_model,
+        modes["whole"][label] = run_mode(Path(repo).resolve(), whole, args.config, target,
                                          args.max_steps, [])
         if args.windows_from:
             windowed = args.out / label / "windows"
             link_stages(args.work_dir, windowed, ("00_generate", "01_dataset", "03_vocab"))
             if not (windowed / "02_hidden_states").exists():
                 shutil.copytree(args.windows_from / "02_hidden_states", windowed / "02_hidden_states")
-            modes["windows"][label] = run_mode(Path(repo).resolve(), windowed, args.config, args.target_model,
+            modes["windows"][label] = run_mode(Path(repo).resolve(), windowed, args.config, target,
                                                args.max_steps, ["--keep-windows"])
     same = [compare(mode, runs) for mode, runs in modes.items()]
     sys.exit(0 if all(same) else 1)
