@@ -68,6 +68,9 @@ LEVERS: dict[str, tuple[list[str], list[str]]] = {
     "loss-lk-lambda-seed1": ([], ["--loss", "lk_lambda", "--seed", "1"]),
     "loss-kl0.1-tv0.9": ([], ["--loss", "kl:0.1,tv:0.9"]),
     "loss-kl0.1-tv0.9-seed1": ([], ["--loss", "kl:0.1,tv:0.9", "--seed", "1"]),
+    # the loss closest to a lift (the mix) on EAGLE 3.1's shape: the best combination of a loss and a shape
+    "loss-kl0.1-tv0.9+eagle3.1": ([], ["--loss", "kl:0.1,tv:0.9", "--drafter-shape", "eagle3.1"]),
+    "loss-kl0.1-tv0.9+eagle3.1-seed1": ([], ["--loss", "kl:0.1,tv:0.9", "--drafter-shape", "eagle3.1", "--seed", "1"]),
 }
 SHARED = ("00_generate", "01_dataset", "02_hidden_states")
 
