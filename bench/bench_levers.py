@@ -7,7 +7,9 @@ W is a work dir where stages 00-03 ran under --config (the SmolLM2 demo's by def
 For each lever, a sibling work dir W-levers/<lever>/ takes W's stages 00-02 as symlinks
 (and stage 03 too, unless the lever changes the draft vocabulary), then runs stage 04
 with the config's budget plus the lever's options, stage 05, and stage 06 greedy on the
-config's held-out prompts (no untrained baseline, no timing: acceptance only). A lever
+config's held-out prompts (no untrained baseline, no timing: acceptance only; the
+`select-served` levers first have stage 06 choose among stage 04's kept checkpoints on stage
+01's eval split, and the report names the step exported). A lever
 whose stage 06 results exist is not rerun, so an interrupted bench resumes. Stage 06 serves
 greedy unless --temperature says otherwise (the `loss-*` levers target the acceptance under
 sampling; what vLLM's greedy drafts measure at a temperature: docs/LEVERS.md, "The loss"); a
@@ -71,6 +73,15 @@ LEVERS: dict[str, tuple[list[str], list[str]]] = {
     # the loss closest to a lift (the mix) on EAGLE 3.1's shape: the best combination of a loss and a shape
     "loss-kl0.1-tv0.9+eagle3.1": ([], ["--loss", "kl:0.1,tv:0.9", "--drafter-shape", "eagle3.1"]),
     "loss-kl0.1-tv0.9+eagle3.1-seed1": ([], ["--loss", "kl:0.1,tv:0.9", "--drafter-shape", "eagle3.1", "--seed", "1"]),
+    # the checkpoint the engine serves best: stage 04 keeps its 5 evaluated checkpoints (steps 50-250), stage 06
+    # serves each on stage 01's eval split and exports the best; it is then measured on the held-out prompts
+    "select-served": ([], ["--keep-evaluated", "5"]),
+    "select-served-seed1": ([], ["--keep-evaluated", "5", "--seed", "1"]),
+}
+# lever -> stage 06 options beyond the bench's own (acceptance only, the config's prompts)
+STAGE06_OPTIONS: dict[str, list[str]] = {
+    "select-served": ["--select-checkpoint", "--selection-prompts", "eval-split"],
+    "select-served-seed1": ["--select-checkpoint", "--selection-prompts", "eval-split"],
 }
 SHARED = ("00_generate", "01_dataset", "02_hidden_states")
 
@@ -96,7 +107,8 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
     if not results.is_file():
         steps = ([("03", opts03)] if opts03 else []) + [("04", opts04 + extra04), ("05", []),
                  ("06", ["--temperature", str(temperature), "--no-baseline-untrained", "--timing-prompts", "0",
-                         *(["--num-prompts", str(num_prompts)] if num_prompts else [])])]
+                         *(["--num-prompts", str(num_prompts)] if num_prompts else []),
+                         *STAGE06_OPTIONS.get(name, [])])]
         for number, opts in steps:
             t0 = time.perf_counter()
             subprocess.run([sys.executable, str(script(number)), *common, *([] if number == "03" else tm), *opts],
@@ -128,6 +140,9 @@ def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path, temperature
             verdict = "ABOVE the baseline's interval" if L > hi else (
                 "below the baseline's interval" if L < lo else "inside the baseline's interval")
             verdict += "; paired: " + verdict_of(d_lo, d_hi)
+        chosen = out_dir / name / "06_evaluate" / "selection.json"
+        if chosen.is_file():  # a lever that exports the checkpoint served best: which one it was
+            verdict += f"; exported step {json.loads(chosen.read_text())['chosen_step']}"
         out.append(f"{name:24s}{f'{L:.3f} ±{ci:.3f}':>16s}  {per:16s}{est:>14.3f}{sampled:>8.3f}{delta:>29s}"
                    f"{secs:>6.0f}  {verdict}")
     return out

@@ -82,3 +82,36 @@ def test_stage_05_is_asked_for_the_last_exports_settings_with_the_chosen_checkpo
     assert args[args.index("--checkpoint") + 1] == str(tmp_path / "step-0000200.pt")
     assert args[args.index("--chosen-by") + 1] == "served best"
     assert "--no-trust-remote-code" in args and "--include-embed-tokens" in args and "--base-model" not in args
+
+
+def test_the_card_line_says_when_the_checkpoints_were_compared_on_prompts_of_their_own():
+    rows = rows_for({100: counts([4, 6], [4, 4]), 200: counts([1, 1], [4, 4])})
+    line = selection.chosen_by(rows, selection.choose(rows), 2, own_prompts=True)
+    assert "on 2 held-out prompts of their own (not the measured ones): 2.250 at step 100" in line
+    assert "of their own" not in selection.chosen_by(rows, selection.choose(rows), 2)
+
+
+def test_selection_prompts_replace_the_measured_ones_only_for_the_choice(tmp_path):
+    from eagle3.stages.s06_evaluate.config import EVAL_SPLIT, EvaluateConfig
+
+    base = dict(work_dir=tmp_path, target_model="t", select_checkpoint=True, num_prompts=6)
+    measured = EvaluateConfig(**base, prompts="bench.jsonl", category_field="category")
+    assert measured.selection_config() is measured  # the default: choose on the measured prompts
+    on_split = EvaluateConfig(**base, prompts="bench.jsonl", category_field="category", selection_prompts=EVAL_SPLIT)
+    chooser = on_split.selection_config()
+    assert (chooser.prompts, chooser.category_field, chooser.num_prompts) == (None, None, 6)
+    assert on_split.prompts == "bench.jsonl"  # the measurement keeps its prompts
+    on_file = EvaluateConfig(**base, selection_prompts="other.jsonl").selection_config()
+    assert on_file.prompts == "other.jsonl" and on_file.select_checkpoint
+
+
+@pytest.mark.parametrize("given, fix", [
+    (dict(selection_prompts="eval-split"), "--select-checkpoint"),  # nothing to choose
+    (dict(select_checkpoint=True, selection_prompts="eval-split"), "drop the flag"),  # the measured split itself
+    (dict(select_checkpoint=True, prompts="a.jsonl", selection_prompts="a.jsonl"), "drop the flag"),
+])
+def test_selection_prompts_that_would_do_nothing_are_refused_with_the_fix(tmp_path, given, fix):
+    from eagle3.stages.s06_evaluate.config import EvaluateConfig
+
+    with pytest.raises(PipelineError, match=fix):
+        EvaluateConfig(work_dir=tmp_path, target_model="t", **given)

@@ -8,7 +8,7 @@ finished measurement is not redone when only they change.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from eagle3.core.config import param
@@ -17,6 +17,8 @@ from eagle3.engines.config import EngineConfig, EngineSettings
 
 # The orders of the timed requests (eagle3/stages/s06_evaluate/timing.py).
 TIMING_ORDERS = ("pairs", "passes")
+# --selection-prompts' name for stage 01's eval split (the conversations stage 04 evaluates on).
+EVAL_SPLIT = "eval-split"
 
 
 @dataclass(kw_only=True)
@@ -53,6 +55,12 @@ class EvaluateConfig(EngineSettings):
                                     help="first serve each checkpoint stage 04 kept (--keep-evaluated N > 1) greedy "
                                          "on these prompts, acceptance only, and have stage 05 export the one served "
                                          "best (its model card says how it was chosen); then measure it as usual")
+    selection_prompts: str | None = param(None, identity=False,
+                                          help=f"the prompts --select-checkpoint compares the checkpoints on: "
+                                               f"`{EVAL_SPLIT}` (every assistant turn of stage 01's eval split) or a "
+                                               f"file / datasets id as for --prompts; default: the prompts measured "
+                                               f"after it, which makes the chosen one's measured figure an "
+                                               f"optimistic estimate (the best of N on the same prompts)")
     seed: int = param(0, help="engine seed, per-request sampling seeds (seed + prompt index) and the "
                               "untrained drafter's initialisation")
     # -- how the engines run (not part of what is measured) --------------------------------
@@ -86,9 +94,24 @@ class EvaluateConfig(EngineSettings):
             raise PipelineError(f"--select-checkpoint exports the chosen checkpoint of this work dir's stage 04 into "
                                 f"stage 05's folder; --drafter-dir {self.drafter_dir} names another drafter: pass "
                                 f"one of them.")
+        if self.selection_prompts is not None and not self.select_checkpoint:
+            raise PipelineError(f"--selection-prompts {self.selection_prompts} chooses the prompts of "
+                                f"--select-checkpoint, which is off: pass --select-checkpoint too, or drop it.")
+        if self.selection_prompts is not None and self.selection_prompts == (self.prompts or EVAL_SPLIT):
+            raise PipelineError(f"--selection-prompts {self.selection_prompts} are the prompts measured after the "
+                                f"selection too; that is the default (an optimistic figure): drop the flag, or name "
+                                f"another set (`{EVAL_SPLIT}` or a prompt file) to choose on.")
         if self.category_field and not self.prompts:
             raise PipelineError(f"--category-field {self.category_field} needs a prompt set (--prompts FILE or "
                                 f"DATASET_ID); stage 01's eval split has no categories.")
+
+    def selection_config(self) -> EvaluateConfig:
+        """This config with --select-checkpoint's prompts in place of the measured ones (itself
+        when they are the same); --num-prompts caps both sets."""
+        if self.selection_prompts is None:
+            return self
+        prompts = None if self.selection_prompts == EVAL_SPLIT else self.selection_prompts
+        return replace(self, prompts=prompts, prompt_field=None, category_field=None, selection_prompts=None)
 
     def engine_config(self, **stage_specific) -> EngineConfig:
         """Stage 06's engine: the shared settings, its batch limit and its seed (engine.py adds

@@ -96,7 +96,7 @@ from eagle3.artifacts.train_outputs import read_checkpoint, read_train_metrics
 from eagle3.artifacts.vocab_map import target_ids
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.stages.s06_evaluate import selection
-from eagle3.stages.s06_evaluate.config import EvaluateConfig
+from eagle3.stages.s06_evaluate.config import EVAL_SPLIT, EvaluateConfig
 from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_cpu_mla, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
@@ -465,12 +465,18 @@ def select_checkpoint(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | No
     export_dir = Path(record_of(export_m).drafter_dir)
     cands = selection.candidates(workdir)
     hf, _ = load_drafter_dir(export_dir)
-    info, tok = _check_target(cfg, prep if cfg.prompts is None else None, hf, export_dir)
+    chooser = cfg.selection_config()  # the prompts the checkpoints are compared on
+    info, tok = _check_target(chooser, prep if chooser.prompts is None else None, hf, export_dir)
     refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)
-    prompts, prompt_info, max_model_len = _choose_prompts(cfg, workdir, tok, info, prep)
-    base_req = {**_base_request(cfg, prompts, max_model_len), "timing_blocks": []}
+    prompts, prompt_info, max_model_len = _choose_prompts(chooser, workdir, tok, info, prep)
+    base_req = {**_base_request(chooser, prompts, max_model_len), "timing_blocks": []}
     log.info("stage 06 --select-checkpoint: serving %d checkpoints (steps %s) greedy on %d prompts from %s",
              len(cands), ", ".join(str(c.step) for c in cands), prompt_info["count"], prompt_info["source"])
+    if chooser is cfg:
+        log.warning("stage 06 --select-checkpoint: choosing on the prompts measured afterwards: the chosen one's "
+                    "measured acceptance is the best of %d on the same prompts, an optimistic estimate; "
+                    "--selection-prompts %s (or another prompt file) chooses on a set of its own", len(cands),
+                    EVAL_SPLIT if cfg.prompts is not None else "FILE")
     served = {}
     for c in cands:
         folder = selection.write_candidate_drafter(read_checkpoint(c.path), c.path, export_dir,
@@ -483,9 +489,9 @@ def select_checkpoint(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | No
                                                      cfg.num_speculative_tokens)
     rows = selection.compare(cands, served)
     chosen = selection.choose(rows)
-    chosen_by = selection.chosen_by(rows, chosen, prompt_info["count"])
+    chosen_by = selection.chosen_by(rows, chosen, prompt_info["count"], own_prompts=chooser is not cfg)
     out = {"candidates": rows, "chosen_step": chosen["step"], "chosen_checkpoint": chosen["checkpoint"],
-           "chosen_by": chosen_by, "prompts": prompt_info, "num_speculative_tokens": cfg.num_speculative_tokens,
+           "chosen_by": chosen_by, "prompts": prompt_info, "chosen_on_measured_prompts": chooser is cfg, "num_speculative_tokens": cfg.num_speculative_tokens,
            "max_new_tokens": cfg.max_new_tokens}
     write_json(workdir.selection_results(), out)
     for line in selection.table_lines(rows, chosen):
@@ -511,7 +517,8 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     workdir = WorkDir(cfg.work_dir)
     # Stage 01's prompts are its token ids; a prompt set is tokenized here, so needs no stage 01.
     prep = (read_manifest(workdir, "prepare", needed_by=STAGE_SCRIPT)
-            if cfg.prompts is None or workdir.manifest("prepare").is_file() else None)
+            if cfg.prompts is None or cfg.selection_prompts == EVAL_SPLIT or workdir.manifest("prepare").is_file()
+            else None)
     if cfg.select_checkpoint:  # the export is replaced by the checkpoint served best, then measured below
         select_checkpoint(cfg, workdir, prep)
     drafter = _read_drafter(workdir, cfg)

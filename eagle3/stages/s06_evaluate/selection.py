@@ -105,12 +105,14 @@ def choose(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: (r["acceptance_length"], r["step"]))
 
 
-def chosen_by(rows: list[dict], chosen: dict, prompts: int) -> str:
-    """The model card's line on how the exported checkpoint was chosen."""
+def chosen_by(rows: list[dict], chosen: dict, prompts: int, own_prompts: bool = False) -> str:
+    """The model card's line on how the exported checkpoint was chosen; `own_prompts`: on a
+    prompt set of its own, not the one the card's figures are measured on."""
     last = rows[-1]
     steps = ", ".join(str(r["step"]) for r in rows)
+    which = "held-out prompts of their own (not the measured ones)" if own_prompts else "held-out prompts"
     head = (f"the best greedy acceptance length served in vLLM of {len(rows)} kept checkpoints (steps {steps}) on "
-            f"{prompts} held-out prompts: {readable.fixed(chosen['acceptance_length'], 3)} at step {chosen['step']}")
+            f"{prompts} {which}: {readable.fixed(chosen['acceptance_length'], 3)} at step {chosen['step']}")
     if chosen is last:
         return head + " (the last one)"
     lo, hi = chosen["vs_last"]
