@@ -491,8 +491,8 @@ def select_checkpoint(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | No
     chosen = selection.choose(rows)
     chosen_by = selection.chosen_by(rows, chosen, prompt_info["count"], own_prompts=chooser is not cfg)
     out = {"candidates": rows, "chosen_step": chosen["step"], "chosen_checkpoint": chosen["checkpoint"],
-           "chosen_by": chosen_by, "prompts": prompt_info, "chosen_on_measured_prompts": chooser is cfg, "num_speculative_tokens": cfg.num_speculative_tokens,
-           "max_new_tokens": cfg.max_new_tokens}
+           "chosen_by": chosen_by, "prompts": prompt_info, "chosen_on_measured_prompts": chooser is cfg,
+           "num_speculative_tokens": cfg.num_speculative_tokens, "max_new_tokens": cfg.max_new_tokens}
     write_json(workdir.selection_results(), out)
     for line in selection.table_lines(rows, chosen):
         log.info("%s", line)
