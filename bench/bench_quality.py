@@ -12,10 +12,11 @@ The speculators comparison at the demo's size, two seeds (the lead's measurement
 seed its own --out, so that both seeds' runs, logs and reports are kept side by side):
 
     for seed in 0 1; do python bench/bench_quality.py --peer speculators --sampled --seed $seed \
-        --out work/smollm2-135m/bench_quality-speculators-seed$seed [--loss lk]; done
+        --out work/smollm2-135m/bench_quality-speculators-seed$seed [--loss lk_lambda]; done
 
-(250 steps, the config's; speculators' side takes ~18 s a step on 2 cores, ~80 minutes a
-seed, docs/LEVERS.md; `--loss lk` once stage 04 has the flag; the tiny shake-out:
+(250 steps, the config's; speculators' side takes ~8 s a step on 2 idle cores, twice that
+beside another job, so about 50 minutes a seed in all, docs/LEVERS.md; `--loss` gives our
+stage 04 any of its losses; the tiny shake-out:
 `python bench/bench_quality.py --config configs/tiny-llama.yaml --peer speculators --steps 5 --warmup-steps 2`).
 
 On one stage-02 store and stage-03 vocabulary (the base work dir W, stages 00-03 done),
