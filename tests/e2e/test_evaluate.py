@@ -23,8 +23,9 @@ from eagle3.core.errors import PipelineError
 from eagle3.drafter.model import DrafterConfig, Eagle3Drafter
 from eagle3.serving.drafter_io import (CONFIG_NAME, WEIGHTS_NAME, hf_config_from_drafter_config, load_drafter_dir,
                                        save_drafter_dir)
+from eagle3.serving.model_card import CARD_NAME, evaluate_section
 from eagle3.stages.configs import STAGE_CONFIGS
-from eagle3.stages.s06_evaluate.config import EvaluateConfig
+from eagle3.stages.s06_evaluate.config import EVAL_SPLIT, EvaluateConfig
 from eagle3.stages.s06_evaluate.figures import (acceptance_figures, histogram_counts, ratio_interval, timing_figures,
                                                 timing_problems)
 from eagle3.stages.s06_evaluate.prompts import (Prompt, assistant_turns, categories, file_prompts, held_out_prompts,
@@ -367,6 +368,10 @@ def test_config_validation():
     with pytest.raises(PipelineError, match="needs a prompt set"):
         EvaluateConfig(work_dir=Path("w"), target_model="t", category_field="category")
     assert EvaluateConfig(work_dir=Path("w"), target_model="t").temperature == [0.0, 0.7]
+    # `--prompts eval-split` undoes a config's prompt file, and that file's fields with it.
+    split = EvaluateConfig(work_dir=Path("w"), target_model="t", prompts=EVAL_SPLIT, category_field="category",
+                           prompt_field="question")
+    assert split.prompts is None and split.category_field is None and split.prompt_field is None
     from eagle3.core.config import build_config
 
     cfg = build_config(EvaluateConfig, "evaluate", ROOT / "configs" / "tiny-llama.yaml", sections=STAGE_CONFIGS)
@@ -424,7 +429,11 @@ def test_a_failing_engine_run_names_its_log(tmp_path, prepared_llama, tiny_llama
 
 
 def test_layer_capture_names_each_engines_layers_and_flags_a_mismatch(tmp_path, tiny_llama, caplog):
-    from eagle3.stages.s06_evaluate.run import _log_capture, capture_lines, layer_capture
+    from eagle3.stages.s06_evaluate.run import (
+        _log_capture,
+        capture_lines,
+        layer_capture,
+    )
     from eagle3.target.info import read_target_info
 
     info = read_target_info(str(tiny_llama))
@@ -451,8 +460,11 @@ def test_layer_capture_names_each_engines_layers_and_flags_a_mismatch(tmp_path, 
 def test_any_drafter_is_measured_on_a_new_work_dir(tmp_path, tiny_llama):
     """A drafter from elsewhere (as a published one), prompts, a work dir where no stage ran:
     stage 06 serves it (one engine: a sampled pass only, no untrained floor, no timing),
-    logs the layers each engine captures, and writes only 06_evaluate/ (and its log, logs/06_evaluate.log)."""
+    logs the layers each engine captures, and writes only 06_evaluate/ (and its log, logs/06_evaluate.log):
+    not even the drafter's model card, whose table its own run measured on its own prompts."""
     drafter = write_drafter(tmp_path / "published")
+    card = f"# a drafter exported elsewhere\n{evaluate_section('| its own | figures |')}\n"
+    (drafter / CARD_NAME).write_text(card)
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "What is 6 times 7?"}, {"question": "Why is the sky blue?"},
                                                  {"turns": ["Name a color.", "Another?"]},
                                                  {"messages": [{"role": "user", "content": "Spell cat."}]}])
@@ -466,6 +478,7 @@ def test_any_drafter_is_measured_on_a_new_work_dir(tmp_path, tiny_llama):
     assert "vLLM V1 runner" in p.stderr and "vLLM V2 runner" in p.stderr and "SGLang: [2, 4, 5]" in p.stderr
     assert "untrained drafter" not in p.stderr and "training-time expected" not in p.stderr  # nothing to say
     assert sorted(x.name for x in work.iterdir()) == ["06_evaluate", "logs"]
+    assert (drafter / CARD_NAME).read_text() == card and "its model card is left as it is" in p.stderr
     assert [x.name for x in (work / "logs").iterdir()] == ["06_evaluate.log"]
     r = json.loads(WorkDir(work).evaluate_results().read_text())
     assert r["prompts"]["count"] == 4 and r["acceptance"][0]["temperature"] == 0.7
@@ -630,9 +643,8 @@ def test_the_timed_worker_keeps_both_engines_alive_and_interleaves_their_request
     the ones before it, and the drafter's counters are the ones read), each engine serves its
     acceptance passes, then the timed prompts alternate between the two engines, and both
     engines are shut down. (Imports vLLM's CPU build: ~5 s.)"""
-    from types import SimpleNamespace
-
     from dataclasses import astuple
+    from types import SimpleNamespace
 
     import eagle3.stages.s06_evaluate.engine as engine
     from eagle3.engines.config import EngineConfig

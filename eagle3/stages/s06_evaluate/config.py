@@ -32,7 +32,8 @@ class EvaluateConfig(EngineSettings):
     prompts: str | None = param(None, help="prompt set: a local .json/.jsonl file (OpenAI `messages`, ShareGPT "
                                            "`conversations`, a `prompt` / `instruction` / `question` field, MT-Bench "
                                            "`turns`, or see --prompt-field) or a datasets id (see --prompts-split); "
-                                           "default: every assistant turn of stage 01's eval split")
+                                           f"default, or `{EVAL_SPLIT}` (to override a config's file): every "
+                                           "assistant turn of stage 01's eval split")
     prompts_split: str = param("test", help="split of a datasets id given with --prompts")
     prompt_field: str | None = param(None, help="the field of --prompts records holding the prompt, read instead "
                                                 "of any other (default: messages, conversations, prompt, "
@@ -87,6 +88,8 @@ class EvaluateConfig(EngineSettings):
     def __post_init__(self):
         super().__post_init__()  # the choices and ranges declared with the fields; dtype's one spelling
         self.temperature = [float(t) for t in self.temperature]
+        if self.prompts == EVAL_SPLIT:  # the default spelled out, so a command can undo a config's prompt file;
+            self.prompts = self.prompt_field = self.category_field = None  # that file's fields go with it
         if not self.temperature or len(set(self.temperature)) != len(self.temperature):
             raise PipelineError(f"evaluate.temperature = {self.temperature}: give one or more distinct values >= 0 "
                                 f"(--temperature 0,0.7; 0 is greedy).")

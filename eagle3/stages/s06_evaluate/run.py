@@ -447,13 +447,19 @@ def _measured_on(workdir: WorkDir) -> str:
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d")
 
 
-def _update_card(drafter_dir: Path, results: dict, when: str) -> None:
-    """Stage 06's table into the drafter's model card, between its markers only (eagle3/serving/model_card.py)."""
-    card = write_evaluate_section(drafter_dir, card_table(results, when))
+def _update_card(drafter: _Drafter, results: dict, when: str) -> None:
+    """Stage 06's table into the drafter's model card, between its markers only (eagle3/serving/model_card.py),
+    and only into this work dir's own export: a drafter from elsewhere (--drafter-dir naming another run's
+    export, or a published one) keeps its card, whose figures its own stage 06 measured on its prompts."""
+    if drafter.export is None:
+        log.info("stage 06: %s is not this work dir's export; its model card is left as it is (this run's "
+                 "figures are in 06_evaluate/results.json)", drafter.dir)
+        return
+    card = write_evaluate_section(drafter.dir, card_table(results, when))
     if card is not None:
         log.info("stage 06: measured figures -> %s (between its eagle3:evaluate markers)", card)
     else:
-        log.info("stage 06: %s has no model card with eagle3:evaluate markers; no card updated", drafter_dir)
+        log.info("stage 06: %s has no model card with eagle3:evaluate markers; no card updated", drafter.dir)
 
 
 def select_checkpoint(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | None) -> dict:
@@ -527,7 +533,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     if already_complete(workdir, "evaluate", params, inputs, force=cfg.force):
         results = json.loads(workdir.evaluate_results().read_text())
         _log_report(results, warn=False)
-        _update_card(drafter.dir, results, _measured_on(workdir))  # a card written since gets the same table
+        _update_card(drafter, results, _measured_on(workdir))  # a card written since gets the same table
         return results
 
     refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)  # every run plan serves the drafter
@@ -563,6 +569,6 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
                    outputs=[workdir.evaluate_results(), workdir.evaluate_plot()],
                    record=EvaluateRecord(drafter_dir=str(drafter.dir), target_model=cfg.target_model))
     _log_report(results)
-    _update_card(drafter.dir, results, _measured_on(workdir))
+    _update_card(drafter, results, _measured_on(workdir))
     log.info("stage 06: results -> %s, plot -> %s", workdir.evaluate_results(), workdir.evaluate_plot())
     return results
