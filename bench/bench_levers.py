@@ -57,6 +57,7 @@ LEVERS: dict[str, tuple[list[str], list[str]]] = {
     "loss-all+init-tail": ([], ["--loss-on", "all", "--init-layer", "-1", "--init-head"]),
     # a second training seed, to see a lever's lift next to the run-to-run spread
     "baseline-seed1": ([], ["--seed", "1"]),
+    "baseline-seed2": ([], ["--seed", "2"]),  # the third seed, beside bench_quality's --seed 2 (docs/LEVERS.md)
     "init-tail-seed1": ([], ["--init-layer", "-1", "--init-head", "--seed", "1"]),
     # EAGLE 3.1's two norms (fc_norm, norm_output; +7.2% mean acceptance on Qwen3-8B, speculators #610)
     "eagle3.1": ([], ["--drafter-shape", "eagle3.1"]),
