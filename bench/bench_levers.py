@@ -17,9 +17,9 @@ temperature other than 0 keeps its lever work dirs apart (W-levers-t<T>), so gre
 sampled results never mix.
 
 Prints per lever: served acceptance length with its 95% interval and per position,
-stage 04's held-out expected acceptance (greedy, and under sampling where the run reports
-it: docs/CONVENTIONS.md §5), the difference to the baseline lever with
-its paired 95% interval (the same prompts resampled together for both drafters), and
+stage 04's held-out expected acceptance of the checkpoint exported (greedy, and under
+sampling where the run reports it: docs/CONVENTIONS.md §5), the difference to the
+baseline lever with its paired 95% interval (the same prompts resampled together for both drafters), and
 whether it lies beyond the baseline's own 95% interval (the rule for adopting a lever
 as a default). Every lever costs one stage 04-06 run (the demo's: ~5 minutes on 2 cores).
 """
@@ -121,6 +121,21 @@ def run_lever(name: str, base: Path, out: Path, config: Path, target: str | None
     return json.loads(results.read_text()), train, seconds
 
 
+def held_out_of_export(workdir: Path, m04: dict) -> tuple[float, float]:
+    """Stage 04's held-out expected accept length (greedy, sampled) of the checkpoint exported:
+    the best evaluation's, or, where stage 06 chose by serving (selection.json), the chosen step's."""
+    chosen = workdir / "06_evaluate" / "selection.json"
+    if not chosen.is_file():
+        best = m04["record"].get("best_eval") or {}
+        return m04["record"]["best_expected_accept_length"], best.get("sample_accept_length", float("nan"))
+    step = json.loads(chosen.read_text())["chosen_step"]
+    for line in (workdir / "04_train" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row.get("split") == "eval" and row.get("step") == step:
+            return row["expected_accept_length"], row.get("sample_accept_length", float("nan"))
+    raise SystemExit(f"{workdir}/04_train/metrics.jsonl has no evaluation at step {step}, the step exported")
+
+
 def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path, temperature: float = 0.0) -> list[str]:
     out = [f"{'lever':24s}{'served L (95%)':>16s}  {'per position':16s}{'held-out est.':>14s}{'sampled':>8s}"
            f"{'vs baseline (paired 95%)':>29s}{'04 s':>6s}  verdict"]
@@ -130,8 +145,7 @@ def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path, temperature
     for name, r, m04, secs in rows:
         L, ci = r["acceptance_length"], r["acceptance_length_ci95"]
         per = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
-        est = m04["record"]["best_expected_accept_length"]
-        sampled = (m04["record"].get("best_eval") or {}).get("sample_accept_length", float("nan"))
+        est, sampled = held_out_of_export(out_dir / name, m04)
         if base is None or name == "baseline":
             delta, verdict = "", "" if base is None else f"interval [{lo:.3f}, {hi:.3f}]"
         else:
@@ -142,7 +156,7 @@ def report(rows: list[tuple[str, dict, dict, float]], out_dir: Path, temperature
                 "below the baseline's interval" if L < lo else "inside the baseline's interval")
             verdict += "; paired: " + verdict_of(d_lo, d_hi)
         chosen = out_dir / name / "06_evaluate" / "selection.json"
-        if chosen.is_file():  # a lever that exports the checkpoint served best: which one it was
+        if chosen.is_file():
             verdict += f"; exported step {json.loads(chosen.read_text())['chosen_step']}"
         out.append(f"{name:24s}{f'{L:.3f} ±{ci:.3f}':>16s}  {per:16s}{est:>14.3f}{sampled:>8.3f}{delta:>29s}"
                    f"{secs:>6.0f}  {verdict}")
