@@ -16,23 +16,68 @@
 #   memory    scripts/gpu_check_train.sh: stage 04 at Kimi-K2.5's widths, each of its
 #             check lines (when present)
 #
-# Usage: bash scripts/gpu_check.sh [WORK_DIR]   (default work/gpu-check; removed first)
+# Usage: bash scripts/gpu_check.sh [WORK_DIR]   (default work/gpu-check)
+# WORK_DIR is this script's scratch folder, not a pipeline work dir: each run removes
+# WORK_DIR, its siblings WORK_DIR-hf, -ddp1, -ddp2 and WORK_DIR.log first. It marks every
+# folder it makes with a GPU_CHECK_SCRATCH file (the log with that word on its first
+# line) and removes only what carries the mark, or an empty folder or log: anything else
+# at those paths (a real work dir, a run of the script from before the mark) makes it
+# print one FAIL line naming the path and exit 2, before it removes anything.
 # Needs: a CUDA torch and `pip install vllm`, then `pip install -r requirements.txt`
 # (README "GPU box install"). Every check judges: a miss is a FAIL line and the script
 # exits 1. Before any work it checks the box (a CUDA device, the CUDA builds of torch
 # and vLLM) and, on a miss, prints one FAIL line naming each missing piece and exits 2;
-# that part runs in CI on CPU machines (tests/stages/test_gpu_check_script.py).
+# that part, and the scratch-folder check before it, run in CI on CPU machines
+# (tests/stages/test_gpu_check_script.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 CONFIG=configs/smollm2-135m.yaml
 WORK=${1:-work/gpu-check}
+# Without the trailing slash: "dir/" would put the siblings inside it ("dir/-hf").
+while [[ $WORK == */ && $WORK != / ]]; do WORK=${WORK%/}; done
 TARGET=work/targets/smollm2-135m
 LOG=$WORK.log
 failed=0
+MARK=GPU_CHECK_SCRATCH
+LOG_HEADER="# $MARK: log of scripts/gpu_check.sh (its next run with the same WORK_DIR empties it)"
 
 say() { echo "$*"; }
 fail() { echo "FAIL $*"; failed=1; }
+
+# scratch_dir DIR: make DIR and mark it as this script's own, so a later run may remove it.
+scratch_dir() {
+    mkdir -p "$1" && echo "made by scripts/gpu_check.sh on $(date -u +%Y-%m-%dT%H:%M:%SZ) as scratch;" \
+        "its next run with the same WORK_DIR removes this folder" > "$1/$MARK"
+}
+
+# -- before anything else: the paths this run removes are its own -----------------------
+# WORK_DIR reads like "my work dir": `gpu_check.sh /data/eagle3/kimi` would otherwise wipe
+# a real store and its checkpoints. A path is ours when it carries the mark; an empty
+# folder or log holds nothing to lose. A link is never ours (the script makes none).
+# Before the box check, so that it needs no GPU and CPU machines test it.
+ours_dir() {  # absent, or a folder (not a link) with the mark or with nothing in it
+    ! [ -e "$1" ] && ! [ -L "$1" ] && return 0
+    [ -d "$1" ] && ! [ -L "$1" ] || return 1
+    [ -f "$1/$MARK" ] || [ -z "$(ls -A "$1" 2>/dev/null || echo unreadable)" ]
+}
+ours_log() {  # absent, or a file (not a link) that is empty or starts with "# $MARK"
+    ! [ -e "$1" ] && ! [ -L "$1" ] && return 0
+    [ -f "$1" ] && ! [ -L "$1" ] || return 1
+    ! [ -s "$1" ] || [[ $(head -n 1 "$1" 2>/dev/null) == "# $MARK"* ]]
+}
+foreign=()
+for d in "$WORK" "$WORK-hf" "$WORK-ddp1" "$WORK-ddp2"; do
+    ours_dir "$d" || foreign+=("$d")
+done
+ours_log "$LOG" || foreign+=("$LOG")
+if [ ${#foreign[@]} -gt 0 ]; then
+    echo "FAIL scratch folder: refusing to remove ${foreign[*]}: not made by scripts/gpu_check.sh" \
+         "(no $MARK mark) and not empty; each run removes WORK_DIR, WORK_DIR-hf, -ddp1, -ddp2 and" \
+         "WORK_DIR.log first. Pass a new scratch folder (bash scripts/gpu_check.sh work/gpu-check-2)," \
+         "or, if it is only an old gpu_check run, remove it yourself"
+    exit 2
+fi
 
 # -- before any work: a CUDA device and the CUDA builds ------------------------------
 if ! command -v "$PY" > /dev/null 2>&1; then
@@ -93,8 +138,9 @@ then
     exit 2
 fi
 
-rm -rf "$WORK" "$WORK-hf" "$WORK-ddp1" "$WORK-ddp2" && mkdir -p "$WORK"
-: > "$LOG"
+# Each of these is marked, empty or absent (checked above).
+rm -rf "$WORK" "$WORK-hf" "$WORK-ddp1" "$WORK-ddp2" && scratch_dir "$WORK" || exit 1
+echo "$LOG_HEADER" > "$LOG" || exit 1
 start=$(date +%s)
 
 step() {  # step NAME COMMAND...: run, log, one FAIL line on error
@@ -120,7 +166,7 @@ step "stage 00 generate (vLLM, spawned engine core)" $PY 00_generate_responses.p
 step "stage 01 prepare" $PY 01_prepare_dataset.py "${common[@]}" || exit 1
 step "stage 02 extract (vLLM backend)" $PY 02_extract_hidden_states.py "${common[@]}" --backend vllm \
     --gpu-memory-utilization 0.5 || exit 1
-mkdir -p "$WORK-hf" && cp -r "$WORK/00_generate" "$WORK/01_dataset" "$WORK-hf/"
+scratch_dir "$WORK-hf" && cp -r "$WORK/00_generate" "$WORK/01_dataset" "$WORK-hf/"
 step "stage 02 extract (HF backend, reference)" $PY 02_extract_hidden_states.py --config $CONFIG \
     --work-dir "$WORK-hf" --target-model "$TARGET" --backend hf || exit 1
 # Row by row on 4 samples, then the vLLM store's layers against transformers' (float32, GPU).
@@ -169,7 +215,7 @@ if [ "${ngpu:-0}" -lt 2 ]; then
     say "SKIP stage 04 torchrun 2 processes (NCCL) vs 1 process with grad_accum 2: ${ngpu:-0} GPU visible, needs 2"
 else
     for run in ddp1 ddp2; do
-        mkdir -p "$WORK-$run" && cp -r "$WORK/01_dataset" "$WORK/02_hidden_states" "$WORK/03_vocab" "$WORK-$run/"
+        scratch_dir "$WORK-$run" && cp -r "$WORK/01_dataset" "$WORK/02_hidden_states" "$WORK/03_vocab" "$WORK-$run/"
     done
     ddp=(--config $CONFIG --target-model "$TARGET" --device cuda --precision fp32 --max-steps 3 --batch-tokens 1024
          --learning-rate 2e-3 --warmup-steps 2 --log-every 1 --eval-every 1000 --save-every 1000)
