@@ -109,6 +109,45 @@ def fsync_tree(path: Path) -> None:
         fsync_path(path)
 
 
+def _replace_folder(new: Path, path: Path) -> None:
+    """Put folder `new` at `path` in place of the folder there, which is renamed aside to
+    `.<name>.old-<random>` beside it and deleted last. A kill between the two renames leaves
+    it complete under that name; a failed deletion leaves it there with a warning."""
+    # Not rmtree then rename: a deletion failing partway (an NFS `.nfsXXXX` file a server still
+    # holds open, EACCES) or a kill before the rename would lose the old folder and the new.
+    # mkdtemp reserves a unique aside name; renaming a folder onto an empty one replaces it.
+    aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+    try:
+        os.replace(path, aside)
+        os.replace(new, path)
+    except BaseException:
+        _put_back(aside, path)
+        raise
+    try:
+        # The new name must be on disk before the old content is deleted.
+        fsync_path(path.parent)
+    except BaseException:
+        log.warning("the old folder of %s is kept, complete, at %s", path, aside)
+        raise
+    try:
+        shutil.rmtree(aside)
+    except OSError as e:
+        # The new folder is complete and in place: leave the rest of the old one to a person.
+        log.warning("replaced the folder %s but could not delete the old one, left (partly) at %s: %s",
+                    path, aside, e)
+
+
+def _put_back(aside: Path, path: Path) -> None:
+    """After a failed (or interrupted) `_replace_folder`: the old folder at `path` again."""
+    try:
+        if os.path.lexists(path):
+            os.rmdir(aside)  # the old folder never left: only the reserved empty name is removed
+        else:
+            os.replace(aside, path)
+    except OSError as e:
+        log.error("could not put the old folder %s back (%s): it is complete at %s", path, e, aside)
+
+
 @contextmanager
 def atomic_path(path: Path | str, expected_bytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` on success.
@@ -116,6 +155,7 @@ def atomic_path(path: Path | str, expected_bytes: int | None = None) -> Iterator
     Works for files and for folders (e.g. a `datasets.save_to_disk` target).
     `expected_bytes` (when the caller knows it) is what a disk-full message names.
     What was written is fsynced before the rename, `path`'s folder after it.
+    A folder already at `path` is deleted only once the new one is in place.
     """
     path = Path(path)
     try:
@@ -130,9 +170,10 @@ def atomic_path(path: Path | str, expected_bytes: int | None = None) -> Iterator
         yield target
         fsync_tree(target)
         if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        os.replace(target, path)
-        fsync_path(path.parent)
+            _replace_folder(target, path)
+        else:
+            os.replace(target, path)
+            fsync_path(path.parent)
     except (OSError, RuntimeError) as e:
         full, written = _looks_disk_full(e, path.parent), _bytes_under(target)
         shutil.rmtree(tmp, ignore_errors=True)  # first, so the message counts the space it held as free
