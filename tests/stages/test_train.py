@@ -76,6 +76,46 @@ def test_killed_and_resumed_run_equals_unbroken_run(tmp_path, stages_123, sharp_
     assert WorkDir(a).manifest("train").read_text() == before
 
 
+HOLD_CLAIM = """import sys, time
+from pathlib import Path
+from eagle3.artifacts.claims import Claim
+Claim.acquire(Path(sys.argv[1]), what="stage 04")
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_second_trainer_on_one_work_dir_is_refused_before_it_deletes_or_writes(tmp_path, stages_123, sharp_llama):
+    """One trainer per work dir: while a live process holds 04_train (as a running stage 04
+    does), another run, --force or not, is refused before it deletes or writes a byte there;
+    once that process is gone, the next run takes the folder over and resumes."""
+    a = fresh(stages_123, tmp_path / "a")
+    cfg = dict(target_model=str(sharp_llama), max_steps=4, learning_rate=2e-3, **{**SMALL, "save_every": 2})
+    assert train_drafter(TrainConfig(work_dir=a, stop_after=2, **cfg)) is None  # a checkpoint at step 2
+    train_dir = WorkDir(a).stage_dir("train")
+
+    def files() -> dict:
+        return {p.relative_to(train_dir): p.read_bytes() for p in sorted(train_dir.rglob("*"))
+                if p.is_file() and not p.name.startswith(".claim")}
+
+    before = files()
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_CLAIM, str(train_dir)], stdout=subprocess.PIPE, text=True,
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for force in (False, True):
+            with pytest.raises(PipelineError, match="one writer per folder"):
+                train_drafter(TrainConfig(work_dir=a, force=force, **cfg))
+        assert files() == before
+    finally:
+        holder.kill()
+        holder.wait()
+    m = train_drafter(TrainConfig(work_dir=a, **cfg))  # its holder killed: taken over, resumed from step 2
+    assert record_of(m).steps == 4 and not (train_dir / ".claim.json").exists()
+    lines = [json.loads(line) for line in WorkDir(a).train_metrics().read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "train"] == [1, 2, 3, 4]
+
+
 def test_two_process_gloo_run_equals_one_process_with_grad_accum(tmp_path, stages_123, sharp_llama):
     one, two = fresh(stages_123, tmp_path / "one"), fresh(stages_123, tmp_path / "two")
     cfg = dict(target_model=str(sharp_llama), max_steps=3, learning_rate=2e-3, **SMALL)

@@ -119,6 +119,10 @@ class TrainConfig(StageConfig):
     stop_after: int | None = param(None, identity=False,
                                    help="exit after this step, as if killed (for resume tests)")
     force: bool = param(False, identity=False, help="discard existing checkpoints and train from scratch")
+    take_over_stale_s: float | None = param(None, min=0.0, identity=False, help="take over 04_train from a "
+                                            "trainer on another box whose heartbeat has not changed for this many "
+                                            "seconds, watched from here (at least 90). Default: never; a trainer "
+                                            "whose process is gone on this machine is replaced without it")
 
     def __post_init__(self):
         super().__post_init__()  # the choices and ranges declared with the fields

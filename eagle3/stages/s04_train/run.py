@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3.artifacts import claims
 from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest, read_record,
                                        sha256_file, sha256_json, write_manifest)
 from eagle3.artifacts.records import TrainRecord
@@ -584,19 +585,40 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
         done = already_complete(workdir, "train", src.params, src.inputs, force=cfg.force)
         if done:
             return done
-        if cfg.force and d.main and workdir.stage_dir("train").exists():
-            shutil.rmtree(workdir.stage_dir("train"))
-            # Over windows, training from scratch needs every round again: stage 02 re-extracts
-            # the ones deleted once no round counts as trained.
-            wdir = windows_dir(workdir.store(), cfg.windows_dir)
-            if read_plan(workdir.store()) is not None and (wdir / PROGRESS_JSON).is_file():
-                (wdir / PROGRESS_JSON).unlink()
-        barrier()  # no rank may read a checkpoint rank 0 is deleting
-        manifest = Trainer(cfg, workdir, src, device, d).fit()
-        # Every rank leaves together: a rank that tears its group down while rank 0 still
-        # writes the manifest can abort in the transport's teardown (gloo) after a good run.
-        # Only on success: after an exception on one rank, a barrier would wait for its timeout.
-        barrier()
-        return manifest
+        # One trainer per work dir: a second one (a rerun while the first still trains, a --force
+        # beside it) would prune the other's newer checkpoints, move latest.json back and append
+        # to its metrics. Rank 0 claims 04_train before it deletes or writes anything there.
+        claim = (claims.Claim.acquire(workdir.stage_dir("train"), what="stage 04",
+                                      take_over_stale_s=cfg.take_over_stale_s) if d.main else None)
+        try:
+            if claim is not None and cfg.force:
+                discard_previous_run(workdir.stage_dir("train"), claim)
+                # Over windows, training from scratch needs every round again: stage 02 re-extracts
+                # the ones deleted once no round counts as trained.
+                wdir = windows_dir(workdir.store(), cfg.windows_dir)
+                if read_plan(workdir.store()) is not None and (wdir / PROGRESS_JSON).is_file():
+                    (wdir / PROGRESS_JSON).unlink()
+            barrier()  # no rank may read a checkpoint rank 0 is deleting
+            manifest = Trainer(cfg, workdir, src, device, d).fit()
+            # Every rank leaves together: a rank that tears its group down while rank 0 still
+            # writes the manifest can abort in the transport's teardown (gloo) after a good run.
+            # Only on success: after an exception on one rank, a barrier would wait for its timeout.
+            barrier()
+            return manifest
+        finally:
+            if claim is not None:
+                claim.release()
     finally:
         close_distributed(d)
+
+
+def discard_previous_run(train_dir: Path, claim: claims.Claim) -> None:
+    """--force: everything an earlier run left in 04_train, but this run's claim on it."""
+    own = {claims.CLAIM_JSON, claims.beat_name(claim.holder.token)}
+    for path in train_dir.iterdir():
+        if path.name in own:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
