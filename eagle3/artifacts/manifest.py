@@ -137,6 +137,18 @@ def _load(path: Path) -> Manifest:
     return m
 
 
+def previous_manifest(workdir: WorkDir, stage: str) -> Manifest | None:
+    """The manifest an earlier run of `stage` wrote, as it is (not checked against the stages
+    before it, which may have run again since), or None when there is none readable: what a
+    stage asks before it replaces what that run wrote."""
+    path = workdir.manifest(stage)
+    try:
+        m = _load(path) if path.is_file() else None
+    except PipelineError:
+        return None
+    return m if m is not None and m.format_version == FORMAT_VERSION else None
+
+
 def _outputs_intact(manifest: Manifest, base: Path) -> str | None:
     """None when every recorded output exists with its recorded size, else the first problem."""
     for rel, info in manifest.outputs.items():

@@ -267,6 +267,30 @@ def test_export_with_embed_tokens_and_custom_out_dir(tmp_path, tiny_llama):
     assert sorted(p.name for p in workdir.export_dir().iterdir()) == sorted(["manifest.json", REPORT_JSON, REPORT_MD])
 
 
+def test_an_out_dir_is_replaced_only_when_this_work_dirs_last_export_wrote_it(tmp_path):
+    """An --out-dir that holds a drafter is replaced by a re-export of the work dir that wrote
+    it, files unchanged; another work dir's export there (or one changed since) is refused,
+    --force or not, and kept as it was."""
+    target = fake_target(tmp_path / "target")
+    shared = tmp_path / "drafters" / "v1"
+    a = make_work_dir(tmp_path / "a", random_drafter(seed=0))
+    b = make_work_dir(tmp_path / "b", random_drafter(seed=1))
+    export_drafter(ExportConfig(work_dir=a.root, target_model=str(target), out_dir=shared))
+    kept = {p.name: p.read_bytes() for p in shared.iterdir()}
+    for force in (False, True):
+        with pytest.raises(PipelineError, match="did not export"):
+            export_drafter(ExportConfig(work_dir=b.root, target_model=str(target), out_dir=shared, force=force))
+        assert {p.name: p.read_bytes() for p in shared.iterdir()} == kept
+    # A's own export, unchanged: its re-export replaces it.
+    export_drafter(ExportConfig(work_dir=a.root, target_model=str(target), out_dir=shared, force=True))
+    # Changed by hand since A wrote it: refused, and left as changed.
+    config = json.loads((shared / CONFIG_NAME).read_text())
+    (shared / CONFIG_NAME).write_text(json.dumps({**config, "note": "mine"}))
+    with pytest.raises(PipelineError, match="changed since"):
+        export_drafter(ExportConfig(work_dir=a.root, target_model=str(target), out_dir=shared, force=True))
+    assert json.loads((shared / CONFIG_NAME).read_text())["note"] == "mine"
+
+
 def test_export_script_cli(tmp_path):
     m = random_drafter()
     target = fake_target(tmp_path / "target")

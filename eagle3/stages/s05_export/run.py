@@ -39,8 +39,8 @@ from eagle3.serving.drafter_io import CONFIG_NAME, WEIGHTS_NAME, hf_config_from_
 from eagle3.serving.drafter_check import TargetFacts, d2t_summary
 from eagle3.serving.engine_rules import CAPTURE_TOPIC, D2T, RULES, captured_layers, rules_for
 from eagle3.core.errors import PipelineError
-from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, read_manifest,
-                                       read_record, record_of, sha256_file, sha256_json, write_manifest)
+from eagle3.artifacts.manifest import (Manifest, already_complete, manifest_fingerprint, previous_manifest,
+                                       read_manifest, read_record, record_of, sha256_file, sha256_json, write_manifest)
 from eagle3.drafter.model import DrafterConfig
 from eagle3.drafter.shape import shape_name
 from eagle3.serving.positions import position_reach, reach_line
@@ -364,7 +364,7 @@ def export_drafter(cfg: ExportConfig) -> Path:
                                        dtype=cfg.dtype)
     if cfg.include_embed_tokens:
         state = {**state, "embed_tokens.weight": embed_tokens(x.info)}
-    _check_out_dir(x.out_dir, x.workdir.export_dir(), cfg.force)
+    _check_out_dir(x)
     findings = save_drafter_dir(x.out_dir, state, hf, dtype=cfg.dtype, include_embed_tokens=cfg.include_embed_tokens,
                                 overwrite=True, target=x.facts, allow_engine_mismatch=cfg.allow_engine_mismatch)
     # The engines that would capture other layers (let through by --allow-engine-mismatch):
@@ -398,15 +398,37 @@ def export_drafter(cfg: ExportConfig) -> Path:
     return x.out_dir
 
 
-def _check_out_dir(out_dir: Path, stage_dir: Path, force: bool) -> None:
-    """Replace `out_dir` only when it holds a previous export (or --force): never a user's folder."""
-    if not out_dir.exists() or not any(out_dir.iterdir()):
+def _check_out_dir(x: ExportInputs) -> None:
+    """Replace a folder that holds something only when this work dir owns it: its own stage
+    folder, or the --out-dir its last export wrote, those files unchanged since. Never a user's
+    folder, another run's export or a drafter changed since (--force does not change that: it
+    redoes this run's export, it does not prove anyone else's is kept elsewhere)."""
+    out_dir = x.out_dir
+    if not out_dir.exists() or not any(out_dir.iterdir()) or x.in_stage_dir:
         return
     ours = {CONFIG_NAME, WEIGHTS_NAME, CARD_NAME, REPORT_JSON, REPORT_MD, MANIFEST_NAME}
     others = sorted(p.name for p in out_dir.iterdir() if p.name not in ours)
-    if others and not force and out_dir.resolve() != stage_dir.resolve():
-        raise PipelineError(f"--out-dir {out_dir} holds other files ({others[:5]}); it would be replaced as a whole. "
-                            f"Choose an empty or new folder, or pass --force.")
+    if others:
+        raise PipelineError(f"--out-dir {out_dir} holds other files ({others[:5]}); an export replaces the folder as a "
+                            f"whole. Choose an empty or new folder, or move them away yourself.")
+    if not _written_by_last_export(x.workdir, out_dir):
+        raise PipelineError(f"--out-dir {out_dir} holds a drafter that this work dir ({x.workdir.root}) did not "
+                            f"export, or whose files changed since it did (another run's export, a --init-from "
+                            f"source, a drafter edited by hand): an export would replace it. Choose a new folder, "
+                            f"or move it away yourself.")
+
+
+def _written_by_last_export(workdir: WorkDir, out_dir: Path) -> bool:
+    """`out_dir` is where this work dir's last export wrote, and its config and weights are as written."""
+    m = previous_manifest(workdir, "export")
+    try:
+        record = record_of(m) if m is not None else None
+    except PipelineError:
+        return False
+    if record is None or Path(record.drafter_dir).resolve() != out_dir.resolve():
+        return False
+    files = record.drafter_files or {}
+    return bool(files) and all((out_dir / n).is_file() and sha256_file(out_dir / n) == h for n, h in files.items())
 
 
 def _drafter_intact(out_dir: Path, manifest: Manifest) -> bool:
