@@ -48,6 +48,8 @@ Writes WORK/06_evaluate/
     untrained_drafter/      the baseline drafter folder
     runs/NAME.{request,result}.json, logs/NAME.log   one worker run each (plain+trained when timed)
     manifest.json
+    previous/WHEN-ID/       each earlier complete measurement, kept before a new one replaced it
+                            (eagle3/stages/s06_evaluate/previous.py)
 
 Run: `python 06_evaluate_drafter.py --config configs/tiny-llama.yaml [--num-speculative-tokens 3]`.
 
@@ -99,6 +101,7 @@ from eagle3.stages.s06_evaluate import selection
 from eagle3.stages.s06_evaluate.config import EVAL_SPLIT, EvaluateConfig
 from eagle3.stages.s06_evaluate.engine import engine_request, refuse_drafter_on_cpu_mla, run_engine
 from eagle3.stages.s06_evaluate.figures import run_figures, teacher_check
+from eagle3.stages.s06_evaluate.previous import keep_previous_measurement
 from eagle3.stages.s06_evaluate.prompts import Prompt, categories, file_prompts, held_out_prompts, timing_subset
 from eagle3.stages.s06_evaluate.report import card_table, report_lines, summarise, write_plot
 from eagle3.stages.s06_evaluate.timing import PLAIN, Block, pass_segments, schedule
@@ -476,6 +479,7 @@ def select_checkpoint(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | No
     refuse_drafter_on_cpu_mla(cfg.target_model, info.text_config)
     prompts, prompt_info, max_model_len = _choose_prompts(chooser, workdir, tok, info, prep)
     base_req = {**_base_request(chooser, prompts, max_model_len), "timing_blocks": []}
+    keep_previous_measurement(workdir)  # before selection.json and the runs are written anew
     log.info("stage 06 --select-checkpoint: serving %d checkpoints (steps %s) greedy on %d prompts from %s",
              len(cands), ", ".join(str(c.step) for c in cands), prompt_info["count"], prompt_info["source"])
     if chooser is cfg:
@@ -555,6 +559,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
              f"; {len(names)} categories" if names else "", cfg.max_new_tokens, cfg.num_speculative_tokens,
              cfg.temperature, len(timed), drafter.dir)
 
+    keep_previous_measurement(workdir)  # another measurement's figures are about to be replaced
     workdir.evaluate_dir().mkdir(parents=True, exist_ok=True)
     workdir.manifest("evaluate").unlink(missing_ok=True)  # the manifest marks completion: drop a stale one first
     base_req = _base_request(cfg, prompts, max_model_len)
