@@ -84,6 +84,10 @@ class EvaluateConfig(EngineSettings):
                                                                "process (VLLM_ENABLE_V1_MULTIPROCESSING=0; "
                                                                "faster start on CPU)")
     timeout_s: int = param(1800, min=1, identity=False, help="seconds one engine run may take")
+    take_over_stale_s: float | None = param(None, min=0.0, identity=False, help="take over 06_evaluate from a "
+                                            "measurement on another box whose heartbeat has not changed for this "
+                                            "many seconds, watched from here (at least 90). Default: never; one "
+                                            "whose process is gone on this machine is replaced without it")
 
     def __post_init__(self):
         super().__post_init__()  # the choices and ranges declared with the fields; dtype's one spelling

@@ -78,6 +78,7 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
+from eagle3.artifacts import claims
 from eagle3.artifacts.atomic import write_json
 from eagle3.core.config import identity_params
 from eagle3.serving.drafter_io import CONFIG_NAME, drafter_config_from_hf_config, load_drafter_dir, save_drafter_dir
@@ -529,6 +530,23 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
     prep = (read_manifest(workdir, "prepare", needed_by=STAGE_SCRIPT)
             if cfg.prompts is None or cfg.selection_prompts == EVAL_SPLIT or workdir.manifest("prepare").is_file()
             else None)
+    # One measurement per work dir at a time: two would write the same runs/ requests (a worker
+    # could serve the other's), results and selection. Claimed before the first byte, as stage 02
+    # claims its store (eagle3/artifacts/claims.py).
+    fresh = not workdir.evaluate_dir().exists()
+    try:
+        with claims.Claim.acquire(workdir.evaluate_dir(), what="stage 06",
+                                  take_over_stale_s=cfg.take_over_stale_s):
+            return _evaluate(cfg, workdir, prep)
+    finally:
+        if fresh:  # a run refused before it wrote anything leaves no empty folder behind
+            try:
+                workdir.evaluate_dir().rmdir()
+            except OSError:
+                pass
+
+
+def _evaluate(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | None) -> dict:
     if cfg.select_checkpoint:  # the export is replaced by the checkpoint served best, then measured below
         select_checkpoint(cfg, workdir, prep)
     drafter = _read_drafter(workdir, cfg)

@@ -1,17 +1,23 @@
-"""Stage 06 keeps a complete measurement before another replaces it (other prompts, another
-drafter, --force): its figures are copied to 06_evaluate/previous/WHEN-ID/ before the new
-measurement writes a byte (eagle3/stages/s06_evaluate/previous.py)."""
+"""What stage 06 may replace in its folder: a complete measurement is kept before another
+replaces it (other prompts, another drafter, --force), its figures copied to
+06_evaluate/previous/WHEN-ID/ before the new measurement writes a byte
+(eagle3/stages/s06_evaluate/previous.py); and one measurement runs per work dir at a time
+(06_evaluate is claimed, eagle3/artifacts/claims.py)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
-from fixtures import TINY_TRAIN
+from fixtures import ROOT, TINY_TRAIN
 
 from eagle3.artifacts.manifest import write_manifest
 from eagle3.artifacts.records import EvaluateRecord
 from eagle3.artifacts.workdir import WorkDir
+from eagle3.core.errors import PipelineError
 from eagle3.stages.s06_evaluate.previous import PREVIOUS, keep_previous_measurement
 
 
@@ -70,3 +76,48 @@ def test_a_new_measurement_keeps_the_previous_one_before_it_writes(stage_runs, t
     assert not workdir.manifest("evaluate").exists()
     (kept,) = (workdir.evaluate_dir() / PREVIOUS).iterdir()
     assert {str(p.relative_to(kept)): p.read_bytes() for p in sorted(kept.rglob("*")) if p.is_file()} == figures
+
+
+HOLD_CLAIM = """import sys, time
+from pathlib import Path
+from eagle3.artifacts.claims import Claim
+Claim.acquire(Path(sys.argv[1]), what="stage 06")
+print("held", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_second_measurement_on_one_work_dir_is_refused_while_one_runs(stage_runs, tiny_llama, tmp_path,
+                                                                        monkeypatch):
+    """While a live process holds 06_evaluate (a measurement under way), another is refused in
+    one line before it writes a byte: the folder's files stay as they were."""
+    from eagle3.stages.s06_evaluate import run as evaluate_run
+    from eagle3.stages.s06_evaluate.config import EvaluateConfig
+
+    def no_engine(name, *a, **k):
+        raise EngineStarted(name)
+
+    monkeypatch.setattr(evaluate_run, "run_engine", no_engine)
+    base = WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2),
+                              extract=dict(dtype="bfloat16"), vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))
+    work = tmp_path / "work"
+    shutil.copytree(base.root, work, ignore=shutil.ignore_patterns("06_*"))
+    workdir = WorkDir(work)
+    figures = measured(workdir, "mt-bench")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_CLAIM, str(workdir.evaluate_dir())],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(PipelineError, match="one writer per folder"):
+            evaluate_run.evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama),
+                                                         max_new_tokens=8, timing_prompts=0, force=True))
+        d = workdir.evaluate_dir()
+        assert {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
+                and not p.is_relative_to(d / "untrained_drafter") and not p.name.startswith(".claim")} == figures
+    finally:
+        holder.kill()
+        holder.wait()
+    with pytest.raises(EngineStarted):  # its holder gone: taken over, and measured (up to the first engine)
+        evaluate_run.evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), max_new_tokens=8,
+                                                     timing_prompts=0))
+    assert not (workdir.evaluate_dir() / ".claim.json").exists()
