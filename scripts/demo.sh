@@ -76,9 +76,12 @@ timed() {  # timed NAME COMMAND...: run it and append "NAME seconds" to $TIMES
 before=$(cat "$MARKER" 2>/dev/null || true)
 timed target build_target
 if [ -d "$WORK" ] && [ "$before" != "$(cat "$MARKER")" ]; then
-    # Results computed from the previous target's weights must not be reused.
-    echo "demo: the target was rebuilt; removing $WORK, which was computed from the previous one" >&2
-    rm -rf "$WORK"
+    # Results computed from the previous target's weights must not be reused, nor lost: the
+    # folder may hold more than the demo's stages (a bench's runs, a drafter you kept).
+    aside="$WORK.previous-target-$(date -u +%Y%m%dT%H%M%SZ)"
+    echo "demo: the target was rebuilt; $WORK was computed from the previous one: moved to $aside" \
+         "(delete it once you no longer need it)" >&2
+    mv "$WORK" "$aside"
 fi
 TARGET_DTYPE=()  # extra arguments of the stages that run the target
 HAS_BF16=$($PY -c 'from eagle3.drafter.cpu import hardware_bf16; print(int(hardware_bf16()))')

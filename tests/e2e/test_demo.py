@@ -1,5 +1,6 @@
 """The demo's closing summary (eagle3/demo/summary.py) on fabricated stage results: it judges the
-run by what it measured and leaves out what was not measured. No engine; about 2 s.
+run by what it measured and leaves out what was not measured. No engine; about 2 s;
+the last test runs scripts/demo.sh itself with a stand-in python.
 (tests/e2e/test_pipeline_e2e.py reads the summary of a real run.)"""
 from __future__ import annotations
 
@@ -110,3 +111,44 @@ def test_summary_of_a_work_dir_where_only_stage_06_ran_and_of_a_full_one(tmp_pat
     assert "drafter /d" in full
     assert "wall time 13m27s" in full and "per stage  00 3m10s" in full and "goal" not in full
 
+
+
+FAKE_PYTHON = """#!/bin/bash
+# A stand-in for python3: the target builder writes a new marker, the bf16 probe says yes,
+# every stage and the summary succeed without doing anything.
+case "$*" in
+    *eagle3.demo.tiny*) mkdir -p work/targets/tiny-llama && date +%s%N > work/targets/tiny-llama/TINY_TARGET.json ;;
+    -c*) echo 1 ;;
+esac
+exit 0
+"""
+
+
+def test_a_rebuilt_target_moves_the_old_work_dir_aside_instead_of_deleting_it(tmp_path):
+    """scripts/demo.sh, when it rebuilt the target, used to `rm -rf` the work dir computed from the
+    previous one, with whatever else it held (a bench's runs inside it). It is moved aside, whole."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(root / "scripts" / "demo.sh", repo / "scripts" / "demo.sh")
+    for n in ("01_prepare", "02_extract", "03_vocab", "04_train", "05_export", "06_evaluate"):
+        (repo / f"{n}.py").write_text("")
+    python = tmp_path / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    kept = repo / "work" / "tiny-llama" / "bench_quality" / "run.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("48 minutes of a peer's training")
+    (repo / "work" / "targets" / "tiny-llama").mkdir(parents=True)
+    (repo / "work" / "targets" / "tiny-llama" / "TINY_TARGET.json").write_text("the previous target")
+    p = subprocess.run(["bash", "scripts/demo.sh", "--tiny", "--skip-setup"], cwd=repo, capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "PYTHON": str(python)})
+    assert p.returncode == 0, p.stderr
+    (aside,) = (repo / "work").glob("tiny-llama.previous-target-*")
+    assert (aside / "bench_quality" / "run.json").read_text() == "48 minutes of a peer's training"
+    assert f"moved to work/{aside.name}" in p.stderr
