@@ -480,3 +480,20 @@ def test_data_parallel_engines_write_the_same_chunks(unbroken, tiny_llama, chats
                                    kv_cache_gib=0.5, enforce_eager=True, engine_in_process=True))
     assert record_of(m).complete
     assert chunk_bytes(tmp_path) == chunk_bytes(unbroken)
+
+
+def test_force_moves_every_boxs_chunks_aside_whole(tmp_path, tiny_llama):
+    """--force starts over without deleting: 00_generate holds every box's chunks (a large
+    target's days), so it is moved aside whole, chunk bytes unchanged."""
+    from eagle3.stages.s00_generate.run import generate_responses
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"opener {i}"}) + "\n" for i in range(4)))
+    generate_responses(_gen(tmp_path, tiny_llama, data), engine=Scripted(lambda p: Generation([5, 6, 7], "length")))
+    before = chunk_bytes(tmp_path / "w")
+    assert before
+    generate_responses(_gen(tmp_path, tiny_llama, data, temperature=0.7, force=True),
+                       engine=Scripted(lambda p: Generation([8, 9], "length")))
+    (aside,) = (tmp_path / "w").glob("00_generate.previous-*")
+    assert {p.name: p.read_bytes() for p in sorted((aside / "chunks").glob("chunk-*.jsonl"))} == before
+    assert chunk_bytes(tmp_path / "w") != before  # the new run's answers in their place

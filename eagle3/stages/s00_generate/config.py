@@ -41,7 +41,8 @@ class GenerateConfig(EngineSettings, ShardedStageConfig):
                                       "splitting, and of batching (all turn-k prompts of a chunk go together)")
     # --- how the work is done (not part of what is generated) ---
     max_num_seqs: int = param(256, min=1, identity=False, help="vLLM: concurrent sequences per engine")
-    force: bool = param(False, identity=False, help="delete what this stage wrote and start over")
+    force: bool = param(False, identity=False, help="start over: what this stage wrote (every box's chunks) is moved "
+                                                       "aside to 00_generate.previous-TIME, not deleted")
 
     def __post_init__(self):
         self.data = data_sources(self.data, "generate")

@@ -46,10 +46,11 @@ boxes' chunks into one folder and rerun once without shard flags to write the ma
 """
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import logging
-import shutil
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -159,8 +160,12 @@ def check_identity(plan: Plan, force: bool) -> None:
     """Refuse to mix chunks of two different runs in one folder."""
     d, path = plan.workdir.stage_dir("generate"), plan.workdir.generate_identity()
     if force and d.exists():
-        log.warning("--force: deleting %s (every box's chunks in it)", d)
-        shutil.rmtree(d)
+        # Every box's chunks are in it (days of a large target's GPU time), and this box owns
+        # only its shard's: moved aside whole, for a person to delete, never deleted here.
+        aside = d.with_name(f"{d.name}.previous-{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S.%fZ}")
+        os.rename(d, aside)
+        log.warning("--force: moved %s (every box's chunks in it) to %s; delete it once you no longer need it",
+                    d, aside)
     if path.is_file():
         old = json.loads(path.read_text())
         if old != json.loads(json.dumps(plan.identity)):
@@ -170,7 +175,7 @@ def check_identity(plan: Plan, force: bool) -> None:
                              for k in diff) or \
                 "the inputs (data, tokenizer or weights) changed"
             raise PipelineError(f"{d} holds chunks generated with other settings: {what}. Pass --force to "
-                                f"delete them and start over, or rerun with their settings.")
+                                f"move them aside and start over, or rerun with their settings.")
     else:
         write_json(path, plan.identity)
 
