@@ -1,6 +1,6 @@
 """Drafters already trained and served, served again on a second prompt set, paired.
 
-    python bench/serve_again.py --work-dir W --drafter NAME=RUN [--drafter NAME=RUN ...] --reference NAME
+    python bench/serve_again.py --work-dir W --drafter NAME=RUN [--drafter NAME=RUN ...] --pair A:B [--pair C:D ...]
                                 [--prompts eval-split|FILE] [--out DIR] [--config C] [--target-model M]
 
 When a lever's paired interval on the held-out prompts holds 0 by a few thousandths, more
@@ -12,11 +12,13 @@ the first measurement used), in OUT/NAME, a work dir whose 00-03 folders are sym
 W's. The export is read through --drafter-dir, so its folder and model card stay as they
 are. A drafter served there already is not served again, so an interrupted run resumes.
 
-Prints per drafter, against --reference: the acceptance length on the second set with its
-95% interval, the difference with its paired interval (the same prompts resampled together),
-and the two sets pooled: the first set's prompts (RUN/06_evaluate) and the second's, one
-paired interval over all of them. Pair drafters trained on the same seed: the reference's
-seed and the lever's, or ours and a peer's (the bench gives one --reference per call).
+Prints per pair A:B (A minus B; pair drafters trained on the same seed: a lever and its
+seed's baseline, or ours and a peer's): both acceptance lengths on the second set, their
+difference with its paired 95% interval (the same prompts resampled together), and the two
+sets pooled (the first set's prompts, RUN/06_evaluate, and the second's, one interval over
+all of them). With several pairs, also their mean difference, every pair resampled over the
+same prompts at once: the lift averaged over the training seeds, its interval from the
+prompts (three seeds are too few to resample).
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from served_pairs import paired_interval, per_prompt, verdict  # noqa: E402
 
 from eagle3.artifacts.manifest import read_manifest, record_of  # noqa: E402
 from eagle3.artifacts.workdir import WorkDir  # noqa: E402
-from eagle3.serving.acceptance_pairs import acceptance_length  # noqa: E402
+from eagle3.serving.acceptance_pairs import PerPrompt, acceptance_length  # noqa: E402
 
 SHARED = ("00_generate", "01_dataset", "02_hidden_states", "03_vocab")
 
@@ -67,20 +69,41 @@ def pooled(first: Path, second: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
 
 
-def report(names: list[str], runs: dict[str, Path], again: dict[str, Path], reference: str) -> list[str]:
-    ref_second, ref_both = per_prompt(again[reference]), pooled(runs[reference], again[reference])
-    lines = [f"{'drafter':28s}{'second set L':>14s}{'vs ' + reference + ' (paired 95%)':>40s}"
-             f"{'both sets pooled (paired 95%)':>40s}"]
-    for name in names:
-        second = per_prompt(again[name])
-        row = f"{name:28s}{acceptance_length(second):>14.3f}"
-        if name != reference:
-            both = pooled(runs[name], again[name])
-            for mine, theirs in ((second, ref_second), (both, ref_both)):
-                lo, hi = paired_interval(mine, theirs)
-                d = acceptance_length(mine) - acceptance_length(theirs)
-                row += f"{f'{d:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict(lo, hi)}':>40s}"
-        lines.append(row)
+def mean_paired_interval(pairs: list[tuple[PerPrompt, PerPrompt]], resamples: int = 4000) -> tuple[float, float]:
+    """95% interval of the mean over pairs of L_a - L_b, the prompts resampled together for
+    every pair (the same prompts in each; seeded, as `paired_interval`)."""
+    n = len(pairs[0][0][0])
+    if any(len(x[0]) != n for pair in pairs for x in pair):
+        raise SystemExit("every pair must be served on the same prompts")
+    idx = np.random.default_rng(0).integers(0, n, size=(resamples, n))
+    diff = np.mean([a[0][idx].sum(1) / a[1][idx].sum(1) - b[0][idx].sum(1) / b[1][idx].sum(1) for a, b in pairs],
+                   axis=0)
+    lo, hi = np.percentile(diff, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def diff_cell(a: PerPrompt, b: PerPrompt) -> str:
+    lo, hi = paired_interval(a, b)
+    d = acceptance_length(a) - acceptance_length(b)
+    return f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict(lo, hi)}"
+
+
+def report(pairs: list[tuple[str, str]], runs: dict[str, Path], again: dict[str, Path]) -> list[str]:
+    second = {name: per_prompt(again[name]) for name in runs}
+    both = {name: pooled(runs[name], again[name]) for name in runs}
+    lines = [f"{'A - B':36s}{'A, second':>10s}{'B, second':>10s}{'second set (paired 95%)':>42s}"
+             f"{'both sets pooled (paired 95%)':>42s}"]
+    for a, b in pairs:
+        lines.append(f"{a + ' - ' + b:36s}{acceptance_length(second[a]):>10.3f}{acceptance_length(second[b]):>10.3f}"
+                     f"{diff_cell(second[a], second[b]):>42s}{diff_cell(both[a], both[b]):>42s}")
+    if len(pairs) > 1:
+        cells = []
+        for counts in (second, both):
+            sets = [(counts[a], counts[b]) for a, b in pairs]
+            d = float(np.mean([acceptance_length(x) - acceptance_length(y) for x, y in sets]))
+            lo, hi = mean_paired_interval(sets)
+            cells.append(f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict(lo, hi)}")
+        lines.append(f"{f'mean over the {len(pairs)} pairs':56s}{cells[0]:>42s}{cells[1]:>42s}")
     return lines
 
 
@@ -90,7 +113,8 @@ def main() -> None:
                                                                  "eval split is the default second set)")
     ap.add_argument("--drafter", action="append", required=True, metavar="NAME=RUN",
                     help="a work dir where stages 05 and 06 ran, under a name; repeatable")
-    ap.add_argument("--reference", required=True, help="the NAME every other drafter is paired against")
+    ap.add_argument("--pair", action="append", required=True, metavar="A:B",
+                    help="two of the NAMEs, reported as A minus B; repeatable")
     ap.add_argument("--prompts", default="eval-split", help="stage 06's --prompts for the second set")
     ap.add_argument("--out", type=Path, help="where the new work dirs go (default: W-served-again)")
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "smollm2-135m.yaml")
@@ -105,15 +129,17 @@ def main() -> None:
             raise SystemExit(f"--drafter {item}: {run} has no 06_evaluate/results.json (the first set's "
                              f"measurement, pooled with the second)")
         runs[name] = Path(run).resolve()
-    if a.reference not in runs:
-        raise SystemExit(f"--reference {a.reference} is none of the drafters {list(runs)}")
+    pairs = [tuple(p.split(":", 1)) for p in a.pair]
+    bad = [p for p, pair in zip(a.pair, pairs) if len(pair) != 2 or not set(pair) <= set(runs)]
+    if bad:
+        raise SystemExit(f"--pair {bad}: give A:B, both among the drafters {list(runs)}")
     base = a.work_dir.resolve()
     out = (a.out or base.with_name(base.name + "-served-again")).resolve()
     again = {name: serve(name, run, base, out, a.config.resolve(), a.target_model, a.prompts)
              for name, run in runs.items()}
-    count = len(per_prompt(again[a.reference])[0])
+    count = len(per_prompt(next(iter(again.values())))[0])
     print(f"== {len(runs)} drafters served again on {a.prompts} ({count} prompts), greedy; work dirs under {out}")
-    print("\n".join(report(list(runs), runs, again, a.reference)))
+    print("\n".join(report(pairs, runs, again)))
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ Tests in tests/unit, tests/stages and tests/e2e import this as a top-level modul
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -381,3 +383,26 @@ def record_fsyncs_and_renames(monkeypatch) -> list[tuple[str, str]]:
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     return seen
+
+
+_HOLD_CLAIM = """import sys, time
+from pathlib import Path
+from eagle3.artifacts.claims import Claim
+Claim.acquire(Path(sys.argv[1]), what=sys.argv[2])
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@contextlib.contextmanager
+def claim_held_elsewhere(folder: Path, what: str):
+    """A live process of this machine holding `folder`'s claim (eagle3/artifacts/claims.py), as a
+    stage at work does; killed on the way out, so its claim is then a dead holder's."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_CLAIM, str(folder), what], stdout=subprocess.PIPE,
+                              text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()

@@ -6,18 +6,16 @@ replaces it (other prompts, another drafter, --force), its figures copied to
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
-from fixtures import ROOT, TINY_TRAIN
+from fixtures import TINY_TRAIN, claim_held_elsewhere
 
 from eagle3.artifacts.manifest import write_manifest
 from eagle3.artifacts.records import EvaluateRecord
 from eagle3.artifacts.workdir import WorkDir
 from eagle3.core.errors import PipelineError
+from eagle3.stages.s06_evaluate.config import EvaluateConfig
 from eagle3.stages.s06_evaluate.previous import PREVIOUS, keep_previous_measurement
 
 
@@ -42,6 +40,21 @@ def measured(workdir: WorkDir, marker: str) -> dict:
             if p.is_file() and not p.is_relative_to(d / "untrained_drafter")}
 
 
+def exported_work_dir(stage_runs, tiny_llama, tmp_path, monkeypatch):
+    """(evaluate_drafter, a private work dir where stages 01-05 ran): its engines replaced by
+    one that stops the stage as it starts (EngineStarted), after every file check."""
+    from eagle3.stages.s06_evaluate import run as evaluate_run
+
+    def no_engine(name, *a, **k):
+        raise EngineStarted(name)
+
+    monkeypatch.setattr(evaluate_run, "run_engine", no_engine)
+    base = WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2),
+                              extract=dict(dtype="bfloat16"), vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))
+    shutil.copytree(base.root, tmp_path / "work", ignore=shutil.ignore_patterns("06_*"))
+    return evaluate_run.evaluate_drafter, WorkDir(tmp_path / "work")
+
+
 def test_a_measurement_is_copied_once_with_every_figure_but_the_scratch_weights(tmp_path):
     workdir = WorkDir(tmp_path / "w")
     assert keep_previous_measurement(workdir) is None  # nothing measured yet
@@ -57,67 +70,30 @@ def test_a_new_measurement_keeps_the_previous_one_before_it_writes(stage_runs, t
     """Measured on MT-Bench, then rerun on another prompt set: by the time the first engine
     starts, the MT-Bench figures are kept whole under previous/ (the manifest that marked
     them complete is dropped from the top level at that point)."""
-    from eagle3.stages.s06_evaluate import run as evaluate_run
-    from eagle3.stages.s06_evaluate.config import EvaluateConfig
-
-    def no_engine(name, *a, **k):
-        raise EngineStarted(name)
-
-    monkeypatch.setattr(evaluate_run, "run_engine", no_engine)
-    base = WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2),
-                              extract=dict(dtype="bfloat16"), vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))
-    work = tmp_path / "work"
-    shutil.copytree(base.root, work, ignore=shutil.ignore_patterns("06_*"))
-    workdir = WorkDir(work)
+    evaluate, workdir = exported_work_dir(stage_runs, tiny_llama, tmp_path, monkeypatch)
+    work = workdir.root
     figures = measured(workdir, "mt-bench")
     with pytest.raises(EngineStarted):
-        evaluate_run.evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), max_new_tokens=8,
-                                                     timing_prompts=0))
+        evaluate(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), max_new_tokens=8, timing_prompts=0))
     assert not workdir.manifest("evaluate").exists()
     (kept,) = (workdir.evaluate_dir() / PREVIOUS).iterdir()
     assert {str(p.relative_to(kept)): p.read_bytes() for p in sorted(kept.rglob("*")) if p.is_file()} == figures
-
-
-HOLD_CLAIM = """import sys, time
-from pathlib import Path
-from eagle3.artifacts.claims import Claim
-Claim.acquire(Path(sys.argv[1]), what="stage 06")
-print("held", flush=True)
-time.sleep(300)
-"""
 
 
 def test_a_second_measurement_on_one_work_dir_is_refused_while_one_runs(stage_runs, tiny_llama, tmp_path,
                                                                         monkeypatch):
     """While a live process holds 06_evaluate (a measurement under way), another is refused in
     one line before it writes a byte: the folder's files stay as they were."""
-    from eagle3.stages.s06_evaluate import run as evaluate_run
-    from eagle3.stages.s06_evaluate.config import EvaluateConfig
-
-    def no_engine(name, *a, **k):
-        raise EngineStarted(name)
-
-    monkeypatch.setattr(evaluate_run, "run_engine", no_engine)
-    base = WorkDir(stage_runs(tiny_llama, upto="export", prepare=dict(eval_fraction=0.2),
-                              extract=dict(dtype="bfloat16"), vocab=dict(draft_vocab_size=64), train=TINY_TRAIN))
-    work = tmp_path / "work"
-    shutil.copytree(base.root, work, ignore=shutil.ignore_patterns("06_*"))
-    workdir = WorkDir(work)
+    evaluate, workdir = exported_work_dir(stage_runs, tiny_llama, tmp_path, monkeypatch)
+    work = workdir.root
     figures = measured(workdir, "mt-bench")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_CLAIM, str(workdir.evaluate_dir())],
-                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with claim_held_elsewhere(workdir.evaluate_dir(), "stage 06"):
         with pytest.raises(PipelineError, match="one writer per folder"):
-            evaluate_run.evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama),
-                                                         max_new_tokens=8, timing_prompts=0, force=True))
+            evaluate(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), max_new_tokens=8, timing_prompts=0,
+                                    force=True))
         d = workdir.evaluate_dir()
         assert {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()
                 and not p.is_relative_to(d / "untrained_drafter") and not p.name.startswith(".claim")} == figures
-    finally:
-        holder.kill()
-        holder.wait()
     with pytest.raises(EngineStarted):  # its holder gone: taken over, and measured (up to the first engine)
-        evaluate_run.evaluate_drafter(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), max_new_tokens=8,
-                                                     timing_prompts=0))
+        evaluate(EvaluateConfig(work_dir=work, target_model=str(tiny_llama), max_new_tokens=8, timing_prompts=0))
     assert not (workdir.evaluate_dir() / ".claim.json").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from fixtures import ROOT, copy_stages
+from fixtures import ROOT, claim_held_elsewhere, copy_stages
 from safetensors.torch import load_file, save_file
 
 from eagle3.artifacts.manifest import read_manifest, record_of
@@ -76,15 +76,6 @@ def test_killed_and_resumed_run_equals_unbroken_run(tmp_path, stages_123, sharp_
     assert WorkDir(a).manifest("train").read_text() == before
 
 
-HOLD_CLAIM = """import sys, time
-from pathlib import Path
-from eagle3.artifacts.claims import Claim
-Claim.acquire(Path(sys.argv[1]), what="stage 04")
-print("held", flush=True)
-time.sleep(300)
-"""
-
-
 def test_a_second_trainer_on_one_work_dir_is_refused_before_it_deletes_or_writes(tmp_path, stages_123, sharp_llama):
     """One trainer per work dir: while a live process holds 04_train (as a running stage 04
     does), another run, --force or not, is refused before it deletes or writes a byte there;
@@ -99,17 +90,11 @@ def test_a_second_trainer_on_one_work_dir_is_refused_before_it_deletes_or_writes
                 if p.is_file() and not p.name.startswith(".claim")}
 
     before = files()
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_CLAIM, str(train_dir)], stdout=subprocess.PIPE, text=True,
-                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with claim_held_elsewhere(train_dir, "stage 04"):
         for force in (False, True):
             with pytest.raises(PipelineError, match="one writer per folder"):
                 train_drafter(TrainConfig(work_dir=a, force=force, **cfg))
         assert files() == before
-    finally:
-        holder.kill()
-        holder.wait()
     m = train_drafter(TrainConfig(work_dir=a, **cfg))  # its holder killed: taken over, resumed from step 2
     assert record_of(m).steps == 4 and not (train_dir / ".claim.json").exists()
     lines = [json.loads(line) for line in WorkDir(a).train_metrics().read_text().splitlines()]
