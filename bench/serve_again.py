@@ -38,13 +38,20 @@ from served_pairs import paired_interval, per_prompt, verdict  # noqa: E402
 from eagle3.artifacts.manifest import read_manifest, record_of  # noqa: E402
 from eagle3.artifacts.workdir import WorkDir  # noqa: E402
 from eagle3.serving.acceptance_pairs import PerPrompt, acceptance_length  # noqa: E402
+from eagle3.serving.drafter_io import CONFIG_NAME  # noqa: E402
 
 SHARED = ("00_generate", "01_dataset", "02_hidden_states", "03_vocab")
 
 
 def export_of(run: Path) -> Path:
-    """The drafter folder stage 05 wrote in RUN (its manifest says where)."""
-    return Path(record_of(read_manifest(WorkDir(run), "export", needed_by="bench/serve_again.py")).drafter_dir)
+    """The drafter folder stage 05 wrote for RUN: its 05_export, or the --out-dir its manifest names."""
+    if (run / "05_export" / CONFIG_NAME).is_file():
+        return run / "05_export"
+    recorded = Path(record_of(read_manifest(WorkDir(run), "export", needed_by="bench/serve_again.py")).drafter_dir)
+    if not (recorded / CONFIG_NAME).is_file():
+        raise SystemExit(f"{run}: its export is neither in 05_export nor at {recorded}, which its manifest names "
+                         f"(a relative path is relative to where stage 05 ran)")
+    return recorded
 
 
 def serve(name: str, run: Path, base: Path, out: Path, config: Path, target: str | None, prompts: str) -> Path:
