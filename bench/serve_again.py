@@ -98,11 +98,11 @@ def diff_cell(a: PerPrompt, b: PerPrompt) -> str:
 def report(pairs: list[tuple[str, str]], runs: dict[str, Path], again: dict[str, Path]) -> list[str]:
     second = {name: per_prompt(again[name]) for name in runs}
     both = {name: pooled(runs[name], again[name]) for name in runs}
-    lines = [f"{'A - B':36s}{'A, second':>10s}{'B, second':>10s}{'second set (paired 95%)':>42s}"
-             f"{'both sets pooled (paired 95%)':>42s}"]
+    lines = [f"{'A - B':36s}{'A, second':>10s}{'B, second':>10s}  {'second set (paired 95%)':46s}"
+             f"{'both sets pooled (paired 95%)':46s}"]
     for a, b in pairs:
         lines.append(f"{a + ' - ' + b:36s}{acceptance_length(second[a]):>10.3f}{acceptance_length(second[b]):>10.3f}"
-                     f"{diff_cell(second[a], second[b]):>42s}{diff_cell(both[a], both[b]):>42s}")
+                     f"  {diff_cell(second[a], second[b]):46s}{diff_cell(both[a], both[b]):46s}")
     if len(pairs) > 1:
         cells = []
         for counts in (second, both):
@@ -110,7 +110,7 @@ def report(pairs: list[tuple[str, str]], runs: dict[str, Path], again: dict[str,
             d = float(np.mean([acceptance_length(x) - acceptance_length(y) for x, y in sets]))
             lo, hi = mean_paired_interval(sets)
             cells.append(f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict(lo, hi)}")
-        lines.append(f"{f'mean over the {len(pairs)} pairs':56s}{cells[0]:>42s}{cells[1]:>42s}")
+        lines.append(f"{f'mean over the {len(pairs)} pairs':56s}  {cells[0]:46s}{cells[1]:46s}")
     return lines
 
 
