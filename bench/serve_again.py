@@ -14,9 +14,9 @@ are. A drafter served there already is not served again, so an interrupted run r
 
 Prints per pair A:B (A minus B; pair drafters trained on the same seed: a lever and its
 seed's baseline, or ours and a peer's): both acceptance lengths on the second set, their
-difference with its paired 95% interval (the same prompts resampled together), and the two
-sets pooled (the first set's prompts, RUN/06_evaluate, and the second's, one interval over
-all of them). With several pairs, also their mean difference, every pair resampled over the
+difference with its paired 95% interval (the same prompts resampled together) on the first
+set (RUN/06_evaluate), on the second, and on both pooled (one interval over the prompts of
+both). With several pairs, also their mean difference, every pair resampled over the
 same prompts at once: the lift averaged over the training seeds, its interval from the
 prompts (three seeds are too few to resample).
 """
@@ -96,21 +96,23 @@ def diff_cell(a: PerPrompt, b: PerPrompt) -> str:
 
 
 def report(pairs: list[tuple[str, str]], runs: dict[str, Path], again: dict[str, Path]) -> list[str]:
-    second = {name: per_prompt(again[name]) for name in runs}
-    both = {name: pooled(runs[name], again[name]) for name in runs}
-    lines = [f"{'A - B':36s}{'A, second':>10s}{'B, second':>10s}  {'second set (paired 95%)':46s}"
-             f"{'both sets pooled (paired 95%)':46s}"]
+    sets = {"first": {name: per_prompt(runs[name]) for name in runs},
+            "second": {name: per_prompt(again[name]) for name in runs},
+            "both": {name: pooled(runs[name], again[name]) for name in runs}}
+    lines = [f"{'A - B':36s}{'A, second':>10s}{'B, second':>10s}  {'first set (paired 95%)':46s}"
+             f"{'second set (paired 95%)':46s}{'both sets pooled (paired 95%)':46s}"]
     for a, b in pairs:
-        lines.append(f"{a + ' - ' + b:36s}{acceptance_length(second[a]):>10.3f}{acceptance_length(second[b]):>10.3f}"
-                     f"  {diff_cell(second[a], second[b]):46s}{diff_cell(both[a], both[b]):46s}")
+        second = sets["second"]
+        lines.append(f"{a + ' - ' + b:36s}{acceptance_length(second[a]):>10.3f}{acceptance_length(second[b]):>10.3f}  "
+                     + "".join(f"{diff_cell(c[a], c[b]):46s}" for c in sets.values()))
     if len(pairs) > 1:
         cells = []
-        for counts in (second, both):
-            sets = [(counts[a], counts[b]) for a, b in pairs]
-            d = float(np.mean([acceptance_length(x) - acceptance_length(y) for x, y in sets]))
-            lo, hi = mean_paired_interval(sets)
-            cells.append(f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict(lo, hi)}")
-        lines.append(f"{f'mean over the {len(pairs)} pairs':56s}  {cells[0]:46s}{cells[1]:46s}")
+        for counts in sets.values():
+            both = [(counts[a], counts[b]) for a, b in pairs]
+            d = float(np.mean([acceptance_length(x) - acceptance_length(y) for x, y in both]))
+            lo, hi = mean_paired_interval(both)
+            cells.append(f"{f'{d:+.3f} [{lo:+.3f}, {hi:+.3f}] {verdict(lo, hi)}':46s}")
+        lines.append(f"{f'mean over the {len(pairs)} pairs':56s}  " + "".join(cells))
     return lines
 
 
