@@ -547,6 +547,7 @@ def evaluate_drafter(cfg: EvaluateConfig) -> dict:
 
 
 def _evaluate(cfg: EvaluateConfig, workdir: WorkDir, prep: Manifest | None) -> dict:
+    """The stage, 06_evaluate claimed: the selection (if asked), then the measurement or its reuse."""
     if cfg.select_checkpoint:  # the export is replaced by the checkpoint served best, then measured below
         select_checkpoint(cfg, workdir, prep)
     drafter = _read_drafter(workdir, cfg)
