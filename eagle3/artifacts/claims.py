@@ -22,7 +22,8 @@ heartbeat's age by its own monotonic clock from the moment it saw the counter ch
 by comparing a time written on another machine (or a file's modification time set by a
 file server) with its own clock.
 
-Reads and writes only these two files; the caller decides what the folder holds.
+Reads and writes only these two files; the caller decides what the folder holds, and a
+--force run empties the folder it claimed with `empty_but_claim`, which keeps them.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import socket
 import threading
 import time
@@ -340,3 +342,16 @@ def live_claims(folders) -> list[tuple[Path, Holder]]:
         if holder is not None and not holder.gone():
             out.append((Path(folder), holder))
     return out
+
+
+def empty_but_claim(folder: Path, claim: Claim | None) -> None:
+    """Delete what `folder` holds but `claim`'s own files (a --force run emptying the folder it
+    claimed; the folder itself stays)."""
+    own = {CLAIM_JSON, beat_name(claim.holder.token)} if claim is not None else set()
+    for entry in folder.iterdir():
+        if entry.name in own:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,11 +132,4 @@ def delete_store_files(store_dir: Path, claim: claims.Claim | None) -> None:
         folder, holder = busy[0]
         raise PipelineError(f"--force would delete {store_dir}, but {claims.refusal(folder, holder)}")
     log.warning("--force: deleting the existing store's files in %s", store_dir)
-    ours = {claims.CLAIM_JSON, claims.beat_name(claim.holder.token)} if claim is not None else set()
-    for entry in store_dir.iterdir():
-        if entry.name in ours:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink(missing_ok=True)
+    claims.empty_but_claim(store_dir, claim)

@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -592,7 +591,7 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
                                       take_over_stale_s=cfg.take_over_stale_s) if d.main else None)
         try:
             if claim is not None and cfg.force:
-                discard_previous_run(workdir.stage_dir("train"), claim)
+                claims.empty_but_claim(workdir.stage_dir("train"), claim)  # every earlier run's file
                 # Over windows, training from scratch needs every round again: stage 02 re-extracts
                 # the ones deleted once no round counts as trained.
                 wdir = windows_dir(workdir.store(), cfg.windows_dir)
@@ -611,14 +610,3 @@ def train_drafter(cfg: TrainConfig) -> Manifest | None:
     finally:
         close_distributed(d)
 
-
-def discard_previous_run(train_dir: Path, claim: claims.Claim) -> None:
-    """--force: everything an earlier run left in 04_train, but this run's claim on it."""
-    own = {claims.CLAIM_JSON, claims.beat_name(claim.holder.token)}
-    for path in train_dir.iterdir():
-        if path.name in own:
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
